@@ -1,0 +1,139 @@
+"""Self-documenting config schemas: every key has a default, a type and one line of meaning.
+
+A schema is a nested ``dict`` whose leaves are :class:`Option`. It gives the defaults
+(:func:`defaults`) and validates a user config against them (:func:`validate`), so the place a key
+is documented is also the place it is checked. This module imports nothing else of Conveyor:
+``envs/``, ``policy/`` and the zoo all declare their options with it.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from easydict import EasyDict
+
+__all__ = ["ConfigError", "Option", "Schema", "defaults", "validate", "merge_schemas", "closest"]
+
+Schema = Mapping[str, Any]
+_UNSET = object()
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or holds a value outside its range."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One config key.
+
+    ``type`` is the expected Python type (or a tuple of them); ``None`` in ``choices`` or a ``None``
+    default makes ``None`` acceptable. ``check`` returns an error phrase (e.g. ``"must be > 0"``) or
+    ``None``. An ``open`` option holds a free-form dict whose keys are not validated (e.g. env kwargs).
+    """
+
+    default: Any
+    doc: str
+    type: type | tuple[type, ...] | None = None
+    choices: Sequence[Any] | None = None
+    check: Callable[[Any], str | None] | None = None
+    open: bool = False
+
+    def expected_type(self) -> tuple[type, ...] | None:
+        if self.type is not None:
+            types = self.type if isinstance(self.type, tuple) else (self.type,)
+        elif self.default is not None and not self.open:
+            types = (type(self.default),)
+        else:
+            return None
+        if float in types and int not in types:
+            types = types + (int,)
+        if list in types or tuple in types:
+            types = tuple(set(types) | {list, tuple})
+        return types
+
+
+def positive(value: Any) -> str | None:
+    """A ``check`` for strictly positive numbers."""
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value: Any) -> str | None:
+    """A ``check`` for numbers >= 0."""
+    return None if value >= 0 else "must be >= 0"
+
+
+def unit_interval(value: Any) -> str | None:
+    """A ``check`` for numbers in [0, 1]."""
+    return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
+def closest(name: str, candidates: Sequence[str]) -> str | None:
+    """The candidate most like ``name``, for "did you mean" hints; ``None`` if nothing is close."""
+    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return found[0] if found else None
+
+
+def defaults(schema: Schema) -> EasyDict:
+    """The default config a schema describes, as a fresh EasyDict (mutable defaults are copied)."""
+    out = {}
+    for key, spec in schema.items():
+        out[key] = copy.deepcopy(spec.default) if isinstance(spec, Option) else defaults(spec)
+    return EasyDict(out)
+
+
+def merge_schemas(*schemas: Schema) -> dict:
+    """Later schemas extend and override earlier ones, section by section."""
+    out: dict = {}
+    for schema in schemas:
+        for key, spec in schema.items():
+            if isinstance(spec, Mapping) and isinstance(out.get(key), Mapping):
+                out[key] = merge_schemas(out[key], spec)
+            else:
+                out[key] = spec
+    return out
+
+
+def validate(config: Mapping[str, Any], schema: Schema, path: str = "") -> EasyDict:
+    """Check ``config`` against ``schema`` and return it completed with defaults.
+
+    Raises :class:`ConfigError` naming the full dotted path of the first bad key, with the closest
+    valid key for a misspelt one.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config section '{path or '<root>'}' must be a dict, got {type(config).__name__}")
+    for key in config:
+        if key not in schema:
+            where = f"{path}.{key}" if path else str(key)
+            hint = closest(str(key), [str(k) for k in schema])
+            fix = f"did you mean '{path + '.' if path else ''}{hint}'?" if hint else \
+                f"valid keys here: {', '.join(sorted(map(str, schema)))}"
+            raise ConfigError(f"unknown config key '{where}': {fix}")
+    out = {}
+    for key, spec in schema.items():
+        where = f"{path}.{key}" if path else key
+        if isinstance(spec, Option):
+            value = config[key] if key in config else copy.deepcopy(spec.default)
+            _check_option(value, spec, where)
+            out[key] = EasyDict(value) if isinstance(value, Mapping) else value
+        else:
+            out[key] = validate(config.get(key, {}) or {}, spec, where)
+    return EasyDict(out)
+
+
+def _check_option(value: Any, spec: Option, where: str) -> None:
+    if value is None and (spec.default is None or (spec.choices is not None and None in spec.choices)):
+        return
+    types = spec.expected_type()
+    if types is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+        names = " or ".join(sorted(t.__name__ for t in types))
+        raise ConfigError(f"config key '{where}' must be {names}, got {value!r} ({type(value).__name__}): {spec.doc}")
+    if spec.choices is not None and value not in spec.choices:
+        hint = closest(str(value), [str(c) for c in spec.choices])
+        extra = f" Did you mean {hint!r}?" if hint else ""
+        raise ConfigError(f"config key '{where}' must be one of {list(spec.choices)}, got {value!r}.{extra}")
+    if spec.check is not None:
+        problem = spec.check(value)
+        if problem:
+            raise ConfigError(f"config key '{where}' {problem}, got {value!r}: {spec.doc}")
