@@ -13,7 +13,10 @@ from conveyor.engine.context import Context
 from conveyor.engine.events import EventBus
 from conveyor.engine.pipeline import AsyncPipeline
 
-__all__ = ["Task", "task"]
+__all__ = ["FINISH_EVENT", "Task", "task"]
+
+FINISH_EVENT = "finish"
+"""Emitted (locally, no args) when :meth:`Task.run` returns or raises."""
 
 LockArg = Union[bool, ContextManager]
 
@@ -137,7 +140,8 @@ class Task:
         """Run the chain ``max_step`` times, or until a middleware sets ``task.finish = True``.
 
         After each iteration the context is replaced by ``ctx.renew()``. An exception in a middleware
-        stops the run and propagates, with the middleware's name in its notes.
+        stops the run and propagates, with the middleware's name in its notes. When the run ends, for
+        whatever reason, the task emits :data:`FINISH_EVENT` locally so middleware can release files.
         """
         if not self._started:
             raise RuntimeError("task.run() must be called inside `with task.start():`")
@@ -156,6 +160,7 @@ class Task:
                 self._run_sync(max_step)
         finally:
             self._running = False
+            self._events.emit(FINISH_EVENT)
 
     def _run_sync(self, max_step: int) -> None:
         for _ in range(max_step):

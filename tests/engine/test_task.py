@@ -307,3 +307,18 @@ def test_a_separate_task_instance_is_independent_of_the_global_one():
         other.use(lambda ctx: None)
         with task.start():
             assert task.middleware == []
+
+
+def test_finish_event_is_emitted_when_run_returns_or_raises():
+    from conveyor.engine import FINISH_EVENT
+    seen = []
+    with task.start():
+        task.on(FINISH_EVENT, lambda: seen.append("ok"))
+        task.use(lambda ctx: None)
+        task.run(max_step=2)
+    with task.start():
+        task.on(FINISH_EVENT, lambda: seen.append("after error"))
+        task.use(lambda ctx: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            task.run(max_step=2)
+    assert seen == ["ok", "after error"]
