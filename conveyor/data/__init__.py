@@ -1,0 +1,28 @@
+"""Data: the batch layout every layer shares, and replay buffers.
+
+``DequeBuffer`` keeps transitions in preallocated numpy rings and samples them as ttorch batches
+(uniformly, or by priority); the batch helpers build and reshape those batches once per batch.
+"""
+from conveyor.data.batch import (
+    Nested,
+    as_tree,
+    flatten_batch,
+    map_nested,
+    stack_nested,
+    to_numpy,
+    to_tensor,
+    tree_of_tensors,
+)
+from conveyor.data.buffer import DequeBuffer
+
+__all__ = [
+    "DequeBuffer",
+    "Nested",
+    "as_tree",
+    "flatten_batch",
+    "map_nested",
+    "stack_nested",
+    "to_numpy",
+    "to_tensor",
+    "tree_of_tensors",
+]
