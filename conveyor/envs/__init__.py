@@ -1,0 +1,29 @@
+"""Gymnasium env managers: step N envs in lock step, in this process or in worker processes.
+
+Build one from config with :func:`make_env_manager` (options in :data:`ENV_SCHEMA`), or from your own
+env factories: ``SyncEnvManager([lambda: gym.make("CartPole-v1")] * 8)``. Every manager follows the
+protocol in docs/design.md: ``reset(seed) -> obs``, ``step(action) -> Timestep``, ``close()``.
+Smoke-test a new env with :func:`check_env`.
+"""
+from conveyor.envs._check import EnvCheckError, check_env
+from conveyor.envs._config import ENV_SCHEMA, EnvFactory, check_env_id, make_env_manager
+from conveyor.envs._core import EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Timestep
+from conveyor.envs._subprocess import SubprocessEnvManager, default_num_workers
+from conveyor.envs._sync import SyncEnvManager
+
+__all__ = [
+    "ENV_SCHEMA",
+    "EnvCheckError",
+    "EnvCrashedError",
+    "EnvFactory",
+    "EnvFn",
+    "EnvManager",
+    "EnvManagerStats",
+    "SubprocessEnvManager",
+    "SyncEnvManager",
+    "Timestep",
+    "check_env",
+    "check_env_id",
+    "default_num_workers",
+    "make_env_manager",
+]

@@ -1,0 +1,120 @@
+"""``cfg.env``: its schema, the env id check, and building an env manager from it."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import gymnasium as gym
+
+from conveyor.envs._core import EnvManager
+from conveyor.envs._subprocess import SubprocessEnvManager
+from conveyor.envs._sync import SyncEnvManager
+from conveyor.schema import ConfigError, Option, closest, non_negative, positive, validate
+
+__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_id", "make_env_manager"]
+
+ENV_SCHEMA: dict[str, Option] = {
+    "env_id": Option("CartPole-v1", "Gymnasium env id passed to gymnasium.make ('module:Id' imports module first)",
+                     type=str),
+    "env_kwargs": Option({}, "keyword arguments for gymnasium.make (e.g. render_mode)", type=dict, open=True),
+    "collector_env_num": Option(8, "envs the collector steps in lock step", type=int, check=positive),
+    "evaluator_env_num": Option(5, "envs the evaluator steps in lock step", type=int, check=positive),
+    "n_evaluator_episode": Option(10, "episodes per evaluation, spread over the evaluator's envs", type=int,
+                                  check=positive),
+    "stop_value": Option(None, "stop training once the mean evaluation return reaches this (None: never)",
+                         type=float),
+    "manager": Option("sync", "'sync' steps envs in this process (cheap envs); 'subprocess' in worker processes",
+                      choices=("sync", "subprocess")),
+    "num_workers": Option(None, "worker processes for manager='subprocess' (None: min(env num, CPUs))", type=int,
+                          check=positive),
+    "start_method": Option(None, "multiprocessing start method for workers (None: the platform default)",
+                           choices=(None, "fork", "forkserver", "spawn")),
+    "step_timeout": Option(None, "seconds a worker may take for one step before it is killed and replaced "
+                                 "(None: wait forever)", type=float, check=positive),
+    "max_retry": Option(3, "times in a row one env may crash and be rebuilt before training stops with an error",
+                        type=int, check=non_negative),
+    "max_episode_steps": Option(None, "truncate episodes after this many steps (None: the env's own limit)",
+                                type=int, check=positive),
+}
+"""The options of ``cfg.env``, read by :func:`make_env_manager` (and by collectors/evaluators for the counts)."""
+
+Role = Literal["collector", "evaluator"]
+
+
+@dataclass(frozen=True)
+class EnvFactory:
+    """A picklable env factory: ``gymnasium.make(env_id, max_episode_steps=..., **env_kwargs)``."""
+
+    env_id: str
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    max_episode_steps: int | None = None
+
+    def __call__(self) -> gym.Env:
+        kwargs = dict(self.env_kwargs)
+        if self.max_episode_steps is not None:
+            kwargs["max_episode_steps"] = self.max_episode_steps
+        return gym.make(self.env_id, **kwargs)
+
+
+def check_env_id(env_id: str) -> None:
+    """Raise :class:`~conveyor.schema.ConfigError` if ``env_id`` is not a registered Gymnasium id.
+
+    The message names the closest registered id. An id of the form ``"module:Id"`` imports ``module``
+    first (as ``gymnasium.make`` does), which registers its envs. Nothing is built.
+    """
+    if not isinstance(env_id, str) or not env_id:
+        raise ConfigError(f"config key 'env.env_id' must be a Gymnasium env id such as 'CartPole-v1', got {env_id!r}")
+    name = env_id
+    if ":" in env_id:
+        module, name = env_id.split(":", 1)
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"config key 'env.env_id' is {env_id!r}, but its module {module!r} cannot be imported "
+                              f"({exc}): install the package that provides it") from None
+    try:
+        gym.spec(name)
+    except gym.error.Error as exc:
+        hint = _closest_env_id(name)
+        fix = f"did you mean {hint!r}?" if hint else f"({exc}) register it with gymnasium.register first, or fix " \
+                                                       f"the spelling"
+        raise ConfigError(f"config key 'env.env_id' is {env_id!r}, which is not a registered Gymnasium env: "
+                          f"{fix}") from None
+
+
+def _closest_env_id(env_id: str) -> str | None:
+    """The registered id most like ``env_id``: names compared without versions, then the asked or latest version."""
+    versions: dict[str, dict[int | None, str]] = {}
+    for registered in gym.registry:
+        base, _, version = registered.rpartition("-v") if "-v" in registered else (registered, "", "")
+        versions.setdefault(base, {})[int(version) if version.isdigit() else None] = registered
+    base, _, version = env_id.rpartition("-v") if "-v" in env_id else (env_id, "", "")
+    lowered = {b.lower(): b for b in versions}
+    found = closest(base, list(versions)) or lowered.get(closest(base.lower(), list(lowered)) or "")
+    if found is None:
+        return None
+    asked = int(version) if version.isdigit() else None
+    if asked in versions[found]:
+        return versions[found][asked]
+    numbered = [v for v in versions[found] if v is not None]
+    return versions[found][max(numbered)] if numbered else versions[found][None]
+
+
+def make_env_manager(env_cfg: Mapping[str, Any], role: Role, seed: int | None = None) -> EnvManager:
+    """Build the manager ``cfg.env`` asks for, with ``collector_env_num`` or ``evaluator_env_num`` envs.
+
+    ``env_cfg`` is ``cfg.env`` (compiled or not: missing keys get their defaults). The env id is
+    checked before any env or process is started. ``seed`` is used by the manager's first ``reset()``.
+    """
+    cfg = validate(env_cfg, ENV_SCHEMA, "env")
+    if role not in ("collector", "evaluator"):
+        raise ValueError(f"role must be 'collector' or 'evaluator', got {role!r}")
+    check_env_id(cfg.env_id)
+    env_num = cfg.collector_env_num if role == "collector" else cfg.evaluator_env_num
+    env_fns = [EnvFactory(cfg.env_id, dict(cfg.env_kwargs), cfg.max_episode_steps)] * env_num
+    if cfg.manager == "sync":
+        return SyncEnvManager(env_fns, seed=seed, max_retry=cfg.max_retry, env_id=cfg.env_id)
+    num_workers = None if cfg.num_workers is None else min(cfg.num_workers, env_num)
+    return SubprocessEnvManager(env_fns, num_workers=num_workers, seed=seed, max_retry=cfg.max_retry,
+                                start_method=cfg.start_method, step_timeout=cfg.step_timeout, env_id=cfg.env_id)
