@@ -46,6 +46,8 @@ def to_tensor(data: Nested, device: torch.device | str | None = None, dtype: tor
             t = t.float()
         return t.to(device) if device is not None else t
 
+    if isinstance(data, ttorch.Tensor):
+        return data if device is None and dtype is None else ttorch.Tensor(map_nested(leaf, _tree_to_dict(data)))
     if isinstance(data, (Mapping, tuple, list)) and not isinstance(data, np.ndarray):
         return ttorch.Tensor(map_nested(leaf, data))
     return leaf(data)

@@ -1,0 +1,175 @@
+"""DQN: double Q-learning, dueling heads, n-step targets, prioritized-replay weights, eps-greedy acting.
+
+The TD target of a transition is ``reward + discount * (1 - terminated) * Q_target(next_obs, a*)`` with
+``a* = argmax_a Q_online(next_obs, a)`` for double DQN (``argmax_a Q_target`` otherwise). ``discount``
+is the batch's own (``gamma**k`` after an n-step enhancer) or ``cfg.policy.discount_factor``. Only
+``terminated`` cuts the bootstrap: a truncated episode (time limit) still bootstraps from ``next_obs``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import treetensor.torch as ttorch
+from torch import nn
+
+from conveyor import schema
+from conveyor.policy.base import Policy, fused_adam, hard_update, make_target, soft_update
+from conveyor.policy.model import QNetwork
+from conveyor.schema import Option
+
+__all__ = ["DQNPolicy"]
+
+
+def _theta_check(value: Any) -> str | None:
+    return None if value is None or 0 < value <= 1 else "must be in (0, 1] (or None for hard updates)"
+
+
+def _action_num_check(value: Any) -> str | None:
+    return None if value is None or (isinstance(value, int) and value > 1) else \
+        "must be the number of discrete actions (an int > 1)"
+
+
+class DQNPolicy(Policy):
+    """Deep Q-learning for discrete actions (Mnih et al. 2015) with the usual Rainbow-lite options.
+
+    ``collect_mode.forward(obs, eps=...)`` acts eps-greedily (vectorised over envs, drawing from the
+    seeded :attr:`rng`); ``eval_mode.forward(obs)`` is greedy. ``learn_mode.forward(batch)`` takes one
+    gradient step and returns ``losses/td``, ``charts/q_mean``, ``charts/target_q_mean`` and, when the
+    batch carries importance ``weight`` (prioritized replay), ``priority`` (``|TD error|`` per sample).
+    """
+
+    @classmethod
+    def config_schema(cls) -> dict:
+        """Base options plus DQN's (defaults suit CartPole)."""
+        return schema.merge_schemas(super().config_schema(), {
+            "nstep": Option(1, "N-step return length; the pipeline's n-step enhancer reads it and writes "
+                               "'discount' into batches.", check=schema.positive),
+            "model": {
+                "action_shape": Option(None, "Number of discrete actions (set from the env).", type=int,
+                                       check=_action_num_check),
+                "dueling": Option(True, "Dueling head: Q = V + A - mean(A)."),
+            },
+            "learn": {
+                "update_per_collect": Option(4, "Gradient steps per collection round.", check=schema.positive),
+                "double": Option(True, "Double DQN: pick the next action with the online net, value it with the "
+                                       "target net."),
+                "loss": Option("huber", "Per-sample TD loss.", choices=("huber", "mse")),
+                "target_update_freq": Option(100, "Hard target update every this many gradient steps "
+                                                  "(when target_theta is None).", check=schema.positive),
+                "target_theta": Option(None, "Soft target update rate per gradient step (None: hard updates).",
+                                       type=float, check=_theta_check),
+            },
+            "collect": {
+                "n_sample": Option(32, "Transitions collected per collection round (over all envs).",
+                                   check=schema.positive),
+            },
+            "other": {
+                "eps": {
+                    "kind": Option("exp", "Shape of the exploration schedule over env steps (the pipeline's eps "
+                                          "handler reads these keys and passes eps to collect_mode.forward).",
+                                   choices=("exp", "linear")),
+                    "start": Option(1.0, "Exploration rate at the first env step.", type=float,
+                                    check=schema.unit_interval),
+                    "end": Option(0.05, "Final exploration rate.", type=float, check=schema.unit_interval),
+                    "decay": Option(5000, "Env steps of decay (time constant for 'exp', length for 'linear').",
+                                    check=schema.positive),
+                },
+                "replay_buffer": {
+                    "size": Option(20000, "Replay buffer capacity in transitions.", check=schema.positive),
+                    "prioritized": Option(False, "Prioritized experience replay."),
+                    "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float,
+                                    check=schema.non_negative),
+                    "beta": Option(0.4, "Importance-weight exponent of prioritized replay.", type=float,
+                                   check=schema.unit_interval),
+                },
+            },
+        })
+
+    @classmethod
+    def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:
+        """A :class:`QNetwork` with the encoder ``model_cfg.obs_shape`` calls for."""
+        obs_shape = cls._required(model_cfg, "obs_shape", "obs_shape=4 for CartPole")
+        action_num = cls._required(model_cfg, "action_shape", "action_shape=2 for CartPole")
+        return QNetwork(obs_shape, action_num, hidden_sizes=model_cfg.hidden_sizes, dueling=model_cfg.dueling)
+
+    def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
+                 device: str | torch.device | None = None, seed: int | None = None) -> None:
+        super().__init__(cfg, model, device=device, seed=seed)
+        learn = self.cfg.learn
+        self.target_model = make_target(self.model)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learn.learning_rate,
+                                          fused=fused_adam(self.device))
+        self.register_state("target_model", self.target_model)
+        self.register_state("optimizer", self.optimizer)
+        self._parameters = list(self.model.parameters())
+        self._loss_fn: Callable[..., torch.Tensor] = F.huber_loss if learn.loss == "huber" else F.mse_loss
+
+    # --- acting ----------------------------------------------------------------------------------
+    def _forward_collect(self, obs: Any, *, eps: float) -> dict[str, Any]:
+        """Eps-greedy actions: each env independently acts uniformly at random with probability ``eps``."""
+        if not 0.0 <= eps <= 1.0:
+            raise ValueError(f"DQNPolicy.collect_mode.forward: eps must be in [0, 1], got {eps!r}")
+        q = self.model(obs)
+        greedy = q.argmax(-1).cpu().numpy()
+        # One draw per env decides whether it explores, a second which uniform action it takes.
+        u = self.rng.random((2, *greedy.shape))
+        random_action = (u[1] * q.shape[-1]).astype(greedy.dtype)
+        return {"action": np.where(u[0] < eps, random_action, greedy)}
+
+    def _forward_eval(self, obs: Any) -> dict[str, Any]:
+        """Greedy actions."""
+        return {"action": self.model(obs).argmax(-1).cpu().numpy()}
+
+    # --- learning --------------------------------------------------------------------------------
+    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
+        """One gradient step of (double) DQN on a flat batch of transitions."""
+        if "discount" in batch:
+            discount = batch.discount
+        elif self.cfg.nstep > 1:
+            raise ValueError(f"DQNPolicy: policy.nstep={self.cfg.nstep} but the batch has no 'discount': add the "
+                             "n-step enhancer to the pipeline, or set policy.nstep=1")
+        else:
+            discount = self.cfg.discount_factor
+        q_all = self.model(batch.obs)
+        q = q_all.gather(-1, batch.action.long().reshape(*q_all.shape[:-1], 1)).squeeze(-1)
+
+        with torch.no_grad():
+            next_q_target = self.target_model(batch.next_obs)
+            next_q_select = self.model(batch.next_obs) if self.cfg.learn.double else next_q_target
+            next_action = next_q_select.argmax(-1, keepdim=True)
+            next_value = next_q_target.gather(-1, next_action).squeeze(-1)
+            target = batch.reward + discount * (1.0 - batch.terminated.float()) * next_value
+
+        prioritized = "weight" in batch
+        if prioritized:
+            loss = (self._loss_fn(q, target, reduction="none") * batch.weight).mean()
+        else:
+            loss = self._loss_fn(q, target)
+
+        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
+        self.train_iter += 1
+        self._update_target()
+
+        q = q.detach()
+        out: dict[str, Any] = {
+            "losses/td": loss.item(),
+            "charts/q_mean": q.mean().item(),
+            "charts/target_q_mean": target.mean().item(),
+        }
+        if grad_norm is not None:
+            out["charts/grad_norm"] = grad_norm.item()
+        if prioritized:
+            out["priority"] = (q - target).abs().cpu().numpy()
+        return out
+
+    def _update_target(self) -> None:
+        """Soft update every step when ``target_theta`` is set, else a hard copy every ``target_update_freq``."""
+        theta = self.cfg.learn.target_theta
+        if theta is not None:
+            soft_update(self.target_model, self.model, theta)
+        elif self.train_iter % self.cfg.learn.target_update_freq == 0:
+            hard_update(self.target_model, self.model)
+

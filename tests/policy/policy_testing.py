@@ -1,0 +1,30 @@
+"""Hand-set models and batch builders shared by the policy tests."""
+from __future__ import annotations
+
+import torch
+import treetensor.torch as ttorch
+from torch import nn
+
+
+class TableQ(nn.Module):
+    """Q-values looked up from a table by integer state: ``forward(obs[B]) -> table[obs] ([B, A])``."""
+
+    def __init__(self, table: list[list[float]]) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.tensor(table, dtype=torch.float32))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.table[obs.long()]
+
+
+def transitions(**fields) -> ttorch.Tensor:
+    """A batch tree from lists: ints for ``obs``/``next_obs``/``action``, floats, bools."""
+    out = {}
+    for key, value in fields.items():
+        if key in ("terminated", "truncated"):
+            out[key] = torch.tensor(value, dtype=torch.bool)
+        elif key in ("obs", "next_obs", "action"):
+            out[key] = torch.tensor(value, dtype=torch.int64)
+        else:
+            out[key] = torch.tensor(value, dtype=torch.float32)
+    return ttorch.Tensor(out)
