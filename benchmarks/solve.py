@@ -1,0 +1,79 @@
+"""Env steps and wall seconds a zoo entry takes to solve its env, over several seeds.
+
+Each seed trains the entry from scratch, evaluating every ``--eval-every`` env steps on 10 episodes
+(evaluation time counts), until the mean return reaches ``--stop-value`` or ``--max-env-step`` runs out.
+
+    python benchmarks/solve.py cartpole/dqn --seeds 5
+    python benchmarks/solve.py cartpole/dqn --quick        # 2 seeds, smaller budget
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from conveyor.zoo import load_entry
+
+
+def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int) -> dict:
+    cfg = copy.deepcopy(entry.main_config)
+    cfg.seed = seed
+    cfg.exp_name = f"solve_seed{seed}"
+    cfg.env.stop_value = stop_value
+    cfg.env.n_evaluator_episode = n_episode
+    cfg.policy.setdefault("eval", {}).setdefault("evaluator", {})
+    cfg.policy.eval.evaluator.eval_freq = 10**9  # evaluate by env steps only
+    cfg.policy.eval.evaluator.eval_env_step_freq = eval_every
+    start = time.perf_counter()
+    ctx = entry.main(cfg, max_env_step=max_env_step, progress=False)
+    wall = time.perf_counter() - start
+    solved = ctx.last_eval_value is not None and ctx.last_eval_value >= stop_value
+    return {"seed": seed, "solved": solved, "env_steps": ctx.env_step, "wall_s": wall,
+            "last_eval": ctx.last_eval_value}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("entry", help="zoo entry, e.g. cartpole/dqn")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--stop-value", type=float, default=None, help="default: the entry's env.stop_value")
+    parser.add_argument("--max-env-step", type=int, default=100_000)
+    parser.add_argument("--eval-every", type=int, default=2000, help="env steps between evaluations")
+    parser.add_argument("--eval-episodes", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="2 seeds and a quarter of the budget")
+    args = parser.parse_args()
+    entry = load_entry(args.entry)
+    stop_value = args.stop_value if args.stop_value is not None else entry.main_config.env.stop_value
+    seeds = 2 if args.quick else args.seeds
+    budget = args.max_env_step // 4 if args.quick else args.max_env_step
+
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        cwd = os.getcwd()
+        os.chdir(workdir)  # runs/ of each seed lands in a scratch folder
+        try:
+            for seed in range(seeds):
+                results.append(solve_once(entry, seed, stop_value, budget, args.eval_every, args.eval_episodes))
+        finally:
+            os.chdir(cwd)
+
+    print(f"{args.entry}: mean of {args.eval_episodes} eval episodes >= {stop_value} within {budget} env steps")
+    print(f"{'seed':>5}{'solved':>8}{'env steps':>11}{'wall s':>9}{'last eval':>11}")
+    for r in results:
+        print(f"{r['seed']:>5}{str(r['solved']):>8}{r['env_steps']:>11}{r['wall_s']:>9.1f}{r['last_eval']:>11.1f}")
+    env_steps = [r["env_steps"] for r in results]
+    walls = [round(r["wall_s"], 2) for r in results]
+    summary = {"entry": args.entry, "seeds": seeds, "solved_seeds": sum(r["solved"] for r in results),
+               "env_steps": env_steps, "wall_s": walls, "median_env_steps": statistics.median(env_steps),
+               "median_wall_s": round(statistics.median(walls), 2)}
+    print(f"solved {summary['solved_seeds']}/{seeds}; median {summary['median_env_steps']} env steps, "
+          f"{summary['median_wall_s']} s")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

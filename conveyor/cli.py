@@ -1,0 +1,62 @@
+"""The ``conveyor`` command: train a zoo entry, or list them.
+
+    conveyor train cartpole/dqn [--seed N] [--exp-name NAME] [--max-env-step N] [--resume] [--async]
+    conveyor list
+
+Bad usage or bad input prints one line saying what is wrong and how to fix it, and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description="Reinforcement learning as a pipeline of middleware.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    train = commands.add_parser("train", help="train a zoo entry, e.g. cartpole/dqn",
+                                description="Train a zoo entry; logs and checkpoints go under runs/<exp-name>/.")
+    train.add_argument("entry", help="zoo entry as <env>/<algo>; `conveyor list` shows them")
+    train.add_argument("--seed", type=int, default=None, help="seed (default: the entry's config)")
+    train.add_argument("--exp-name", default=None, help="run name (default: the entry's config)")
+    train.add_argument("--max-env-step", type=int, default=None, help="stop after this many env steps")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from runs/<exp-name>/ckpt/latest.pth.tar (env steps and train iterations go on)")
+    train.add_argument("--async", dest="async_mode", action="store_true",
+                       help="overlap collection of the next iteration with training on this one")
+    train.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    commands.add_parser("list", help="list the zoo entries")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``conveyor`` console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    from conveyor.schema import ConfigError
+    from conveyor.zoo import UnknownEntryError, entries, load_entry
+
+    if args.command == "list":
+        print("\n".join(entries()))
+        return 0
+    if args.max_env_step is not None and args.max_env_step <= 0:
+        return _usage_error(f"--max-env-step must be > 0, got {args.max_env_step}")
+    try:
+        entry = load_entry(args.entry)
+        ctx = entry.main(seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step, resume=args.resume,
+                         async_mode=args.async_mode, progress=args.progress)
+    except (UnknownEntryError, ConfigError, FileNotFoundError) as exc:
+        return _usage_error(str(exc).strip("'\""))
+    print(f"done: env_step={ctx.env_step} train_iter={ctx.train_iter} last_eval_return={ctx.last_eval_value}")
+    return 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"conveyor: error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Compiling a user's config: validate it against every section's schema and fill in defaults.
+
+User configs are plain EasyDicts (a zoo entry's ``main_config``). :func:`compile_config` checks every
+key against the schemas of the sections that own them (``cfg.env``: ``conveyor.envs.ENV_SCHEMA``,
+``cfg.policy``: the policy class's ``config_schema()``), so a misspelt key, a wrong type, a negative
+size or an unknown env id is an error before anything starts.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping, Optional, Type
+
+import gymnasium as gym
+from easydict import EasyDict
+
+from conveyor.envs import ENV_SCHEMA, check_env_id
+from conveyor.schema import ConfigError, Option, validate
+
+__all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError"]
+
+TOP_SCHEMA = {
+    "exp_name": Option("experiment", "Name of the run: logs and checkpoints go under runs/<exp_name>/.", type=str),
+    "seed": Option(0, "Seed of the envs, the networks' initialisation and exploration.", type=int),
+}
+"""Top-level keys every config has."""
+
+
+def space_shapes(observation_space: gym.Space, action_space: gym.Space) -> tuple:
+    """``(obs_shape, action_shape)`` as policies' model configs expect them.
+
+    A flat Box gives an int, an image Box a tuple, a Dict/Tuple space a dict of shapes (Tuple keys
+    ``"0"``, ``"1"``, ...); a Discrete action space gives its number of actions, a Box its dimension.
+    """
+    def obs_shape(space: gym.Space) -> Any:
+        if isinstance(space, gym.spaces.Dict):
+            return {k: obs_shape(s) for k, s in space.spaces.items()}
+        if isinstance(space, gym.spaces.Tuple):
+            return {str(i): obs_shape(s) for i, s in enumerate(space.spaces)}
+        if isinstance(space, gym.spaces.Discrete):
+            return 1
+        shape = tuple(space.shape)
+        return shape[0] if len(shape) == 1 else list(shape)
+
+    if isinstance(action_space, gym.spaces.Discrete):
+        action = int(action_space.n)
+    elif isinstance(action_space, gym.spaces.Box):
+        action = int(action_space.shape[0]) if len(action_space.shape) == 1 else list(action_space.shape)
+    else:
+        raise ConfigError(f"action space {action_space} is not supported: use Discrete or a 1-D Box")
+    return obs_shape(observation_space), action
+
+
+def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *,
+                   infer_shapes: bool = True) -> EasyDict:
+    """Validate ``cfg`` against the top-level, env and policy schemas and return it with every default.
+
+    ``policy`` is the policy class (e.g. ``DQNPolicy``). With ``infer_shapes``, a ``policy.model``
+    ``obs_shape`` / ``action_shape`` left unset is read from the env's spaces (one env is built for
+    that and closed). The input is not modified.
+    """
+    schema: dict = dict(TOP_SCHEMA, env=ENV_SCHEMA)
+    if policy is not None:
+        schema["policy"] = policy.config_schema()
+    elif "policy" in cfg:
+        raise ConfigError("config has a 'policy' section but compile_config() was given no policy class: "
+                          "pass policy=<the policy class>, e.g. compile_config(cfg, policy=DQNPolicy)")
+    compiled = validate(copy.deepcopy(dict(cfg)), schema)
+    check_env_id(compiled.env.env_id)
+    model = compiled.get("policy", {}).get("model")
+    if infer_shapes and model is not None and (model.get("obs_shape") is None or model.get("action_shape") is None):
+        env = gym.make(compiled.env.env_id, **compiled.env.env_kwargs)
+        try:
+            obs_shape, action_shape = space_shapes(env.observation_space, env.action_space)
+        finally:
+            env.close()
+        if model.obs_shape is None:
+            model.obs_shape = obs_shape
+        if model.action_shape is None:
+            model.action_shape = action_shape
+    return compiled

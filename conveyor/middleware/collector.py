@@ -1,0 +1,230 @@
+"""Collectors: step the collector envs with the collect policy and hand the transitions on.
+
+Transitions are written into preallocated time-major arrays, one row per lock-step of all envs, and
+turned into one treetensor batch per call (docs/design.md): nothing is built per transition.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Protocol
+
+import numpy as np
+
+from conveyor.data.batch import map_nested, stack_nested, to_tensor
+from conveyor.engine import OnlineRLContext, task
+
+__all__ = ["StepCollector", "EpisodeCollector", "eps_greedy_handler", "EPISODE_EVENT"]
+
+EPISODE_EVENT = "collector.episode"
+"""Emitted by collectors for every finished training episode with ``(env_index, return, length)``."""
+
+
+class CollectPolicy(Protocol):
+    def forward(self, obs: Any, **kwargs: Any) -> Dict[str, Any]: ...
+
+    def reset(self, env_ids: Optional[List[int]] = None) -> None: ...
+
+
+class _Rows:
+    """Time-major arrays ``[T, N, ...]`` allocated from the first row written (nested dicts allowed)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.data: Dict[str, Any] = {}
+
+    def write(self, t: int, key: str, value: Any) -> None:
+        arrays = self.data.get(key)
+        if arrays is None:
+            arrays = self.data[key] = map_nested(
+                lambda v: np.empty((self.steps,) + np.shape(v), dtype=np.asarray(v).dtype), value)
+        _write(arrays, t, value)
+
+
+def _write(arrays: Any, t: int, value: Any) -> None:
+    if isinstance(arrays, dict):
+        for k, sub in arrays.items():
+            _write(sub, t, value[k])
+    else:
+        arrays[t] = value
+
+
+def _random_actions(space: Any, n: int) -> np.ndarray:
+    return np.stack([np.asarray(space.sample()) for _ in range(n)])
+
+
+class StepCollector:
+    """Collects ``cfg.policy.collect.n_sample`` transitions per call from all collector envs.
+
+    Each call steps every env ``ceil(n_sample / env_num)`` times with the collect policy (random
+    actions while ``ctx.env_step < random_collect_size``), resetting the policy's per-env state at
+    episode ends. Rows where an env crashed are marked ``valid = False``; the transition before the
+    crash is marked truncated so it can bootstrap.
+
+    Reads ctx: ``collect_kwargs``, ``env_step``.
+    Writes ctx: ``trajectories`` (batch with leading dims ``[T, N]``), ``trajectory_end_idx`` (flat
+    indices of episode ends), ``env_step``, ``env_episode``.
+    """
+
+    def __init__(self, cfg: Any, policy: CollectPolicy, env: Any, random_collect_size: int = 0) -> None:
+        n_sample = cfg.policy.collect.n_sample
+        if not isinstance(n_sample, int) or n_sample <= 0:
+            raise ValueError(f"StepCollector: cfg.policy.collect.n_sample must be an int > 0, got {n_sample!r}")
+        self._policy = policy
+        self._env = env
+        self._steps = math.ceil(n_sample / env.env_num)
+        self._seed = cfg.get("seed")
+        self._random_collect_size = random_collect_size
+        self._obs: Any = None
+
+    def __repr__(self) -> str:
+        return f"StepCollector(envs={self._env.env_num}, steps_per_call={self._steps})"
+
+    def __call__(self, ctx: OnlineRLContext) -> None:
+        env, policy, steps = self._env, self._policy, self._steps
+        if self._obs is None:
+            self._obs = env.reset(seed=self._seed)
+        rows = _Rows(steps)
+        n = env.env_num
+        valid = np.ones((steps, n), dtype=bool)
+        episodes = 0
+        obs = self._obs
+        random = ctx.env_step < self._random_collect_size
+        kwargs = ctx.collect_kwargs
+        for t in range(steps):
+            if random:
+                out: Dict[str, Any] = {"action": _random_actions(env.action_space, n)}
+            else:
+                out = policy.forward(obs, **kwargs)
+            ts = env.step(out["action"])
+            rows.write(t, "obs", obs)
+            for key, value in out.items():
+                rows.write(t, key, value)
+            rows.write(t, "reward", ts.reward)
+            rows.write(t, "next_obs", ts.next_obs)
+            rows.write(t, "terminated", ts.terminated)
+            rows.write(t, "truncated", ts.truncated)
+            obs = ts.obs
+            ended = ts.terminated | ts.truncated
+            if ts.crashed.any():
+                valid[t] = ~ts.crashed
+                self._mark_cut(rows, valid, t, ts.crashed)
+                ended = ended | ts.crashed
+            if ended.any():
+                ids = np.flatnonzero(ended).tolist()
+                if not random:
+                    policy.reset(ids)
+                for i in ids:
+                    episode = ts.info[i].get("episode") if not ts.crashed[i] else None
+                    if episode is not None:
+                        episodes += 1
+                        task.emit(EPISODE_EVENT, i, float(episode["r"]), int(episode["l"]))
+        self._obs = obs
+        rows.data["valid"] = valid
+        batch = to_tensor(rows.data)
+        done = (rows.data["terminated"] | rows.data["truncated"]) & valid
+        ctx.trajectories = batch
+        ctx.trajectory_end_idx = np.flatnonzero(done.reshape(-1))
+        ctx.env_step += int(valid.sum())
+        ctx.env_episode += episodes
+
+    def _mark_cut(self, rows: _Rows, valid: np.ndarray, t: int, crashed: np.ndarray) -> None:
+        """The transition before a crash ends its (dropped) episode: mark it truncated so nothing bootstraps
+        across the rebuilt env."""
+        truncated = rows.data["truncated"]
+        if t > 0:  # on a call's first step, the cut transition was handed on by the previous call
+            truncated[t - 1] |= crashed & valid[t - 1]
+
+
+class EpisodeCollector:
+    """Collects ``cfg.policy.collect.n_episode`` complete episodes per call.
+
+    Episodes still running when a call returns continue in the next call; an episode whose env crashes
+    is dropped whole.
+
+    Reads ctx: ``collect_kwargs``.
+    Writes ctx: ``episodes`` (list of batches, one per episode, leading dim = episode length),
+    ``trajectories`` (the episodes concatenated), ``trajectory_end_idx`` (index of each episode's last
+    transition in ``trajectories``), ``env_step``, ``env_episode``.
+    """
+
+    def __init__(self, cfg: Any, policy: CollectPolicy, env: Any) -> None:
+        n_episode = cfg.policy.collect.get("n_episode")
+        if not isinstance(n_episode, int) or n_episode <= 0:
+            raise ValueError(f"EpisodeCollector: cfg.policy.collect.n_episode must be an int > 0, got {n_episode!r}")
+        self._n_episode = n_episode
+        self._policy = policy
+        self._env = env
+        self._seed = cfg.get("seed")
+        self._obs: Any = None
+        self._running: List[List[Dict[str, Any]]] = [[] for _ in range(env.env_num)]
+
+    def __call__(self, ctx: OnlineRLContext) -> None:
+        env, policy = self._env, self._policy
+        if self._obs is None:
+            self._obs = env.reset(seed=self._seed)
+        finished: List[Dict[str, Any]] = []
+        steps = 0
+        obs = self._obs
+        while len(finished) < self._n_episode:
+            out = policy.forward(obs, **ctx.collect_kwargs)
+            ts = env.step(out["action"])
+            ended = ts.terminated | ts.truncated | ts.crashed
+            for i in range(env.env_num):
+                if ts.crashed[i]:
+                    self._running[i] = []
+                    continue
+                row = {key: _row(value, i) for key, value in out.items()}
+                row.update(obs=_row(obs, i), reward=ts.reward[i], next_obs=_row(ts.next_obs, i),
+                           terminated=ts.terminated[i], truncated=ts.truncated[i])
+                self._running[i].append(row)
+                steps += 1
+                if ended[i]:
+                    finished.append(stack_nested(self._running[i]))
+                    self._running[i] = []
+                    episode = ts.info[i].get("episode")
+                    if episode is not None:
+                        task.emit(EPISODE_EVENT, i, float(episode["r"]), int(episode["l"]))
+            if ended.any():
+                policy.reset(np.flatnonzero(ended).tolist())
+            obs = ts.obs
+        self._obs = obs
+        ctx.episodes = [to_tensor(ep) for ep in finished]
+        ctx.trajectories = to_tensor(_concat(finished))
+        ctx.trajectory_end_idx = np.cumsum([len(ep["reward"]) for ep in finished]) - 1
+        ctx.env_step += steps
+        ctx.env_episode += len(finished)
+
+
+def _row(batch: Any, i: int) -> Any:
+    return {k: _row(v, i) for k, v in batch.items()} if isinstance(batch, dict) else batch[i]
+
+
+def _concat(episodes: List[Dict[str, Any]]) -> Dict[str, Any]:
+    first = episodes[0]
+    return {k: (_concat([ep[k] for ep in episodes]) if isinstance(first[k], dict)
+                else np.concatenate([ep[k] for ep in episodes])) for k in first}
+
+
+def eps_greedy_handler(cfg: Any):
+    """Sets the exploration rate for the collect policy from the env step count.
+
+    ``cfg.policy.other.eps``: ``kind`` ``"exp"`` (``end + (start - end) * exp(-env_step / decay)``) or
+    ``"linear"`` (from ``start`` to ``end`` over ``decay`` env steps).
+
+    Reads ctx: ``env_step``. Writes ctx: ``collect_kwargs['eps']``.
+    """
+    eps_cfg = cfg.policy.other.eps
+    kind, start, end, decay = eps_cfg.kind, eps_cfg.start, eps_cfg.end, eps_cfg.decay
+    if kind not in ("exp", "linear"):
+        raise ValueError(f"cfg.policy.other.eps.kind must be 'exp' or 'linear', got {kind!r}")
+    if decay <= 0:
+        raise ValueError(f"cfg.policy.other.eps.decay must be > 0 env steps, got {decay!r}")
+
+    def _eps_greedy(ctx: OnlineRLContext) -> None:
+        if kind == "exp":
+            eps = end + (start - end) * math.exp(-ctx.env_step / decay)
+        else:
+            eps = start + (end - start) * min(1.0, ctx.env_step / decay)
+        ctx.collect_kwargs["eps"] = eps
+
+    return _eps_greedy

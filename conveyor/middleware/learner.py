@@ -1,0 +1,93 @@
+"""Moving collected data to the learner: pushing into a replay buffer, and off-policy training."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Protocol
+
+
+from conveyor.data.batch import flatten_batch
+from conveyor.engine import OnlineRLContext
+
+__all__ = ["data_pusher", "OffPolicyLearner"]
+
+
+class Buffer(Protocol):
+    def extend(self, batch: Any) -> None: ...
+
+    def sample(self, n: int) -> Any: ...
+
+    def update_priority(self, index: Any, priority: Any) -> None: ...
+
+    @property
+    def prioritized(self) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+
+class LearnPolicy(Protocol):
+    def forward(self, batch: Any) -> Dict[str, Any]: ...
+
+
+def _valid_rows(batch: Any) -> Any:
+    """Merge leading dims and drop rows marked invalid (crashed env steps)."""
+    flat = flatten_batch(batch, batch.reward.ndim)
+    if "valid" in flat:
+        valid = flat.valid
+        del flat["valid"]
+        if not bool(valid.all()):
+            flat = flat[valid]
+    return flat
+
+
+def data_pusher(cfg: Any, buffer: Buffer):
+    """Pushes what the collector gathered into a replay buffer, then clears it from the context.
+
+    Reads ctx: ``trajectories`` (any leading dims, e.g. ``[T, N]``) or ``episodes``.
+    Writes ctx: ``trajectories = None``, ``episodes = None``.
+    """
+
+    def _push(ctx: OnlineRLContext) -> None:
+        if ctx.trajectories is not None:
+            buffer.extend(_valid_rows(ctx.trajectories))
+            ctx.trajectories = None
+        elif ctx.episodes is not None:
+            for episode in ctx.episodes:
+                buffer.extend(episode)
+        ctx.episodes = None
+
+    return _push
+
+
+class OffPolicyLearner:
+    """Runs ``cfg.policy.learn.update_per_collect`` gradient steps on batches sampled from a buffer.
+
+    Training waits until the buffer holds ``max(batch_size, learn.learning_starts)`` transitions.
+    Priorities returned by the policy (``priority``) are written back when the buffer is prioritized.
+
+    Reads ctx: ``train_iter``. Writes ctx: ``train_iter``, ``train_output`` (list of per-step metric dicts).
+    """
+
+    def __init__(self, cfg: Any, policy: LearnPolicy, buffer: Buffer) -> None:
+        learn = cfg.policy.learn
+        self._policy = policy
+        self._buffer = buffer
+        self._batch_size = learn.batch_size
+        self._updates = learn.update_per_collect
+        self._starts = max(learn.batch_size, learn.get("learning_starts", 0) or 0)
+        self._prioritized = bool(getattr(buffer, "prioritized", False))
+
+    def __repr__(self) -> str:
+        return f"OffPolicyLearner(batch_size={self._batch_size}, update_per_collect={self._updates})"
+
+    def __call__(self, ctx: OnlineRLContext) -> None:
+        if len(self._buffer) < self._starts:
+            return
+        outputs: List[Dict[str, Any]] = []
+        for _ in range(self._updates):
+            batch = self._buffer.sample(self._batch_size)
+            out = self._policy.forward(batch)
+            priority = out.pop("priority", None)
+            if priority is not None and self._prioritized:
+                self._buffer.update_priority(batch.index, priority)
+            ctx.train_iter += 1
+            outputs.append(out)
+        ctx.train_output = outputs

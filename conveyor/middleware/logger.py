@@ -1,0 +1,141 @@
+"""Loggers: TensorBoard (tensorboardX) or Weights & Biases scalars, and a terminal progress bar."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from conveyor.engine import FINISH_EVENT, OnlineRLContext, task
+from conveyor.middleware.collector import EPISODE_EVENT
+
+__all__ = ["online_logger", "wandb_online_logger", "progress_bar"]
+
+
+class _Scalars:
+    """Turns what an iteration left in the context into scalars: eval return, mean losses, throughput,
+    training episode returns and per-middleware time from ``task.stats()``."""
+
+    def __init__(self, train_show_freq: int) -> None:
+        if not isinstance(train_show_freq, int) or train_show_freq <= 0:
+            raise ValueError(f"train_show_freq must be an int > 0, got {train_show_freq!r}")
+        self._freq = train_show_freq
+        self._outputs: List[Dict[str, Any]] = []
+        self._returns: List[float] = []
+        self._last_shown: Optional[int] = None
+        self._clock = (time.perf_counter(), 0)
+        task.on(EPISODE_EVENT, self._on_episode)
+
+    def _on_episode(self, env_index: int, ret: float, length: int) -> None:
+        self._returns.append(ret)
+
+    def __call__(self, ctx: OnlineRLContext) -> Dict[str, float]:
+        scalars: Dict[str, float] = {}
+        if ctx.eval_value is not None:
+            scalars["eval/return"] = float(ctx.eval_value)
+        output = ctx.train_output
+        if isinstance(output, dict):
+            output = [output]
+        if output:
+            self._outputs.extend(output)
+        if self._last_shown is None or ctx.train_iter - self._last_shown >= self._freq:
+            self._last_shown = ctx.train_iter
+            scalars.update(self._train_scalars(ctx))
+        return scalars
+
+    def _train_scalars(self, ctx: OnlineRLContext) -> Dict[str, float]:
+        scalars: Dict[str, float] = {}
+        merged: Dict[str, List[float]] = defaultdict(list)
+        for out in self._outputs:
+            for key, value in out.items():
+                if isinstance(value, (int, float, np.floating, np.integer)):
+                    merged[key].append(float(value))
+        scalars.update({key: float(np.mean(values)) for key, values in merged.items()})
+        self._outputs = []
+        if self._returns:
+            scalars["charts/episode_return"] = float(np.mean(self._returns))
+            self._returns = []
+        now, env_step = time.perf_counter(), ctx.env_step
+        then, then_step = self._clock
+        if now > then and env_step > then_step:
+            scalars["charts/env_steps_per_s"] = (env_step - then_step) / (now - then)
+        self._clock = (now, env_step)
+        for name, stat in task.stats().items():
+            scalars[f"time/{name}_ms"] = stat["mean_s"] * 1000
+        return scalars
+
+
+def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bool = False):
+    """Writes scalars to TensorBoard under ``logdir`` (tensorboardX), indexed by env step
+    (and also by train iteration with ``record_train_iter``).
+
+    Logged: ``eval/return`` after each evaluation; every ``train_show_freq`` train iterations the mean
+    of the policy's metrics (``losses/...``, ``charts/...``), ``charts/episode_return`` of training
+    episodes, ``charts/env_steps_per_s`` and ``time/<middleware>_ms`` from ``task.stats()``.
+
+    Reads ctx: ``eval_value``, ``train_output``, ``env_step``, ``train_iter``.
+    """
+    from tensorboardX import SummaryWriter
+
+    writer = SummaryWriter(logdir)
+    scalars_of = _Scalars(train_show_freq)
+    task.once(FINISH_EVENT, writer.close)
+
+    def _log(ctx: OnlineRLContext):
+        yield
+        scalars = scalars_of(ctx)
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, ctx.env_step)
+            if record_train_iter:
+                writer.add_scalar(f"{key}_iter", value, ctx.train_iter)
+        if scalars:
+            writer.flush()
+
+    return _log
+
+
+def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, train_show_freq: int = 100,
+                        **init_kwargs: Any):
+    """Like :func:`online_logger`, to Weights & Biases (``pip install wandb``); metrics are stepped by env step.
+
+    Reads ctx: ``eval_value``, ``train_output``, ``env_step``, ``train_iter``.
+    """
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError("wandb_online_logger needs the wandb package: pip install wandb") from exc
+
+    run = wandb.init(project=project, config=config, **init_kwargs)
+    scalars_of = _Scalars(train_show_freq)
+    task.once(FINISH_EVENT, run.finish)
+
+    def _log(ctx: OnlineRLContext):
+        yield
+        scalars = scalars_of(ctx)
+        if scalars:
+            run.log({**scalars, "train_iter": ctx.train_iter}, step=ctx.env_step)
+
+    return _log
+
+
+def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
+                 make_bar: Optional[Callable[..., Any]] = None):
+    """A terminal progress bar of env steps with the latest eval return and env steps/s (tqdm).
+
+    Reads ctx: ``env_step``, ``last_eval_value``.
+    """
+    if make_bar is None:
+        from tqdm import tqdm as make_bar
+    bar = make_bar(total=total_env_step, desc=desc, unit="step", dynamic_ncols=True)
+    task.once(FINISH_EVENT, bar.close)
+    shown = [0]
+
+    def _progress(ctx: OnlineRLContext):
+        yield
+        bar.update(ctx.env_step - shown[0])
+        shown[0] = ctx.env_step
+        if ctx.last_eval_value is not None:
+            bar.set_postfix(eval_return=f"{ctx.last_eval_value:.1f}", refresh=False)
+
+    return _progress

@@ -1,0 +1,97 @@
+"""Loggers: TensorBoard scalars, wandb, and the progress bar."""
+import struct
+import sys
+import types
+
+from tensorboardX.proto import event_pb2
+
+from conveyor import OnlineRLContext, task
+from conveyor.middleware import EPISODE_EVENT, online_logger, progress_bar, wandb_online_logger
+
+
+def read_scalars(logdir):
+    """Every (tag, step, value) in the TensorBoard event files under logdir."""
+    out = []
+    for path in sorted(logdir.rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                out.append((value.tag, event.step, value.simple_value))
+    return out
+
+
+def pipeline(logger_mw, iterations=3):
+    with task.start(ctx=OnlineRLContext()):
+        def fake_iteration(ctx):
+            ctx.env_step += 100
+            ctx.train_iter += 1
+            ctx.train_output = [{"losses/td": 0.5, "charts/q_mean": 2.0}]
+            if ctx.total_step == 0:
+                ctx.eval_value = 42.0
+                task.emit(EPISODE_EVENT, 0, 10.0, 10)
+        task.use(fake_iteration).use(logger_mw)
+        task.run(max_step=iterations)
+
+
+def test_online_logger_writes_eval_return_losses_throughput_and_middleware_time(tmp_path):
+    pipeline(online_logger(str(tmp_path), train_show_freq=1))
+    scalars = read_scalars(tmp_path)
+    tags = {tag for tag, _, _ in scalars}
+    assert ("eval/return", 100, 42.0) in scalars
+    assert {"losses/td", "charts/q_mean", "charts/env_steps_per_s", "charts/episode_return",
+            "time/fake_iteration_ms"} <= tags
+    assert [v for tag, _, v in scalars if tag == "losses/td"] == [0.5, 0.5, 0.5]
+
+
+def test_online_logger_averages_between_shows(tmp_path):
+    pipeline(online_logger(str(tmp_path), train_show_freq=100), iterations=4)
+    steps = [step for tag, step, _ in read_scalars(tmp_path) if tag == "losses/td"]
+    assert steps == [100]  # shown at the first iteration, then not again within 100 train iterations
+
+
+def test_wandb_logger_logs_the_same_scalars(monkeypatch):
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: types.SimpleNamespace(log=lambda d, step: logged.append((step, d)),
+                                                       finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    pipeline(wandb_online_logger(project="test", train_show_freq=1))
+    assert logged[0][0] == 100 and logged[0][1]["eval/return"] == 42.0 and "losses/td" in logged[0][1]
+
+
+def test_wandb_logger_without_wandb_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    try:
+        wandb_online_logger(project="x")
+    except ImportError as exc:
+        assert "pip install wandb" in str(exc)
+    else:
+        raise AssertionError("expected ImportError")
+
+
+def test_progress_bar_follows_env_steps_and_eval_return():
+    class FakeBar:
+        def __init__(self, **kwargs):
+            self.n, self.postfix, self.closed = 0, {}, False
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix(self, refresh=True, **kw):
+            self.postfix = kw
+
+        def close(self):
+            self.closed = True
+
+    bars = []
+    with task.start(ctx=OnlineRLContext()):
+        def step(ctx):
+            ctx.env_step += 10
+            ctx.last_eval_value = 7.0
+        task.use(step).use(progress_bar(100, make_bar=lambda **kw: bars.append(FakeBar(**kw)) or bars[-1]))
+        task.run(max_step=3)
+    assert bars[0].n == 30 and bars[0].postfix == {"eval_return": "7.0"} and bars[0].closed

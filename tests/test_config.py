@@ -1,0 +1,81 @@
+"""Config compilation: unknown keys, wrong types and values, and unknown env ids fail before anything starts."""
+import pytest
+from easydict import EasyDict
+
+from conveyor.config import compile_config
+from conveyor.policy import DQNPolicy
+from conveyor.schema import ConfigError, Option, defaults, validate
+
+
+def base(**policy):
+    return EasyDict(dict(exp_name="t", env=dict(env_id="CartPole-v1"), policy=policy))
+
+
+def test_compiled_config_has_every_default_and_the_users_values():
+    cfg = compile_config(base(learn=dict(batch_size=32)), policy=DQNPolicy)
+    assert cfg.policy.learn.batch_size == 32
+    assert cfg.policy.learn.learning_rate == DQNPolicy.default_config().learn.learning_rate
+    assert cfg.env.collector_env_num == 8 and cfg.seed == 0
+
+
+def test_model_shapes_are_read_from_the_env():
+    cfg = compile_config(base(), policy=DQNPolicy)
+    assert cfg.policy.model.obs_shape == 4 and cfg.policy.model.action_shape == 2
+
+
+def test_compiling_does_not_modify_the_input():
+    raw = base()
+    compile_config(raw, policy=DQNPolicy)
+    assert "learn" not in raw.policy
+
+
+def test_a_misspelt_key_names_its_full_path_and_the_closest_key():
+    with pytest.raises(ConfigError, match=r"'policy\.learn\.batch_sise'.*did you mean 'policy\.learn\.batch_size'"):
+        compile_config(base(learn=dict(batch_sise=32)), policy=DQNPolicy)
+
+
+def test_a_misspelt_section_is_caught_too():
+    with pytest.raises(ConfigError, match="did you mean 'policy.learn'"):
+        compile_config(base(lern=dict(batch_size=32)), policy=DQNPolicy)
+
+
+def test_a_wrong_type_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"'policy\.learn\.batch_size' must be int, got '64'"):
+        compile_config(base(learn=dict(batch_size="64")), policy=DQNPolicy)
+
+
+def test_a_negative_buffer_size_is_an_error():
+    with pytest.raises(ConfigError, match=r"replay_buffer\.size' must be > 0"):
+        compile_config(base(other=dict(replay_buffer=dict(size=-5))), policy=DQNPolicy)
+
+
+def test_an_unknown_env_id_suggests_the_closest_registered_one():
+    cfg = base()
+    cfg.env.env_id = "CartPole-v2"
+    with pytest.raises(ConfigError, match="did you mean 'CartPole-v1'"):
+        compile_config(cfg, policy=DQNPolicy)
+
+
+def test_an_unknown_choice_suggests_the_closest():
+    cfg = base()
+    cfg.env.manager = "subproces"
+    with pytest.raises(ConfigError, match="did you mean 'subprocess'"):
+        compile_config(cfg, policy=DQNPolicy)
+
+
+def test_a_policy_section_without_a_policy_class_is_explained():
+    with pytest.raises(ConfigError, match="policy=<the policy class>"):
+        compile_config(base())
+
+
+def test_bool_is_not_accepted_where_an_int_is_expected():
+    with pytest.raises(ConfigError, match="must be int"):
+        validate({"n": True}, {"n": Option(1, "a count")})
+
+
+def test_open_options_accept_any_dict_and_defaults_are_fresh_copies():
+    schema = {"kwargs": Option({}, "free-form", type=dict, open=True)}
+    assert validate({"kwargs": {"anything": 1}}, schema).kwargs == {"anything": 1}
+    a, b = defaults(schema), defaults(schema)
+    a.kwargs["x"] = 1
+    assert b.kwargs == {}
