@@ -131,8 +131,8 @@ def _check_option(value: Any, spec: Option, where: str) -> None:
         raise ConfigError(f"config key '{where}' must be {names}, got {value!r} ({type(value).__name__}): {spec.doc}")
     if spec.choices is not None and value not in spec.choices:
         hint = closest(str(value), [str(c) for c in spec.choices])
-        extra = f" Did you mean {hint!r}?" if hint else ""
-        raise ConfigError(f"config key '{where}' must be one of {list(spec.choices)}, got {value!r}.{extra}")
+        extra = f"; did you mean {hint!r}?" if hint else ""
+        raise ConfigError(f"config key '{where}' must be one of {list(spec.choices)}, got {value!r}{extra}")
     if spec.check is not None:
         problem = spec.check(value)
         if problem:
