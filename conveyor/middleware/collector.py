@@ -1,7 +1,7 @@
 """Collectors: step the collector envs with the collect policy and hand the transitions on.
 
-Transitions are written into preallocated time-major arrays, one row per lock-step of all envs, and
-turned into one treetensor batch per call (docs/design.md): nothing is built per transition.
+Each lock-step of all envs appends its arrays to per-key lists, stacked once per call into a time-major
+treetensor batch ``[T, N]`` (docs/design.md): nothing is built per transition.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import numpy as np
 
-from conveyor.data.batch import map_nested, stack_nested, to_tensor
+from conveyor.data.batch import stack_nested, to_tensor
 from conveyor.engine import OnlineRLContext, task
 
 __all__ = ["StepCollector", "EpisodeCollector", "eps_greedy_handler", "EPISODE_EVENT"]
@@ -23,29 +23,6 @@ class CollectPolicy(Protocol):
     def forward(self, obs: Any, **kwargs: Any) -> Dict[str, Any]: ...
 
     def reset(self, env_ids: Optional[List[int]] = None) -> None: ...
-
-
-class _Rows:
-    """Time-major arrays ``[T, N, ...]`` allocated from the first row written (nested dicts allowed)."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-        self.data: Dict[str, Any] = {}
-
-    def write(self, t: int, key: str, value: Any) -> None:
-        arrays = self.data.get(key)
-        if arrays is None:
-            arrays = self.data[key] = map_nested(
-                lambda v: np.empty((self.steps,) + np.shape(v), dtype=np.asarray(v).dtype), value)
-        _write(arrays, t, value)
-
-
-def _write(arrays: Any, t: int, value: Any) -> None:
-    if isinstance(arrays, dict):
-        for k, sub in arrays.items():
-            _write(sub, t, value[k])
-    else:
-        arrays[t] = value
 
 
 def _random_actions(space: Any, n: int) -> np.ndarray:
@@ -80,59 +57,56 @@ class StepCollector:
         return f"StepCollector(envs={self._env.env_num}, steps_per_call={self._steps})"
 
     def __call__(self, ctx: OnlineRLContext) -> None:
-        env, policy, steps = self._env, self._policy, self._steps
+        env, policy = self._env, self._policy
         if self._obs is None:
             self._obs = env.reset(seed=self._seed)
-        rows = _Rows(steps)
         n = env.env_num
-        valid = np.ones((steps, n), dtype=bool)
+        rows: Dict[str, List[Any]] = {"obs": [], "reward": [], "next_obs": [], "terminated": [], "truncated": []}
+        crashes: List[Any] = []
         episodes = 0
         obs = self._obs
         random = ctx.env_step < self._random_collect_size
         kwargs = ctx.collect_kwargs
-        for t in range(steps):
+        for t in range(self._steps):
             if random:
                 out: Dict[str, Any] = {"action": _random_actions(env.action_space, n)}
             else:
                 out = policy.forward(obs, **kwargs)
             ts = env.step(out["action"])
-            rows.write(t, "obs", obs)
+            rows["obs"].append(obs)  # env managers and policies return fresh arrays: no copies needed
             for key, value in out.items():
-                rows.write(t, key, value)
-            rows.write(t, "reward", ts.reward)
-            rows.write(t, "next_obs", ts.next_obs)
-            rows.write(t, "terminated", ts.terminated)
-            rows.write(t, "truncated", ts.truncated)
+                rows.setdefault(key, []).append(value)
+            rows["reward"].append(ts.reward)
+            rows["next_obs"].append(ts.next_obs)
+            rows["terminated"].append(ts.terminated)
+            rows["truncated"].append(ts.truncated)
             obs = ts.obs
             ended = ts.terminated | ts.truncated
             if ts.crashed.any():
-                valid[t] = ~ts.crashed
-                self._mark_cut(rows, valid, t, ts.crashed)
+                crashes.append((t, ts.crashed))
                 ended = ended | ts.crashed
             if ended.any():
                 ids = np.flatnonzero(ended).tolist()
                 if not random:
                     policy.reset(ids)
                 for i in ids:
-                    episode = ts.info[i].get("episode") if not ts.crashed[i] else None
+                    episode = None if ts.crashed[i] else ts.info[i].get("episode")
                     if episode is not None:
                         episodes += 1
                         task.emit(EPISODE_EVENT, i, float(episode["r"]), int(episode["l"]))
         self._obs = obs
-        rows.data["valid"] = valid
-        batch = to_tensor(rows.data)
-        done = (rows.data["terminated"] | rows.data["truncated"]) & valid
-        ctx.trajectories = batch
+        data = {key: stack_nested(values) for key, values in rows.items()}
+        valid = np.ones((self._steps, n), dtype=bool)
+        for t, crashed in crashes:
+            valid[t] = ~crashed
+            if t > 0:  # the transition before a crash ends its dropped episode: nothing bootstraps across it
+                data["truncated"][t - 1] |= crashed & valid[t - 1]
+        data["valid"] = valid
+        done = (data["terminated"] | data["truncated"]) & valid
+        ctx.trajectories = to_tensor(data)
         ctx.trajectory_end_idx = np.flatnonzero(done.reshape(-1))
         ctx.env_step += int(valid.sum())
         ctx.env_episode += episodes
-
-    def _mark_cut(self, rows: _Rows, valid: np.ndarray, t: int, crashed: np.ndarray) -> None:
-        """The transition before a crash ends its (dropped) episode: mark it truncated so nothing bootstraps
-        across the rebuilt env."""
-        truncated = rows.data["truncated"]
-        if t > 0:  # on a call's first step, the cut transition was handed on by the previous call
-            truncated[t - 1] |= crashed & valid[t - 1]
 
 
 class EpisodeCollector:
