@@ -5,7 +5,7 @@ import contextlib
 import copy
 import random
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Type
+from typing import Any, Iterator, Mapping, Optional, Type
 
 import numpy as np
 import torch
@@ -63,5 +63,3 @@ def resume_into(cfg: Mapping[str, Any], policy: Any, ctx: OnlineRLContext, buffe
     restore(path, policy, ctx, buffer)
     return path
 
-
-ProgressFactory = Callable[[Optional[int]], Any]
