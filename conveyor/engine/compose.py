@@ -18,7 +18,7 @@ from types import GeneratorType
 from typing import Any, Callable, ContextManager, Deque, Dict, Generator, List, Optional, Sequence, Union
 
 __all__ = ["Middleware", "MiddlewareError", "Suspended", "Timing", "as_middleware", "cancel", "check_middleware",
-           "compose", "enter", "leave", "middleware_name", "run_forward", "unwind"]
+           "compose", "enter", "hand_over", "leave", "middleware_name", "run_forward", "unwind"]
 
 class MiddlewareError(RuntimeError):
     """A middleware was misused: it yielded twice, never yielded, or is a factory passed unbuilt."""
@@ -215,19 +215,27 @@ def run_forward(chain: Sequence[Middleware], ctx: Any, stack: List[Suspended]) -
             stack.append(suspended)
 
 
-def compose(*middleware: Union[Callable, Middleware]) -> Callable[[Any], Generator]:
+def hand_over(stack: List[Suspended]) -> Generator:
+    """Yield to the rest of the chain, then unwind ``stack`` (with the exception, if one comes back up).
+
+    The body of every middleware made of other middleware: ``yield from hand_over(stack)``.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        unwind(stack, exc)
+        return
+    unwind(stack)
+
+
+def compose(*middleware: Union[Callable, Middleware], name: Optional[str] = None) -> Callable[[Any], Generator]:
     """Compose middleware into one generator middleware: all forward parts, ``yield``, backward parts reversed."""
     chain = [as_middleware(fn) for fn in middleware]
 
     def composed(ctx: Any) -> Generator:
         stack: List[Suspended] = []
         run_forward(chain, ctx, stack)
-        try:
-            yield
-        except BaseException as exc:
-            unwind(stack, exc)
-            return
-        unwind(stack)
+        yield from hand_over(stack)
 
-    composed.__qualname__ = composed.__name__ = f"compose({', '.join(mw.name for mw in chain)})"
+    composed.__qualname__ = composed.__name__ = name or f"compose({', '.join(mw.name for mw in chain)})"
     return composed

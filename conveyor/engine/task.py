@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
 
-from conveyor.engine.compose import (Middleware, Suspended, as_middleware, check_middleware, enter, leave,
+from conveyor.engine.compose import (Middleware, Suspended, check_middleware, compose, enter, hand_over, leave,
                                      run_forward, unwind)
 from conveyor.engine.context import Context
 from conveyor.engine.events import EventBus
@@ -217,19 +217,7 @@ class Task:
     def serial(self, *fns: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """One middleware running ``fns`` in order: all forward parts, then backward parts in reverse."""
         chain = [self._as_record(fn) for fn in fns]
-
-        def serial(ctx: Context) -> Iterator[None]:
-            stack: List[Suspended] = []
-            run_forward(chain, ctx, stack)
-            try:
-                yield
-            except BaseException as exc:
-                unwind(stack, exc)
-                return
-            unwind(stack)
-
-        serial.__qualname__ = serial.__name__ = f"serial({', '.join(mw.name for mw in chain)})"
-        return serial
+        return compose(*chain, name=f"serial({', '.join(mw.name for mw in chain)})")
 
     def parallel(self, *fns: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """One middleware running the forward parts of ``fns`` concurrently (in async mode), then their
@@ -246,15 +234,8 @@ class Task:
             stack = [r for r in results if isinstance(r, Suspended)]
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
-                unwind(stack, errors[0])
-                yield
-                return
-            try:
-                yield
-            except BaseException as exc:
-                unwind(stack, exc)
-                return
-            unwind(stack)
+                unwind(stack, errors[0])  # raises unless a member's generator handles it
+            yield from hand_over(stack)
 
         parallel.__qualname__ = parallel.__name__ = f"parallel({', '.join(mw.name for mw in chain)})"
         return parallel
