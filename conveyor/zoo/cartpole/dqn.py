@@ -63,8 +63,8 @@ def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None,
             task.use(StepCollector(cfg, policy.collect_mode, collector_env))
             task.use(nstep_reward_enhancer(cfg))
             task.use(data_pusher(cfg, buffer_))
-            task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer_), lock=True)
-            task.use(CkptSaver(policy, exp_dir, train_freq=1000, buffer=buffer_), lock=True)
+            task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer_))
+            task.use(CkptSaver(policy, exp_dir, train_freq=1000, buffer=buffer_))
             task.use(online_logger(str(exp_dir / "tb")))
             if max_env_step is not None:
                 task.use(termination_checker(max_env_step=max_env_step))
