@@ -56,7 +56,8 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
 
     ``policy`` is the policy class (e.g. ``DQNPolicy``). With ``infer_shapes``, a ``policy.model``
     ``obs_shape`` / ``action_shape`` left unset is read from the env's spaces (one env is built for
-    that and closed). The input is not modified.
+    that and closed), and so are ``action_low`` / ``action_high`` of a Box action space where the
+    policy's model schema declares them (continuous-action policies such as SAC). The input is not modified.
     """
     schema: dict = dict(TOP_SCHEMA, env=ENV_SCHEMA)
     if policy is not None:
@@ -67,14 +68,28 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
     compiled = validate(copy.deepcopy(dict(cfg)), schema)
     check_env_id(compiled.env.env_id)
     model = compiled.get("policy", {}).get("model")
-    if infer_shapes and model is not None and (model.get("obs_shape") is None or model.get("action_shape") is None):
+    unset_bounds = [key for key in ("action_low", "action_high") if model is not None and key in model
+                    and model[key] is None]
+    if infer_shapes and model is not None and (model.get("obs_shape") is None or model.get("action_shape") is None
+                                               or unset_bounds):
         env = gym.make(compiled.env.env_id, **compiled.env.env_kwargs)
         try:
             obs_shape, action_shape = space_shapes(env.observation_space, env.action_space)
+            action_space = env.action_space
         finally:
             env.close()
         if model.obs_shape is None:
             model.obs_shape = obs_shape
         if model.action_shape is None:
             model.action_shape = action_shape
+        if unset_bounds and isinstance(action_space, gym.spaces.Box):
+            bounds = {"action_low": action_space.low, "action_high": action_space.high}
+            for key in unset_bounds:
+                model[key] = _bound(bounds[key])
     return compiled
+
+
+def _bound(values: Any) -> Any:
+    """A Box bound as config writes it: one float when every dim shares it, else a list of floats."""
+    flat = [float(v) for v in values.reshape(-1)]
+    return flat[0] if len(set(flat)) == 1 else flat

@@ -1,0 +1,42 @@
+"""SAC on Pendulum-v1: twin critics, learned temperature; a mean eval return above -200 after 6-8k env steps.
+
+    conveyor train pendulum/sac [--seed N] [--exp-name NAME] [--max-env-step N] [--resume] [--async]
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from easydict import EasyDict
+
+from conveyor.engine import OnlineRLContext
+from conveyor.zoo._sac import train_sac
+
+main_config = EasyDict(dict(
+    exp_name="pendulum_sac",
+    seed=0,
+    env=dict(
+        env_id="Pendulum-v1",
+        collector_env_num=4,
+        evaluator_env_num=5,
+        n_evaluator_episode=10,
+        stop_value=-200.0,
+    ),
+    policy=dict(
+        discount_factor=0.99,
+        model=dict(hidden_sizes=[128, 128]),
+        learn=dict(batch_size=256, learning_rate=1e-3, update_per_collect=8, learning_starts=1000,
+                   target_theta=0.005, auto_alpha=True, alpha=0.2),
+        collect=dict(n_sample=8, random_collect_size=1000),
+        eval=dict(evaluator=dict(eval_freq=2000)),
+        other=dict(replay_buffer=dict(size=100_000)),
+    ),
+))
+"""The default config; every key is documented in SACPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
+         max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
+         progress: bool = True) -> OnlineRLContext:
+    """Train SAC on Pendulum; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``)."""
+    return train_sac(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
+                     async_mode=async_mode, progress=progress)
