@@ -3,6 +3,7 @@
 Imports only ``conveyor.schema`` and ``conveyor.data`` of Conveyor: a policy works without a pipeline.
 """
 from conveyor.policy.base import (
+    ActorCriticCollectMode,
     CollectMode,
     EvalMode,
     LearnMode,
@@ -12,8 +13,20 @@ from conveyor.policy.base import (
     make_target,
     soft_update,
 )
+from conveyor.policy.actor_critic import ActorCritic
+from conveyor.policy.continuous import (
+    ActionScaler,
+    EnsembleLinear,
+    EnsembleQ,
+    TanhGaussianActor,
+    tanh_gaussian_log_prob,
+    tanh_log_det_jacobian,
+)
 from conveyor.policy.dqn import DQNPolicy
 from conveyor.policy.model import MLP, ConvEncoder, DictEncoder, FlattenMLP, ObsShape, QNetwork, build_encoder
+from conveyor.policy.normaliser import ObsNormaliser, RunningMeanStd
+from conveyor.policy.ppo import PPOPolicy
+from conveyor.policy.sac import SACModel, SACPolicy
 
 __all__ = [
     "Policy",
@@ -32,4 +45,17 @@ __all__ = [
     "DictEncoder",
     "build_encoder",
     "QNetwork",
+    "PPOPolicy",
+    "ActorCritic",
+    "ActorCriticCollectMode",
+    "ObsNormaliser",
+    "RunningMeanStd",
+    "SACPolicy",
+    "SACModel",
+    "ActionScaler",
+    "TanhGaussianActor",
+    "EnsembleQ",
+    "EnsembleLinear",
+    "tanh_gaussian_log_prob",
+    "tanh_log_det_jacobian",
 ]

@@ -4,14 +4,15 @@ A policy is built from its ``cfg.policy`` section and exposes what each part of 
 through a small view, in the spirit of Tianshou 2's split between acting and learning:
 
 - ``collect_mode.forward(obs, **kwargs) -> dict(action=..., ...)`` and ``collect_mode.reset(env_ids)``
-  for the collector (exploration, per-env recurrent state);
+  for the collector (exploration, per-env recurrent state); an actor-critic policy's collect view
+  (:class:`ActorCriticCollectMode`) adds ``value(obs, **state)`` for advantage estimators;
 - ``eval_mode.forward(obs) -> dict(action=...)`` and ``eval_mode.reset(env_ids)`` for the evaluator;
 - ``learn_mode.forward(batch) -> dict`` of float metrics (plus ``priority`` for prioritized replay),
   ``learn_mode.train_iter`` and the checkpoint methods for the learner.
 
 The views convert their input to tensors once (``to_tensor``) and run acting under ``torch.no_grad``,
 then call the subclass's hooks: :meth:`Policy._forward_learn`, :meth:`Policy._forward_collect`,
-:meth:`Policy._forward_eval` and, for per-env state, :meth:`Policy._reset_collect` /
+:meth:`Policy._forward_eval`, :meth:`Policy._value` and, for per-env state, :meth:`Policy._reset_collect` /
 :meth:`Policy._reset_eval`. Hooks are ordinary overridden methods; nothing is looked up by name.
 Whatever a subclass adds to the checkpoint (a target network, an optimizer, an observation
 normaliser) it hands to :meth:`Policy.register_state` once, in its constructor.
@@ -33,8 +34,8 @@ from conveyor import schema
 from conveyor.data.batch import to_tensor
 from conveyor.schema import ConfigError, Option
 
-__all__ = ["Policy", "LearnMode", "CollectMode", "EvalMode", "Stateful", "make_target", "hard_update",
-           "soft_update"]
+__all__ = ["Policy", "LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Stateful", "make_target",
+           "hard_update", "soft_update"]
 
 
 @runtime_checkable
@@ -190,6 +191,12 @@ class Policy(abc.ABC):
     def _forward_eval(self, obs: Any) -> dict[str, Any]:
         """Greedy / deterministic actions for a batch of observation tensors, as numpy (under ``no_grad``)."""
 
+    def _value(self, obs: Any, **state: Any) -> np.ndarray:
+        """State values ``[B]`` (numpy float32) of a batch of observation tensors (under ``no_grad``);
+        ``state`` holds a recurrent policy's state before ``obs`` (e.g. ``hidden``) as tensors."""
+        raise NotImplementedError(f"{type(self).__name__} has no value function: advantage estimators such as "
+                                  f"gae_estimator need an actor-critic policy (e.g. PPOPolicy)")
+
     def _reset_collect(self, env_ids: Sequence[int] | None) -> None:
         """Clear the collector's per-env state (recurrent policies); ``None`` means every env."""
 
@@ -312,6 +319,22 @@ class CollectMode:
 
     def __repr__(self) -> str:
         return f"<collect_mode of {type(self._policy).__name__}>"
+
+
+class ActorCriticCollectMode(CollectMode):
+    """The collector's view of a policy with a critic: also ``value(obs, **state)`` (via :meth:`Policy._value`),
+    which advantage estimators bootstrap with. Such a policy installs it in its constructor:
+    ``self._collect_mode = ActorCriticCollectMode(self)``."""
+
+    __slots__ = ()
+
+    def value(self, obs: Any, **state: Any) -> np.ndarray:
+        """State values (numpy float32 ``[B]``) of a batch of observations, numpy or tensors. A recurrent
+        policy also takes its state before ``obs`` (e.g. ``hidden=``, as stored in the trajectory)."""
+        policy = self._policy
+        with torch.no_grad():
+            return policy._value(policy._obs_to_tensor(obs),
+                                 **{k: policy._obs_to_tensor(v) for k, v in state.items()})
 
 
 class EvalMode:

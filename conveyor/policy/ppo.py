@@ -1,0 +1,308 @@
+"""PPO: clipped surrogate objective, optional value clipping, entropy bonus, discrete or continuous actions.
+
+One ``learn_mode.forward(batch)`` is one gradient step on a minibatch that :func:`gae_estimator` and
+:func:`multistep_trainer` (``conveyor.middleware``) prepared: ``obs``, ``action`` (or ``raw_action``),
+``logp`` and ``value`` as collected, and the ``adv`` / ``return`` estimated from them. The loss reads
+as in CleanRL's ``ppo.py``::
+
+    ratio    = exp(log pi(a|s) - logp)
+    pg_loss  = mean(max(-adv * ratio, -adv * clip(ratio, 1 - eps, 1 + eps)))
+    v_loss   = 0.5 * mean((V(s) - return)^2)        (or the max with the clipped value's loss)
+    loss     = pg_loss - entropy_coef * entropy + value_coef * v_loss
+
+Options: per-minibatch advantage normalisation, gradient-norm clipping, linear learning-rate
+annealing, an observation normaliser (running mean / std of collected observations, checkpointed),
+and a GRU core whose per-env state the collector resets at episode ends and stores with each step
+(``hidden`` before it, ``next_hidden`` after it), so the learner can replay sequences from it.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import treetensor.torch as ttorch
+from torch import nn
+
+from conveyor import schema
+from conveyor.policy.actor_critic import ActorCritic, make_action_dist
+from conveyor.policy.base import ActorCriticCollectMode, Policy, _optional_positive, fused_adam
+from conveyor.policy.normaliser import ObsNormaliser
+from conveyor.schema import ConfigError, Option
+
+__all__ = ["PPOPolicy"]
+
+
+def _bound_check(value: Any) -> str | None:
+    ok = value is None or isinstance(value, (int, float)) or \
+        (isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value))
+    return None if ok else "must be a float, a list of floats (one per action dim) or None"
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+class PPOPolicy(Policy):
+    """Proximal Policy Optimization (Schulman et al. 2017) over an :class:`ActorCritic`.
+
+    - ``collect_mode.forward(obs)`` samples actions and returns ``action``, ``logp``, ``value``, plus
+      ``raw_action`` for Gaussian policies (the unclipped / pre-squash sample the learner scores) and
+      ``hidden`` / ``next_hidden`` for recurrent ones; ``collect_mode.value(obs, hidden=None)`` is the
+      critic, for bootstrapping advantage estimates.
+    - ``eval_mode.forward(obs)`` acts deterministically (argmax, or the Gaussian's mean).
+    - ``learn_mode.forward(batch)`` takes one gradient step on a flat batch ``[B]`` or, for a recurrent
+      policy, on sequences ``[L, B]`` (with ``hidden``, ``episode_start`` and ``mask``), and returns
+      ``losses/policy``, ``losses/value``, ``losses/entropy``, ``charts/approx_kl``, ``charts/clip_frac``,
+      ``charts/lr`` and (when clipping) ``charts/grad_norm``.
+
+    A custom ``model`` follows :class:`ActorCritic`: ``forward(obs, hidden=None) -> (params, value,
+    hidden)``, ``actor(obs)``, ``value(obs, hidden=None)`` and, when ``recurrent``, ``unroll(obs, hidden,
+    episode_start)`` and ``hidden_size``.
+
+    With ``model.obs_norm`` every view normalises observations with running statistics of the
+    collected ones. The statistics stay fixed while a rollout is collected and learned from: what the
+    collector saw is folded in when it starts collecting again after an update (so the first ratio of
+    every update is exactly 1), and they are saved in checkpoints.
+    """
+
+    @classmethod
+    def config_schema(cls) -> dict:
+        """Base options plus PPO's (defaults close to Stable-Baselines3's PPO; the zoo entries tune them)."""
+        return schema.merge_schemas(super().config_schema(), {
+            "gae_lambda": Option(0.95, "GAE lambda: 0 gives one-step TD advantages, 1 Monte Carlo returns minus the "
+                                       "value (read by gae_estimator).", type=float, check=schema.unit_interval),
+            "model": {
+                "action_shape": Option(None, "Number of discrete actions, or the action dimension for continuous "
+                                             "control (set from the env).", type=int, check=_optional_positive),
+                "action_space": Option("discrete", "Action distribution: 'discrete' (categorical), 'gaussian' "
+                                                   "(diagonal Gaussian, clipped to the bounds for the env) or "
+                                                   "'tanh_gaussian' (squashed into the bounds).",
+                                       choices=("discrete", "gaussian", "tanh_gaussian")),
+                "action_low": Option(None, "Lower action bound: a float or one per dim (set from a Box env; None: "
+                                           "unbounded for 'gaussian', -1 for 'tanh_gaussian').",
+                                     type=(float, list), check=_bound_check),
+                "action_high": Option(None, "Upper action bound: a float or one per dim (set from a Box env; None: "
+                                            "unbounded for 'gaussian', 1 for 'tanh_gaussian').",
+                                      type=(float, list), check=_bound_check),
+                "activation": Option("tanh", "Activation of the hidden layers of vector-observation encoders.",
+                                     choices=("tanh", "relu")),
+                "share_encoder": Option(False, "One encoder for actor and critic (always so with an rnn)."),
+                "state_dependent_std": Option(False, "Gaussian log-std from a head over the features (else one "
+                                                     "learned parameter per action dim)."),
+                "init_log_std": Option(0.0, "Initial log-std of a state-independent Gaussian.", type=float),
+                "rnn": Option(None, "Recurrent core after the encoder: 'gru', or None for a feed-forward policy.",
+                              choices=(None, "gru")),
+                "rnn_hidden_size": Option(64, "Width of the recurrent state.", check=schema.positive),
+                "obs_norm": Option(False, "Normalise observations by a running mean / std of the collected ones."),
+                "obs_norm_clip": Option(10.0, "Clip normalised observations to +-this.", type=float,
+                                        check=schema.positive),
+            },
+            "learn": {
+                "epoch_per_collect": Option(10, "Passes over each collected batch (multistep_trainer).",
+                                            check=schema.positive),
+                "batch_size": Option(64, "Transitions per minibatch (multistep_trainer); sequences of a recurrent "
+                                         "policy come batch_size // sequence_length at a time.",
+                                     check=schema.positive),
+                "learning_rate": Option(3e-4, "Adam learning rate (the start value when annealed).", type=float,
+                                        check=schema.positive),
+                "lr_anneal_steps": Option(None, "Anneal the learning rate linearly to 0 over this many gradient "
+                                                "steps (None: constant).", type=int, check=_optional_positive),
+                "clip_ratio": Option(0.2, "Clip the probability ratio to [1 - clip_ratio, 1 + clip_ratio].",
+                                     type=float, check=schema.positive),
+                "value_clip": Option(None, "Also clip the new value to within this of the collected one and take the "
+                                           "larger of the two losses (None: plain value loss).", type=float,
+                                     check=_optional_positive),
+                "value_coef": Option(0.5, "Weight of the value loss.", type=float, check=schema.non_negative),
+                "entropy_coef": Option(0.0, "Weight of the entropy bonus.", type=float, check=schema.non_negative),
+                "target_kl": Option(None, "Stop a round's passes early once a step's approx_kl exceeds 1.5 * target_kl "
+                                          "(read by multistep_trainer; None: run every epoch).", type=float,
+                                    check=_optional_positive),
+                "adv_norm": Option(True, "Normalise advantages to zero mean, unit std within each minibatch."),
+                "grad_clip": Option(0.5, "Clip the gradient's global L2 norm to this (None: no clipping).",
+                                    type=(float, type(None)), check=_optional_positive),
+                "sequence_length": Option(16, "Recurrent policies: steps per replayed sequence (gae_estimator cuts "
+                                              "each env's trajectory into these).", check=schema.positive),
+            },
+            "collect": {
+                "n_sample": Option(1024, "Transitions collected per rollout (over all envs).", check=schema.positive),
+            },
+        })
+
+    @classmethod
+    def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:
+        """An :class:`ActorCritic` as ``model_cfg`` describes it."""
+        obs_shape = cls._required(model_cfg, "obs_shape", "obs_shape=4 for CartPole")
+        action_dim = cls._required(model_cfg, "action_shape", "action_shape=2 for CartPole")
+        return ActorCritic(obs_shape, action_dim, action_space=model_cfg.action_space,
+                           hidden_sizes=model_cfg.hidden_sizes, activation=model_cfg.activation,
+                           share_encoder=model_cfg.share_encoder,
+                           rnn_hidden_size=model_cfg.rnn_hidden_size if model_cfg.rnn else None,
+                           state_dependent_std=model_cfg.state_dependent_std, init_log_std=model_cfg.init_log_std)
+
+    def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
+                 device: str | torch.device | None = None, seed: int | None = None) -> None:
+        super().__init__(cfg, model, device=device, seed=seed)
+        self._collect_mode = ActorCriticCollectMode(self)
+        model_cfg, learn = self.cfg.model, self.cfg.learn
+        action_dim = model_cfg.action_shape if model_cfg.action_shape is not None else self.model.action_dim
+        try:
+            self.action_dist = make_action_dist(model_cfg.action_space, action_dim, model_cfg.action_low,
+                                                model_cfg.action_high, self.device)
+        except ValueError as exc:
+            raise ConfigError(f"policy.model.action_low/action_high: {exc}") from None
+        self.recurrent = getattr(self.model, "recurrent", False)
+        self.obs_normaliser: ObsNormaliser | None = None
+        if model_cfg.obs_norm:
+            obs_shape = model_cfg.obs_shape
+            if obs_shape is None or isinstance(obs_shape, Mapping):
+                raise ConfigError("policy.model.obs_norm needs an array observation (obs_shape an int or a tuple), got "
+                                  f"obs_shape={obs_shape!r}: normalise Dict observations in an env wrapper instead")
+            self.obs_normaliser = ObsNormaliser(obs_shape, clip=model_cfg.obs_norm_clip)
+            self.register_state("obs_normaliser", self.obs_normaliser)
+        self._committed_at = 0  # train_iter when the normaliser last folded in collected observations
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learn.learning_rate, eps=1e-5,
+                                          fused=fused_adam(self.device))
+        self.register_state("optimizer", self.optimizer)
+        self._parameters = list(self.model.parameters())
+        self._collect_hidden: torch.Tensor | None = None
+        self._eval_hidden: torch.Tensor | None = None
+
+    # --- observations and recurrent state --------------------------------------------------------
+    def _normalise(self, obs: Any) -> Any:
+        return obs if self.obs_normaliser is None else self.obs_normaliser(obs)
+
+    def _initial_state(self, state: torch.Tensor | None, batch: int) -> torch.Tensor:
+        if state is None or state.shape[0] != batch:
+            return torch.zeros(batch, self.model.hidden_size, device=self.device)
+        return state
+
+    @staticmethod
+    def _cleared(state: torch.Tensor | None, env_ids: Sequence[int] | None) -> torch.Tensor | None:
+        """``state`` with the rows of ``env_ids`` zeroed, out of place: arrays handed out earlier stay intact."""
+        if state is None or env_ids is None:
+            return None
+        ids = torch.as_tensor(list(env_ids), dtype=torch.long, device=state.device)
+        return state.index_fill(0, ids, 0.0)
+
+    def _reset_collect(self, env_ids: Sequence[int] | None) -> None:
+        """Zero the recurrent state of envs whose episodes ended."""
+        self._collect_hidden = self._cleared(self._collect_hidden, env_ids)
+
+    def _reset_eval(self, env_ids: Sequence[int] | None) -> None:
+        self._eval_hidden = self._cleared(self._eval_hidden, env_ids)
+
+    # --- acting ----------------------------------------------------------------------------------
+    def _forward_collect(self, obs: Any) -> dict[str, Any]:
+        """Sampled actions with their log-probabilities and values (and the recurrent state around the step)."""
+        normaliser = self.obs_normaliser
+        if normaliser is not None:
+            if self.train_iter != self._committed_at:  # first step after an update: fold in the last rollout
+                with self._learn_lock:
+                    normaliser.commit()
+                    self._committed_at = self.train_iter
+            normaliser.observe(obs)
+            obs = normaliser(obs)
+        out: dict[str, Any] = {}
+        if self.recurrent:
+            hidden = self._initial_state(self._collect_hidden, obs.shape[0])
+            params, value, next_hidden = self.model(obs, hidden)
+            self._collect_hidden = next_hidden
+            out["hidden"], out["next_hidden"] = hidden.cpu().numpy(), next_hidden.cpu().numpy()
+        else:
+            params, value, _ = self.model(obs)
+        action, raw_action, logp = self.action_dist.sample(params, self.rng)
+        out.update(action=action, logp=logp.cpu().numpy(), value=value.cpu().numpy())
+        if raw_action is not None:
+            out["raw_action"] = raw_action.cpu().numpy()
+        return out
+
+    def _forward_eval(self, obs: Any) -> dict[str, Any]:
+        """Deterministic actions: the most likely discrete action, or the Gaussian's mean (clipped / squashed)."""
+        obs = self._normalise(obs)
+        if self.recurrent:
+            hidden = self._initial_state(self._eval_hidden, obs.shape[0])
+            params, _, self._eval_hidden = self.model(obs, hidden)
+        else:
+            params = self.model.actor(obs)  # the critic is not needed to act
+        return {"action": self.action_dist.mode(params)}
+
+    def _value(self, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
+        """The critic's values of ``obs`` (after the recurrent state ``hidden``)."""
+        obs = self._normalise(obs)
+        if self.recurrent:
+            if hidden is None:
+                raise ValueError("PPOPolicy.collect_mode.value: a recurrent policy needs hidden= (the state before "
+                                 "obs, e.g. the trajectory's next_hidden)")
+            return self.model.value(obs, hidden.float()).cpu().numpy()
+        return self.model.value(obs).cpu().numpy()
+
+    # --- learning --------------------------------------------------------------------------------
+    def _anneal_lr(self) -> float:
+        learn = self.cfg.learn
+        lr = learn.learning_rate
+        if learn.lr_anneal_steps is not None:
+            lr *= max(0.0, 1.0 - self.train_iter / learn.lr_anneal_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        return lr
+
+    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
+        """One PPO gradient step on a minibatch (flat ``[B]``, or sequences ``[L, B]`` for a recurrent policy)."""
+        learn = self.cfg.learn
+        lr = self._anneal_lr()
+        obs = self._normalise(batch.obs)
+        if self.recurrent:
+            if batch.reward.ndim != 2 or "episode_start" not in batch:
+                raise ValueError("PPOPolicy: a recurrent policy learns from sequences [L, B] with hidden, "
+                                 "episode_start and mask (gae_estimator writes them from trajectories that carry "
+                                 "'hidden')")
+            params, new_value = self.model.unroll(obs, batch.hidden[0].float(), batch.episode_start)
+        else:
+            params, new_value, _ = self.model(obs)
+        mask = batch.mask.float() if "mask" in batch else None
+        action = batch[self.action_dist.raw_key] if self.action_dist.raw_key else batch.action
+
+        new_logp, entropy = self.action_dist.log_prob_entropy(params, action)
+        logratio = new_logp - batch.logp
+        ratio = logratio.exp()
+
+        adv = batch.adv
+        if learn.adv_norm:
+            if mask is None:
+                adv_std, adv_mean = torch.std_mean(adv, correction=0)
+            else:
+                adv_mean = _masked_mean(adv, mask)
+                adv_std = _masked_mean((adv - adv_mean).pow(2), mask).sqrt()
+            adv = (adv - adv_mean) / (adv_std + 1e-8)
+
+        pg_loss1 = -adv * ratio
+        pg_loss2 = -adv * ratio.clamp(1.0 - learn.clip_ratio, 1.0 + learn.clip_ratio)
+        pg_loss = _masked_mean(torch.max(pg_loss1, pg_loss2), mask)
+
+        v_loss_unclipped = (new_value - batch["return"]).pow(2)
+        if learn.value_clip is not None:
+            v_clipped = batch.value + (new_value - batch.value).clamp(-learn.value_clip, learn.value_clip)
+            v_loss_clipped = (v_clipped - batch["return"]).pow(2)
+            v_loss = 0.5 * _masked_mean(torch.max(v_loss_unclipped, v_loss_clipped), mask)
+        else:
+            v_loss = 0.5 * _masked_mean(v_loss_unclipped, mask)
+
+        entropy_loss = _masked_mean(entropy, mask)
+        loss = pg_loss - learn.entropy_coef * entropy_loss + learn.value_coef * v_loss
+
+        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
+        self.train_iter += 1
+
+        with torch.no_grad():
+            approx_kl = _masked_mean((ratio - 1.0) - logratio, mask)  # the low-variance estimator of KL(old || new)
+            clip_frac = _masked_mean(((ratio - 1.0).abs() > learn.clip_ratio).float(), mask)
+            metrics = torch.stack([pg_loss, v_loss, entropy_loss, approx_kl, clip_frac]).tolist()
+        out: dict[str, Any] = dict(zip(("losses/policy", "losses/value", "losses/entropy", "charts/approx_kl",
+                                        "charts/clip_frac"), metrics))
+        out["charts/lr"] = float(lr)
+        if grad_norm is not None:
+            out["charts/grad_norm"] = grad_norm.item()
+        return out

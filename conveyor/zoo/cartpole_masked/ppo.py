@@ -1,0 +1,45 @@
+"""Feed-forward PPO on CartPole without velocities: the baseline ``cartpole_masked/ppo_gru`` is measured against.
+
+    conveyor train cartpole_masked/ppo [--seed N] [--exp-name NAME] [--max-env-step N] [--resume] [--async]
+
+The same rollouts, epochs and learning rate as ``ppo_gru``; the policy only sees the current observation.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from easydict import EasyDict
+
+from conveyor.engine import OnlineRLContext
+from conveyor.zoo._ppo import train_ppo
+from conveyor.zoo.cartpole_masked import ENV_ID
+
+main_config = EasyDict(dict(
+    exp_name="cartpole_masked_ppo",
+    seed=0,
+    env=dict(
+        env_id=ENV_ID,
+        collector_env_num=8,
+        evaluator_env_num=10,
+        n_evaluator_episode=10,
+        stop_value=475.0,
+    ),
+    policy=dict(
+        discount_factor=0.98,
+        gae_lambda=0.8,
+        model=dict(hidden_sizes=[64, 64], obs_norm=True),
+        learn=dict(epoch_per_collect=20, batch_size=256, learning_rate=1e-3, lr_anneal_steps=8000,
+                   clip_ratio=0.2, entropy_coef=0.0, value_coef=1.0, grad_clip=0.5),
+        collect=dict(n_sample=256),
+        eval=dict(evaluator=dict(eval_freq=200)),
+    ),
+))
+"""The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
+         max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
+         progress: bool = True) -> OnlineRLContext:
+    """Train feed-forward PPO on masked CartPole; returns the final context."""
+    return train_ppo(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
+                     async_mode=async_mode, progress=progress)

@@ -1,0 +1,42 @@
+"""PPO on Pendulum-v1: a state-independent Gaussian, observation normalisation, short horizon (gamma 0.9).
+
+    conveyor train pendulum/ppo [--seed N] [--exp-name NAME] [--max-env-step N] [--resume] [--async]
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from easydict import EasyDict
+
+from conveyor.engine import OnlineRLContext
+from conveyor.zoo._ppo import train_ppo
+
+main_config = EasyDict(dict(
+    exp_name="pendulum_ppo",
+    seed=0,
+    env=dict(
+        env_id="Pendulum-v1",
+        collector_env_num=4,
+        evaluator_env_num=10,
+        n_evaluator_episode=10,
+        stop_value=-200.0,
+    ),
+    policy=dict(
+        discount_factor=0.9,
+        gae_lambda=0.95,
+        model=dict(action_space="gaussian", hidden_sizes=[64, 64], obs_norm=True),
+        learn=dict(epoch_per_collect=10, batch_size=64, learning_rate=1e-3, clip_ratio=0.2, entropy_coef=0.0,
+                   value_coef=0.5, grad_clip=0.5),
+        collect=dict(n_sample=4096),
+        eval=dict(evaluator=dict(eval_freq=2000)),
+    ),
+))
+"""The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
+         max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
+         progress: bool = True) -> OnlineRLContext:
+    """Train PPO on Pendulum; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``)."""
+    return train_ppo(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
+                     async_mode=async_mode, progress=progress)

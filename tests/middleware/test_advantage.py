@@ -1,0 +1,158 @@
+"""GAE over time-major trajectories: termination, truncation, chunk ends, invalid rows, recurrent sequences."""
+import numpy as np
+import pytest
+import torch
+import treetensor.torch as ttorch
+from easydict import EasyDict
+
+from conveyor import OnlineRLContext
+from conveyor.data import DequeBuffer
+from conveyor.middleware import gae_estimator, generalized_advantage
+
+GAMMA, LAMBDA = 0.5, 0.5
+
+
+class ObsIsValue:
+    """A critic whose value of an observation is the observation itself; records what it was asked."""
+
+    def __init__(self):
+        self.calls = []
+
+    def value(self, obs, **state):
+        self.calls.append((np.asarray(obs).copy(), {k: np.asarray(v).copy() for k, v in state.items()}))
+        return np.asarray(obs, dtype=np.float32).copy()
+
+
+def config(sequence_length=None):
+    return EasyDict(policy=dict(discount_factor=GAMMA, gae_lambda=LAMBDA, learn=dict(sequence_length=sequence_length)))
+
+
+def trajectory(**fields):
+    """A [T, N] batch from nested lists; ``obs``/``next_obs``/``value`` are the scalar values the fake critic reads."""
+    out = {}
+    for key, value in fields.items():
+        dtype = torch.bool if key in ("terminated", "truncated", "valid") else torch.float32
+        out[key] = torch.tensor(value, dtype=dtype)
+    return ttorch.Tensor(out)
+
+
+def hand_case(**extra):
+    """Env 0: a step, a termination (its final observation 100 must be ignored), a step cut by the chunk end.
+    Env 1: a truncation (bootstraps from its final observation 10), a crashed row, a step cut by the chunk end."""
+    return trajectory(
+        obs=[[1.0, 1.0], [2.0, 50.0], [3.0, 2.0]],
+        value=[[1.0, 1.0], [2.0, 50.0], [3.0, 2.0]],
+        reward=[[1.0, 2.0], [1.0, 7.0], [1.0, 0.0]],
+        next_obs=[[2.0, 10.0], [100.0, 2.0], [4.0, 6.0]],
+        terminated=[[False, False], [True, False], [False, False]],
+        truncated=[[False, True], [False, False], [False, False]],
+        valid=[[True, True], [True, False], [True, True]],
+        action=[[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]],
+        **extra,
+    )
+
+
+def run(traj, critic=None, cfg=None, buffer=None):
+    ctx = OnlineRLContext()
+    ctx.trajectories = traj
+    gae_estimator(cfg or config(), critic or ObsIsValue(), buffer)(ctx)
+    return ctx
+
+
+def test_gae_matches_a_hand_computed_case_with_termination_truncation_chunk_end_and_a_crashed_row():
+    # env 0: t2 delta = 1 + .5*4 - 3 = 0;  t1 (terminated) delta = 1 - 2 = -1;  t0 = (1 + .5*2 - 1) + .25*(-1) = .75
+    # env 1: t2 delta = 0 + .5*6 - 2 = 1;  t1 crashed (dropped);  t0 (truncated) delta = 2 + .5*10 - 1 = 6
+    data = run(hand_case()).train_data
+    np.testing.assert_allclose(data.adv.numpy(), [0.75, 6.0, -1.0, 0.0, 1.0])  # valid rows, time-major order
+    np.testing.assert_allclose(data["return"].numpy(), [1.75, 7.0, 1.0, 3.0, 3.0])
+    np.testing.assert_allclose(data.action.numpy(), [0.0, 1.0, 1.0, 0.0, 1.0])
+
+
+def test_the_critic_is_asked_only_for_truncated_and_chunk_end_next_observations():
+    critic = ObsIsValue()
+    run(hand_case(), critic)
+    assert len(critic.calls) == 1  # one batched call
+    np.testing.assert_allclose(np.sort(critic.calls[0][0]), [4.0, 6.0, 10.0])
+
+
+def test_output_is_flat_without_invalid_rows_or_next_obs():
+    data = run(hand_case()).train_data
+    assert tuple(data.adv.shape) == (5,)
+    assert "next_obs" not in data and "valid" not in data
+    assert {"obs", "action", "value", "reward", "adv", "return"} <= set(data.keys())
+
+
+def test_values_are_computed_when_the_trajectory_has_none():
+    traj = hand_case()
+    del traj["value"]
+    np.testing.assert_allclose(run(traj).train_data.adv.numpy(), [0.75, 6.0, -1.0, 0.0, 1.0])
+
+
+def test_with_a_buffer_the_batch_is_pushed_instead():
+    buffer = DequeBuffer(16)
+    ctx = run(hand_case(), buffer=buffer)
+    assert ctx.train_data is None and len(buffer) == 5
+    assert "adv" in buffer.sample(2) and "return" in buffer.sample(2)
+
+
+def test_episodes_end_to_end_are_one_time_axis():
+    traj = trajectory(obs=[1.0, 2.0, 3.0], value=[1.0, 2.0, 3.0], reward=[1.0, 1.0, 1.0], next_obs=[2.0, 100.0, 8.0],
+                      terminated=[False, True, False], truncated=[False, False, True])
+    # episode 1: t1 delta = 1 - 2 = -1, t0 = (1 + .5*2 - 1) + .25*(-1) = .75;  episode 2 (truncated): 1 + .5*8 - 3 = 2
+    np.testing.assert_allclose(run(traj).train_data.adv.numpy(), [0.75, -1.0, 2.0])
+
+
+def test_lambda_one_gives_discounted_returns_and_lambda_zero_td_errors():
+    reward = np.array([[1.0], [2.0], [3.0]], np.float32)
+    value = np.array([[0.5], [1.0], [1.5]], np.float32)
+    next_value = np.array([[1.0], [1.5], [2.0]], np.float32)
+    done = np.zeros((3, 1), bool)
+    mc = generalized_advantage(reward, value, next_value, done, 0.9, 1.0)
+    returns = [1 + 0.9 * 2 + 0.81 * 3 + 0.729 * 2.0, 2 + 0.9 * 3 + 0.81 * 2.0, 3 + 0.9 * 2.0]
+    np.testing.assert_allclose(mc[:, 0], np.array(returns) - value[:, 0], rtol=1e-6)
+    td = generalized_advantage(reward, value, next_value, done, 0.9, 0.0)
+    np.testing.assert_allclose(td, reward + 0.9 * next_value - value, rtol=1e-6)
+
+
+# --- recurrent trajectories: sequences ----------------------------------------------------------------
+def recurrent_case():
+    """T = 5 steps of N = 1 env; the episode ends (terminated) at t = 1; hidden states are the step number."""
+    hidden = [[[float(t)]] for t in range(5)]
+    next_hidden = [[[float(t) + 0.5]] for t in range(5)]
+    return trajectory(
+        obs=[[1.0], [2.0], [3.0], [4.0], [5.0]], value=[[1.0], [2.0], [3.0], [4.0], [5.0]],
+        reward=[[0.0]] * 5, next_obs=[[2.0], [9.0], [4.0], [5.0], [6.0]],
+        terminated=[[False], [True], [False], [False], [False]], truncated=[[False]] * 5, valid=[[True]] * 5,
+        action=[[0.0]] * 5, hidden=hidden, next_hidden=next_hidden,
+    )
+
+
+def test_recurrent_trajectories_become_padded_sequences_with_episode_starts_and_a_mask():
+    data = run(recurrent_case(), cfg=config(sequence_length=2)).train_data
+    assert tuple(data.adv.shape) == (2, 3)  # [L = 2, 3 sequences]: steps (0, 1), (2, 3), (4, pad)
+    np.testing.assert_array_equal(data.obs.numpy(), [[1.0, 3.0, 5.0], [2.0, 4.0, 0.0]])
+    np.testing.assert_array_equal(data.mask.numpy(), [[True, True, True], [True, True, False]])
+    np.testing.assert_array_equal(data.episode_start.numpy(), [[False, True, False], [False, False, False]])
+    np.testing.assert_array_equal(data.hidden[0, :, 0].numpy(), [0.0, 2.0, 4.0])  # each sequence's first state
+
+
+def test_recurrent_bootstrap_passes_the_state_after_the_last_step():
+    critic = ObsIsValue()
+    run(recurrent_case(), critic, cfg=config(sequence_length=2))
+    obs, state = critic.calls[0]
+    np.testing.assert_allclose(obs, [6.0])
+    np.testing.assert_allclose(state["hidden"], [[4.5]])
+
+
+def test_recurrent_trajectories_cannot_go_to_a_buffer():
+    with pytest.raises(ValueError, match="buffer"):
+        run(recurrent_case(), cfg=config(sequence_length=2), buffer=DequeBuffer(8))
+
+
+def test_a_policy_view_without_a_critic_is_refused_up_front():
+    class NoCritic:
+        def forward(self, obs):
+            return {}
+
+    with pytest.raises(TypeError, match="value"):
+        gae_estimator(config(), NoCritic())
