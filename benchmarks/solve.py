@@ -19,7 +19,8 @@ import time
 from conveyor.zoo import load_entry
 
 
-def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int) -> dict:
+def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int,
+               async_mode: bool = False) -> dict:
     cfg = copy.deepcopy(entry.main_config)
     cfg.seed = seed
     cfg.exp_name = f"solve_seed{seed}"
@@ -29,7 +30,7 @@ def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_ever
     cfg.policy.eval.evaluator.eval_freq = 10**9  # evaluate by env steps only
     cfg.policy.eval.evaluator.eval_env_step_freq = eval_every
     start = time.perf_counter()
-    ctx = entry.main(cfg, max_env_step=max_env_step, progress=False)
+    ctx = entry.main(cfg, max_env_step=max_env_step, progress=False, async_mode=async_mode)
     wall = time.perf_counter() - start
     solved = ctx.last_eval_value is not None and ctx.last_eval_value >= stop_value
     return {"seed": seed, "solved": solved, "env_steps": ctx.env_step, "wall_s": wall,
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=2000, help="env steps between evaluations")
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="2 seeds and a quarter of the budget")
+    parser.add_argument("--async", dest="async_mode", action="store_true",
+                        help="run the pipeline in async mode (collection and evaluation overlap training)")
     args = parser.parse_args()
     entry = load_entry(args.entry)
     stop_value = args.stop_value if args.stop_value is not None else entry.main_config.env.stop_value
@@ -57,11 +60,13 @@ def main() -> None:
         os.chdir(workdir)  # runs/ of each seed lands in a scratch folder
         try:
             for seed in range(seeds):
-                results.append(solve_once(entry, seed, stop_value, budget, args.eval_every, args.eval_episodes))
+                results.append(solve_once(entry, seed, stop_value, budget, args.eval_every, args.eval_episodes,
+                                          args.async_mode))
         finally:
             os.chdir(cwd)
 
-    print(f"{args.entry}: mean of {args.eval_episodes} eval episodes >= {stop_value} within {budget} env steps")
+    mode = "async" if args.async_mode else "sync"
+    print(f"{args.entry} ({mode}): mean of {args.eval_episodes} eval episodes >= {stop_value} within {budget} env steps")
     print(f"{'seed':>5}{'solved':>8}{'env steps':>11}{'wall s':>9}{'last eval':>11}")
     for r in results:
         print(f"{r['seed']:>5}{str(r['solved']):>8}{r['env_steps']:>11}{r['wall_s']:>9.1f}{r['last_eval']:>11.1f}")
