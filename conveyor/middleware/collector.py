@@ -60,6 +60,8 @@ class StepCollector:
         env, policy = self._env, self._policy
         if self._obs is None:
             self._obs = env.reset(seed=self._seed)
+            if self._random_collect_size > 0 and self._seed is not None:
+                env.action_space.seed(self._seed)  # random warm-up actions are reproducible too
         n = env.env_num
         rows: Dict[str, List[Any]] = {"obs": [], "reward": [], "next_obs": [], "terminated": [], "truncated": []}
         crashes: List[Any] = []

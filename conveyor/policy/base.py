@@ -258,6 +258,17 @@ class Policy(abc.ABC):
             self.train_iter = int(state_dict["counters"]["train_iter"])
 
 
+def replay_buffer_schema(size: int) -> dict:
+    """The ``other.replay_buffer`` options of off-policy policies, read by the pipeline to build a DequeBuffer."""
+    return {
+        "size": Option(size, "Replay buffer capacity in transitions.", check=schema.positive),
+        "prioritized": Option(False, "Prioritized experience replay."),
+        "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float, check=schema.unit_interval),
+        "beta": Option(0.4, "Importance-weight exponent of prioritized replay.", type=float,
+                       check=schema.unit_interval),
+    }
+
+
 def fused_adam(device: torch.device) -> bool:
     """Whether Adam's fused kernel can run on ``device``: CUDA, or CPU from torch 2.4 on. On a small MLP it
     steps about 3x faster than the per-tensor loop."""
@@ -375,7 +386,6 @@ def hard_update(target: nn.Module, source: nn.Module) -> None:
 @torch.no_grad()
 def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
     """Polyak averaging: ``target = (1 - tau) * target + tau * source`` (buffers are copied)."""
-    for t, s in zip(target.parameters(), source.parameters()):
-        t.lerp_(s, tau)
+    torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), tau)  # one kernel for all tensors
     for t, s in zip(target.buffers(), source.buffers()):
         t.copy_(s)

@@ -16,7 +16,8 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Policy, fused_adam, hard_update, make_target, soft_update
+from conveyor.policy.base import (Policy, fused_adam, hard_update, make_target, replay_buffer_schema,
+                                  soft_update)
 from conveyor.policy.model import QNetwork
 from conveyor.schema import Option
 
@@ -77,14 +78,7 @@ class DQNPolicy(Policy):
                     "decay": Option(5000, "Env steps of decay (time constant for 'exp', length for 'linear').",
                                     check=schema.positive),
                 },
-                "replay_buffer": {
-                    "size": Option(20000, "Replay buffer capacity in transitions.", check=schema.positive),
-                    "prioritized": Option(False, "Prioritized experience replay."),
-                    "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float,
-                                    check=schema.non_negative),
-                    "beta": Option(0.4, "Importance-weight exponent of prioritized replay.", type=float,
-                                   check=schema.unit_interval),
-                },
+                "replay_buffer": replay_buffer_schema(20000),
             },
         })
 

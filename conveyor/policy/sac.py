@@ -28,7 +28,8 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Policy, _hidden_sizes_check, fused_adam, make_target, soft_update
+from conveyor.policy.base import (Policy, _hidden_sizes_check, fused_adam, make_target, replay_buffer_schema,
+                                  soft_update)
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor
 from conveyor.schema import ConfigError, Option
 
@@ -156,14 +157,7 @@ class SACPolicy(Policy):
                                               check=schema.non_negative),
             },
             "other": {
-                "replay_buffer": {
-                    "size": Option(1_000_000, "Replay buffer capacity in transitions.", check=schema.positive),
-                    "prioritized": Option(False, "Prioritized experience replay."),
-                    "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float,
-                                    check=schema.non_negative),
-                    "beta": Option(0.4, "Importance-weight exponent of prioritized replay.", type=float,
-                                   check=schema.unit_interval),
-                },
+                "replay_buffer": replay_buffer_schema(1_000_000),
             },
         })
 

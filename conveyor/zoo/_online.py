@@ -14,9 +14,10 @@ from easydict import EasyDict
 from conveyor.config import compile_config
 from conveyor.engine import OnlineRLContext
 from conveyor.envs import make_env_manager
-from conveyor.middleware import restore
+from conveyor.engine import task
+from conveyor.middleware import online_logger, progress_bar, restore, termination_checker
 
-__all__ = ["prepare", "experiment_dir", "seed_everything", "env_managers", "resume_into"]
+__all__ = ["prepare", "experiment_dir", "seed_everything", "env_managers", "resume_into", "use_reporting"]
 
 RUNS = Path("runs")
 
@@ -63,3 +64,11 @@ def resume_into(cfg: Mapping[str, Any], policy: Any, ctx: OnlineRLContext, buffe
     restore(path, policy, ctx, buffer)
     return path
 
+
+def use_reporting(cfg: Mapping[str, Any], max_env_step: Optional[int], progress: bool) -> None:
+    """The tail of every zoo pipeline: TensorBoard logger, the env-step budget if any, the progress bar."""
+    task.use(online_logger(str(experiment_dir(cfg) / "tb")))
+    if max_env_step is not None:
+        task.use(termination_checker(max_env_step=max_env_step))
+    if progress:
+        task.use(progress_bar(max_env_step))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import (CkptSaver, StepCollector, gae_estimator, interaction_evaluator, multistep_trainer,
-                                 online_logger, progress_bar, termination_checker)
+from conveyor.middleware import CkptSaver, StepCollector, gae_estimator, interaction_evaluator, multistep_trainer
 from conveyor.policy import PPOPolicy
-from conveyor.zoo._online import env_managers, experiment_dir, prepare, resume_into, seed_everything
+from conveyor.zoo._online import (env_managers, experiment_dir, prepare, resume_into, seed_everything,
+                                  use_reporting)
 
 __all__ = ["train_ppo"]
 
@@ -37,10 +37,6 @@ def train_ppo(main_config: Mapping[str, Any], cfg: Optional[Mapping[str, Any]] =
             task.use(gae_estimator(cfg, policy.collect_mode))
             task.use(multistep_trainer(cfg, policy.learn_mode))  # the policy locks its updates against checkpoints
             task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq))
-            task.use(online_logger(str(exp_dir / "tb")))
-            if max_env_step is not None:
-                task.use(termination_checker(max_env_step=max_env_step))
-            if progress:
-                task.use(progress_bar(max_env_step))
+            use_reporting(cfg, max_env_step, progress)
             task.run()
             return task.ctx

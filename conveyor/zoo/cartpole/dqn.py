@@ -8,13 +8,9 @@ from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.data import DequeBuffer
-from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import (CkptSaver, OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler,
-                                 interaction_evaluator, nstep_reward_enhancer, online_logger, progress_bar,
-                                 termination_checker)
+from conveyor.engine import OnlineRLContext
 from conveyor.policy import DQNPolicy
-from conveyor.zoo._online import env_managers, experiment_dir, prepare, resume_into, seed_everything
+from conveyor.zoo._off_policy import train_off_policy
 
 main_config = EasyDict(dict(
     exp_name="cartpole_dqn",
@@ -47,30 +43,10 @@ main_config = EasyDict(dict(
 def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
          max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
          progress: bool = True) -> OnlineRLContext:
-    """Train DQN on CartPole; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``)."""
-    cfg = prepare(main_config, DQNPolicy, cfg, seed=seed, exp_name=exp_name)
-    seed_everything(cfg.seed)
-    exp_dir = experiment_dir(cfg)
-    policy = DQNPolicy(cfg.policy)
-    replay = cfg.policy.other.replay_buffer
-    buffer_ = DequeBuffer(replay.size, prioritized=replay.prioritized, alpha=replay.alpha, beta=replay.beta,
-                          seed=cfg.seed)
-    ctx = OnlineRLContext()
-    if resume:
-        resume_into(cfg, policy, ctx, buffer_)
-    with env_managers(cfg) as (collector_env, evaluator_env):
-        with task.start(async_mode=async_mode, ctx=ctx):
-            task.use(interaction_evaluator(cfg, policy.eval_mode, evaluator_env))
-            task.use(eps_greedy_handler(cfg))
-            task.use(StepCollector(cfg, policy.collect_mode, collector_env))
-            task.use(nstep_reward_enhancer(cfg))
-            task.use(data_pusher(cfg, buffer_))
-            task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer_))
-            task.use(CkptSaver(policy, exp_dir, train_freq=1000, buffer=buffer_))
-            task.use(online_logger(str(exp_dir / "tb")))
-            if max_env_step is not None:
-                task.use(termination_checker(max_env_step=max_env_step))
-            if progress:
-                task.use(progress_bar(max_env_step))
-            task.run()
-            return task.ctx
+    """Train DQN on CartPole; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``).
+
+    The pipeline: evaluator, eps-greedy handler, StepCollector, n-step enhancer, data pusher,
+    OffPolicyLearner, CkptSaver, TensorBoard logger (see conveyor/zoo/_off_policy.py).
+    """
+    return train_off_policy(main_config, DQNPolicy, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step,
+                            resume=resume, async_mode=async_mode, progress=progress)

@@ -12,7 +12,8 @@ from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
 from conveyor.schema import ConfigError
-from conveyor.zoo._sac import train_sac
+from conveyor.policy import SACPolicy
+from conveyor.zoo._off_policy import train_off_policy
 
 main_config = EasyDict(dict(
     exp_name="lunarlander_continuous_sac",
@@ -44,8 +45,8 @@ def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None,
     """Train SAC on LunarLanderContinuous; returns the final context (``env_step``, ``train_iter``,
     ``last_eval_value``)."""
     _require_box2d()
-    return train_sac(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
-                     async_mode=async_mode, progress=progress)
+    return train_off_policy(main_config, SACPolicy, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step,
+                            resume=resume, async_mode=async_mode, progress=progress, ckpt_freq=5000)
 
 
 def _require_box2d() -> None:

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo._sac import train_sac
+from conveyor.policy import SACPolicy
+from conveyor.zoo._off_policy import train_off_policy
 
 main_config = EasyDict(dict(
     exp_name="pendulum_sac",
@@ -38,5 +39,5 @@ def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None,
          max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
          progress: bool = True) -> OnlineRLContext:
     """Train SAC on Pendulum; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``)."""
-    return train_sac(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
-                     async_mode=async_mode, progress=progress)
+    return train_off_policy(main_config, SACPolicy, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step,
+                            resume=resume, async_mode=async_mode, progress=progress, ckpt_freq=5000)
