@@ -18,7 +18,7 @@ main_config = EasyDict(dict(
     env=dict(
         env_id="CartPole-v1",
         collector_env_num=8,
-        evaluator_env_num=5,
+        evaluator_env_num=10,  # the 10 evaluation episodes run in one lock-stepped pass
         n_evaluator_episode=10,
         stop_value=475.0,
     ),
