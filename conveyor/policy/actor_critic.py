@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from conveyor.policy.continuous import ActionScaler, tanh_log_det_jacobian
-from conveyor.policy.model import ObsShape, build_encoder
+from conveyor.policy.model import ACTIVATIONS, MLP, ObsShape, build_encoder
 
 __all__ = ["ActorCritic", "ActionDist", "CategoricalDist", "GaussianDist", "TanhGaussianDist", "make_action_dist"]
 
@@ -29,30 +29,6 @@ Params = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 """What the actor head outputs: logits ``[..., A]``, or ``(mean, log_std)`` each ``[..., A]``."""
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
-_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
-
-
-class _MLPEncoder(nn.Module):
-    """Linear layers each followed by ``activation``, orthogonally initialised (gain sqrt(2), zero bias);
-    with no ``hidden_sizes`` it passes its input on as floats."""
-
-    def __init__(self, in_dim: int, hidden_sizes: Sequence[int], activation: str) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        dim = in_dim
-        for size in hidden_sizes:
-            layers += [_orthogonal(nn.Linear(dim, size), math.sqrt(2.0)), _ACTIVATIONS[activation]()]
-            dim = size
-        self.net = nn.Sequential(*layers)
-        self.output_dim = dim
-        self.scalar_input = in_dim == 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_floating_point():
-            x = x.float()
-        if self.scalar_input and (x.ndim == 1 or x.shape[-1] != 1):
-            x = x.unsqueeze(-1)
-        return self.net(x)
 
 
 def _orthogonal(layer: nn.Linear, gain: float) -> nn.Linear:
@@ -73,7 +49,7 @@ def _flat_dim(obs_shape: ObsShape) -> int | None:
 def _encoder(obs_shape: ObsShape, hidden_sizes: Sequence[int], activation: str) -> nn.Module:
     dim = _flat_dim(obs_shape)
     if dim is not None:
-        return _MLPEncoder(dim, hidden_sizes, activation)
+        return MLP(dim, hidden_sizes, activation=activation, orthogonal_gain=math.sqrt(2.0))
     return build_encoder(obs_shape, hidden_sizes)  # images and Dict observations: conveyor.policy.model's encoders
 
 
@@ -97,8 +73,8 @@ class ActorCritic(nn.Module):
                  rnn_hidden_size: int | None = None, state_dependent_std: bool = False,
                  init_log_std: float = 0.0) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.discrete = action_space == "discrete"
         self.action_dim = action_dim
         self.recurrent = rnn_hidden_size is not None
@@ -106,12 +82,13 @@ class ActorCritic(nn.Module):
         self.rnn: nn.GRUCell | None = None
         if rnn_hidden_size is not None:
             flat = _flat_dim(obs_shape)
-            self.rnn_input = _MLPEncoder(flat, (), activation) if flat is not None else \
+            self.rnn_input = MLP(flat, (), activation=activation) if flat is not None else \
                 build_encoder(obs_shape, hidden_sizes)
             self.rnn = nn.GRUCell(self.rnn_input.output_dim, rnn_hidden_size)
-            self.actor_encoder = _MLPEncoder(rnn_hidden_size, hidden_sizes, activation)
+            self.actor_encoder = MLP(rnn_hidden_size, hidden_sizes, activation=activation,
+                                     orthogonal_gain=math.sqrt(2.0))
             self.critic_encoder = self.actor_encoder if self.shared else \
-                _MLPEncoder(rnn_hidden_size, hidden_sizes, activation)
+                MLP(rnn_hidden_size, hidden_sizes, activation=activation, orthogonal_gain=math.sqrt(2.0))
         else:
             self.actor_encoder = _encoder(obs_shape, hidden_sizes, activation)
             self.critic_encoder = self.actor_encoder if self.shared else _encoder(obs_shape, hidden_sizes, activation)

@@ -21,19 +21,32 @@ ObsShape = Union[int, Sequence[int], Mapping[str, Any]]
 _CHANNEL_COUNTS = (1, 2, 3, 4)
 
 
+ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+"""Hidden-layer activations an :class:`MLP` accepts by name."""
+
+
 class MLP(nn.Module):
-    """Linear layers with a ReLU after each hidden layer; an optional final linear ``out_dim`` layer.
+    """Linear layers with an activation (ReLU by default) after each hidden layer; an optional final
+    linear ``out_dim`` layer. ``orthogonal_gain`` initialises the hidden layers orthogonally with that
+    gain and zero biases (as PPO implementations do) instead of torch's default.
 
     With ``in_dim == 1`` scalar observations (a ``Discrete`` space) may come without their trailing
-    dim: ``[N]`` is read as ``[N, 1]``.
+    dim: ``[N]`` is read as ``[N, 1]``; integer inputs are cast to float.
     """
 
-    def __init__(self, in_dim: int, hidden_sizes: Sequence[int], *, out_dim: int | None = None) -> None:
+    def __init__(self, in_dim: int, hidden_sizes: Sequence[int], *, out_dim: int | None = None,
+                 activation: str = "relu", orthogonal_gain: float | None = None) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         layers: list[nn.Module] = []
         dim = in_dim
         for size in hidden_sizes:
-            layers += [nn.Linear(dim, size), nn.ReLU()]
+            linear = nn.Linear(dim, size)
+            if orthogonal_gain is not None:
+                nn.init.orthogonal_(linear.weight, orthogonal_gain)
+                nn.init.zeros_(linear.bias)
+            layers += [linear, ACTIVATIONS[activation]()]
             dim = size
         if out_dim is not None:
             layers.append(nn.Linear(dim, out_dim))
