@@ -48,9 +48,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         ctx = entry.main(seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step, resume=args.resume,
                          async_mode=args.async_mode, progress=args.progress)
     except (UnknownEntryError, ConfigError, FileNotFoundError) as exc:
-        return _usage_error(str(exc).strip("'\""))
+        return _usage_error(_message(exc))
     print(f"done: env_step={ctx.env_step} train_iter={ctx.train_iter} last_eval_return={ctx.last_eval_value}")
     return 0
+
+
+def _message(exc: BaseException) -> str:
+    """The exception's own sentence (``str()`` of a LookupError would wrap it in quotes)."""
+    return exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
 
 
 def _usage_error(message: str) -> int:
