@@ -223,6 +223,17 @@ class Policy(abc.ABC):
             return to_tensor(batch, self._input_device)
         return batch if self._input_device is None else batch.to(self._input_device)
 
+    def _bootstrap_discount(self, batch: ttorch.Tensor) -> torch.Tensor | float:
+        """The factor on each transition's bootstrap value: the batch's ``discount`` (``gamma**k`` after the
+        n-step enhancer), else ``cfg.discount_factor``; refuses an n-step config whose batch has no discount."""
+        if "discount" in batch:
+            return batch.discount
+        nstep = self.cfg.get("nstep", 1)
+        if nstep > 1:
+            raise ValueError(f"{type(self).__name__}: policy.nstep={nstep} but the batch has no 'discount': add the "
+                             "n-step enhancer to the pipeline, or set policy.nstep=1")
+        return self.cfg.discount_factor
+
     def _apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer,
                          parameters: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Backward ``loss`` and step ``optimizer``, clipping by ``cfg.learn.grad_clip``; the norm if clipped."""

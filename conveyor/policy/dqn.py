@@ -120,13 +120,7 @@ class DQNPolicy(Policy):
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
         """One gradient step of (double) DQN on a flat batch of transitions."""
-        if "discount" in batch:
-            discount = batch.discount
-        elif self.cfg.nstep > 1:
-            raise ValueError(f"DQNPolicy: policy.nstep={self.cfg.nstep} but the batch has no 'discount': add the "
-                             "n-step enhancer to the pipeline, or set policy.nstep=1")
-        else:
-            discount = self.cfg.discount_factor
+        discount = self._bootstrap_discount(batch)
         q_all = self.model(batch.obs)
         q = q_all.gather(-1, batch.action.long().reshape(*q_all.shape[:-1], 1)).squeeze(-1)
 

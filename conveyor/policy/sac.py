@@ -235,13 +235,7 @@ class SACPolicy(Policy):
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
         """Critic, actor and temperature updates on one flat batch, then the soft target update."""
-        if "discount" in batch:
-            discount = batch.discount
-        elif self.cfg.nstep > 1:
-            raise ValueError(f"SACPolicy: policy.nstep={self.cfg.nstep} but the batch has no 'discount': add the "
-                             "n-step enhancer to the pipeline, or set policy.nstep=1")
-        else:
-            discount = self.cfg.discount_factor
+        discount = self._bootstrap_discount(batch)
         log_alpha = self.temperature.log_alpha
         alpha = log_alpha.detach().exp()
         action = self.action_scaler.from_env(batch.action).reshape(-1, self.action_dim)
