@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from types import GeneratorType
 from typing import Any, Callable, ContextManager, Deque, Dict, Generator, List, Optional, Sequence, Union
 
-__all__ = ["Middleware", "MiddlewareError", "Suspended", "Timing", "as_middleware", "cancel", "check_middleware",
+__all__ = ["Middleware", "MiddlewareError", "Suspended", "Timing", "as_middleware", "check_middleware",
            "compose", "enter", "hand_over", "leave", "middleware_name", "run_forward", "unwind"]
 
 class MiddlewareError(RuntimeError):
@@ -191,12 +191,6 @@ def unwind(stack: List[Suspended], exc: Optional[BaseException] = None) -> None:
         exc = leave(stack.pop(), exc)
     if exc is not None:
         raise exc
-
-
-def cancel(stack: List[Suspended]) -> None:
-    """Abandon suspended middleware: close their generators so ``finally`` blocks run, innermost first."""
-    while stack:
-        stack.pop().gen.close()
 
 
 def run_forward(chain: Sequence[Middleware], ctx: Any, stack: List[Suspended]) -> None:
