@@ -112,10 +112,11 @@ class StepCollector:
 
 
 class EpisodeCollector:
-    """Collects ``cfg.policy.collect.n_episode`` complete episodes per call.
+    """Collects exactly ``cfg.policy.collect.n_episode`` complete episodes per call.
 
-    Episodes still running when a call returns continue in the next call; an episode whose env crashes
-    is dropped whole.
+    Episodes still running when a call returns continue in the next call, and episodes that finish in
+    the same step beyond the ``n_episode`` asked for are handed out first by the next call; an episode
+    whose env crashes is dropped whole.
 
     Reads ctx: ``collect_kwargs``.
     Writes ctx: ``episodes`` (list of batches, one per episode, leading dim = episode length),
@@ -133,12 +134,13 @@ class EpisodeCollector:
         self._seed = cfg.get("seed")
         self._obs: Any = None
         self._running: List[List[Dict[str, Any]]] = [[] for _ in range(env.env_num)]
+        self._finished: List[Dict[str, Any]] = []
 
     def __call__(self, ctx: OnlineRLContext) -> None:
         env, policy = self._env, self._policy
         if self._obs is None:
             self._obs = env.reset(seed=self._seed)
-        finished: List[Dict[str, Any]] = []
+        finished = self._finished
         steps = 0
         obs = self._obs
         while len(finished) < self._n_episode:
@@ -164,6 +166,7 @@ class EpisodeCollector:
                 policy.reset(np.flatnonzero(ended).tolist())
             obs = ts.obs
         self._obs = obs
+        finished, self._finished = finished[:self._n_episode], finished[self._n_episode:]
         ctx.episodes = [to_tensor(ep) for ep in finished]
         ctx.trajectories = to_tensor(_concat(finished))
         ctx.trajectory_end_idx = np.cumsum([len(ep["reward"]) for ep in finished]) - 1

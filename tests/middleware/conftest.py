@@ -54,4 +54,4 @@ def cartpole_envs(request):
 
 @pytest.fixture
 def policy(cfg):
-    return DQNPolicy(cfg.policy)
+    return DQNPolicy(cfg.policy, seed=0)

@@ -105,6 +105,22 @@ def test_episode_collector_returns_whole_episodes(cfg, policy, cartpole_envs):
     assert ctx.env_step >= sum(lengths) and ctx.env_episode == 3
 
 
+def test_episode_collector_hands_episodes_that_end_together_to_the_next_call(cfg, policy):
+    env = SyncEnvManager([lambda: CrashEveryK(k=10**9, episode_len=5)] * 2, seed=0)
+    try:
+        cfg.policy.collect.n_episode = 3
+        collector = EpisodeCollector(cfg, policy.collect_mode, env)
+        ctx = OnlineRLContext()
+        ctx.collect_kwargs = {"eps": 1.0}
+        collector(ctx)  # both envs end at steps 5 and 10: four episodes, three handed out
+        assert len(ctx.episodes) == 3 and ctx.env_episode == 3 and ctx.env_step == 20
+        collector(ctx)  # the fourth comes first, then two more after five steps
+        assert len(ctx.episodes) == 3 and ctx.env_episode == 6 and ctx.env_step == 30
+        assert all(len(episode.reward) == 5 for episode in ctx.episodes)
+    finally:
+        env.close()
+
+
 def test_episode_collector_needs_n_episode(cfg, policy, cartpole_envs):
     with pytest.raises(ValueError, match="n_episode"):
         EpisodeCollector(cfg, policy.collect_mode, cartpole_envs(2))
