@@ -16,8 +16,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import (Policy, fused_adam, hard_update, make_target, replay_buffer_schema,
-                                  soft_update)
+from conveyor.policy.base import Policy, TargetSync, fused_adam, make_target, replay_buffer_schema
 from conveyor.policy.model import QNetwork
 from conveyor.schema import Option
 
@@ -94,6 +93,7 @@ class DQNPolicy(Policy):
         super().__init__(cfg, model, device=device, seed=seed)
         learn = self.cfg.learn
         self.target_model = make_target(self.model)
+        self._target_sync = TargetSync(self.target_model, self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learn.learning_rate,
                                           fused=fused_adam(self.device))
         self.register_state("target_model", self.target_model)
@@ -157,7 +157,7 @@ class DQNPolicy(Policy):
         """Soft update every step when ``target_theta`` is set, else a hard copy every ``target_update_freq``."""
         theta = self.cfg.learn.target_theta
         if theta is not None:
-            soft_update(self.target_model, self.model, theta)
+            self._target_sync.soft(theta)
         elif self.train_iter % self.cfg.learn.target_update_freq == 0:
-            hard_update(self.target_model, self.model)
+            self._target_sync.hard()
 

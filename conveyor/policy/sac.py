@@ -28,8 +28,8 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import (Policy, _hidden_sizes_check, fused_adam, make_target, replay_buffer_schema,
-                                  soft_update)
+from conveyor.policy.base import (Policy, TargetSync, _hidden_sizes_check, fused_adam, make_target,
+                                  replay_buffer_schema)
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor
 from conveyor.schema import ConfigError, Option
 
@@ -184,6 +184,7 @@ class SACPolicy(Policy):
         self.actor: nn.Module = self.model.actor
         self.critic: nn.Module = self.model.critic
         self.target_critic = make_target(self.critic)
+        self._target_sync = TargetSync(self.target_critic, self.critic)
         action_dim = self._required(model_cfg, "action_shape", "action_shape=1 for Pendulum")
         try:
             self.action_scaler = ActionScaler(action_dim, model_cfg.action_low, model_cfg.action_high,
@@ -274,7 +275,7 @@ class SACPolicy(Policy):
             self.alpha_optimizer.step()
 
         self.train_iter += 1
-        soft_update(self.target_critic, self.critic, self.cfg.learn.target_theta)
+        self._target_sync.soft(self.cfg.learn.target_theta)
 
         td_error = td_error.detach()
         out: dict[str, Any] = {
