@@ -162,14 +162,17 @@ class QNetwork(nn.Module):
         self.encoder = encoder if encoder is not None else build_encoder(obs_shape, hidden_sizes)
         dim = self.encoder.output_dim
         self.dueling = dueling
-        # Dueling: one layer outputs the value (column 0) and the advantages (columns 1..).
+        # Dueling: one layer outputs the value (column 0) and the advantages (columns 1..). Combining them is
+        # linear, so it is one matmul with a fixed matrix: a single autograd node instead of five.
         self.head = nn.Linear(dim, action_num + 1 if dueling else action_num)
         self.action_num = action_num
+        if dueling:
+            combine = torch.zeros(action_num + 1, action_num)
+            combine[0] = 1.0
+            combine[1:] = torch.eye(action_num) - 1.0 / action_num
+            self.register_buffer("dueling_combine", combine, persistent=False)
 
     def forward(self, obs: Any) -> torch.Tensor:
         """``[..., action_num]`` Q-values for a batch of observations."""
         out = self.head(self.encoder(obs))
-        if not self.dueling:
-            return out
-        value, advantage = out[..., :1], out[..., 1:]
-        return value + (advantage - advantage.mean(dim=-1, keepdim=True))
+        return out @ self.dueling_combine if self.dueling else out

@@ -86,3 +86,12 @@ def test_dueling_q_is_invariant_to_a_constant_shift_of_advantages():
     with torch.no_grad():
         net.head.bias[1:] += 10.0  # shift every advantage by the same constant
     torch.testing.assert_close(net(obs), before)
+
+
+def test_dueling_q_is_value_plus_centred_advantages_and_adds_nothing_to_the_state_dict():
+    net = QNetwork(4, 3, hidden_sizes=[8], dueling=True)
+    obs = torch.randn(6, 4)
+    out = net.head(net.encoder(obs))
+    value, advantage = out[:, :1], out[:, 1:]
+    torch.testing.assert_close(net(obs), value + advantage - advantage.mean(-1, keepdim=True))
+    assert set(net.state_dict()) == set(QNetwork(4, 3, hidden_sizes=[8], dueling=False).state_dict())
