@@ -70,11 +70,12 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
     """Writes scalars to TensorBoard under ``logdir`` (tensorboardX), indexed by env step
     (and also by train iteration with ``record_train_iter``).
 
-    Logged: ``eval/return`` after each evaluation; every ``train_show_freq`` train iterations the mean
-    of the policy's metrics (``losses/...``, ``charts/...``), ``charts/episode_return`` of training
-    episodes, ``charts/env_steps_per_s`` and ``time/<middleware>_ms`` from ``task.stats()``.
+    Logged: ``eval/return`` after each evaluation, at the env step the evaluation was taken at; every
+    ``train_show_freq`` train iterations the mean of the policy's metrics (``losses/...``,
+    ``charts/...``), ``charts/episode_return`` of training episodes, ``charts/env_steps_per_s`` and
+    ``time/<middleware>_ms`` from ``task.stats()``.
 
-    Reads ctx: ``eval_value``, ``train_output``, ``env_step``, ``train_iter``.
+    Reads ctx: ``eval_value``, ``eval_output``, ``train_output``, ``env_step``, ``train_iter``.
     """
     from tensorboardX import SummaryWriter
 
@@ -85,10 +86,13 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
     def _log(ctx: OnlineRLContext):
         yield
         scalars = scalars_of(ctx)
+        taken_at = ctx.eval_output if isinstance(ctx.eval_output, dict) else {}
         for key, value in scalars.items():
-            writer.add_scalar(key, value, ctx.env_step)
+            at_eval = key == "eval/return"  # the evaluator may run before this iteration's collection
+            writer.add_scalar(key, value, taken_at.get("env_step", ctx.env_step) if at_eval else ctx.env_step)
             if record_train_iter:
-                writer.add_scalar(f"{key}_iter", value, ctx.train_iter)
+                writer.add_scalar(f"{key}_iter", value,
+                                  taken_at.get("train_iter", ctx.train_iter) if at_eval else ctx.train_iter)
         if scalars:
             writer.flush()
 

@@ -47,6 +47,20 @@ def test_online_logger_writes_eval_return_losses_throughput_and_middleware_time(
     assert [v for tag, _, v in scalars if tag == "losses/td"] == [0.5, 0.5, 0.5]
 
 
+def test_online_logger_steps_eval_return_at_the_env_step_the_evaluation_was_taken_at(tmp_path):
+    with task.start(ctx=OnlineRLContext()):
+        def evaluate_then_collect(ctx):
+            if ctx.total_step == 1:
+                ctx.eval_value = 7.0
+                ctx.eval_output = {"mean": 7.0, "env_step": ctx.env_step, "train_iter": ctx.train_iter}
+            ctx.env_step += 100
+            ctx.train_iter += 1
+        task.use(evaluate_then_collect).use(online_logger(str(tmp_path), record_train_iter=True))
+        task.run(max_step=3)
+    scalars = read_scalars(tmp_path)
+    assert ("eval/return", 100, 7.0) in scalars and ("eval/return_iter", 1, 7.0) in scalars
+
+
 def test_online_logger_averages_between_shows(tmp_path):
     pipeline(online_logger(str(tmp_path), train_show_freq=100), iterations=4)
     steps = [step for tag, step, _ in read_scalars(tmp_path) if tag == "losses/td"]
