@@ -403,9 +403,10 @@ def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
 class TargetSync:
     """Keeps a target network in step with its source, softly (Polyak averaging) or by copying.
 
-    It gathers both networks' parameters once: walking the module tree on every gradient step costs more
-    than the update itself on the small networks RL uses. Loading a state dict or moving a network to
-    another device keeps its parameter objects, so the lists stay valid.
+    It gathers both networks' tensors once: walking the module tree on every gradient step costs more
+    than the update itself on the small networks RL uses. Loading a state dict copies into those same
+    tensors, but moving a network to another device or dtype replaces its buffers: build the sync after
+    the networks are in place.
     """
 
     def __init__(self, target: nn.Module, source: nn.Module) -> None:
@@ -413,8 +414,8 @@ class TargetSync:
         self._source = list(source.parameters())
         self._target_buffers = list(target.buffers())
         self._source_buffers = list(source.buffers())
-        shapes = [t.shape for t in self._target], [s.shape for s in self._source]
-        if shapes[0] != shapes[1] or len(self._target_buffers) != len(self._source_buffers):
+        same = [t.shape for t in self._target] == [s.shape for s in self._source]
+        if not same or len(self._target_buffers) != len(self._source_buffers):
             raise ValueError("TargetSync: target and source networks differ in shape; make the target with "
                              "make_target(source)")
 

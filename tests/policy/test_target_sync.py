@@ -53,3 +53,4 @@ def test_module_level_helpers_match_the_class():
 def test_networks_of_different_shapes_are_refused():
     with pytest.raises(ValueError, match="make_target"):
         TargetSync(nn.Linear(3, 4), nn.Linear(3, 5))
+
