@@ -5,6 +5,7 @@ Each seed trains the entry from scratch, evaluating every ``--eval-every`` env s
 
     python benchmarks/solve.py cartpole/dqn --seeds 5
     python benchmarks/solve.py cartpole/dqn --quick        # 2 seeds, smaller budget
+    python benchmarks/solve.py cartpole/dqn --seeds 10 --first-seed 10 --set policy.learn.learning_rate=2e-3
 """
 from __future__ import annotations
 
@@ -19,9 +20,27 @@ import time
 from conveyor.zoo import load_entry
 
 
+def override(cfg, assignment: str) -> None:
+    """Apply one ``--set dotted.key=value`` to ``cfg``; the value is read as JSON, else kept as a string."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set expects KEY=VALUE with a dotted config key, got {assignment!r}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    *parents, last = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value  # an unknown or misspelt key is refused when the entry compiles its config
+
+
 def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int,
-               async_mode: bool = False) -> dict:
+               async_mode: bool = False, overrides: tuple = ()) -> dict:
     cfg = copy.deepcopy(entry.main_config)
+    for assignment in overrides:
+        override(cfg, assignment)
     cfg.seed = seed
     cfg.exp_name = f"solve_seed{seed}"
     cfg.env.stop_value = stop_value
@@ -47,6 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("entry", help="zoo entry, e.g. cartpole/dqn")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one up")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. policy.learn.learning_rate=2e-3 (repeatable)")
     parser.add_argument("--stop-value", type=float, default=None, help="default: the entry's env.stop_value")
     parser.add_argument("--max-env-step", type=int, default=100_000)
     parser.add_argument("--eval-every", type=int, default=2000, help="env steps between evaluations")
@@ -66,20 +88,22 @@ def main() -> None:
         cwd = os.getcwd()
         os.chdir(workdir)  # runs/ of each seed lands in a scratch folder
         try:
-            for seed in range(seeds):
+            for seed in range(args.first_seed, args.first_seed + seeds):
                 results.append(solve_once(entry, seed, stop_value, budget, args.eval_every, args.eval_episodes,
-                                          args.async_mode))
+                                          args.async_mode, tuple(args.overrides)))
         finally:
             os.chdir(cwd)
 
     mode = "async" if args.async_mode else "sync"
-    print(f"{args.entry} ({mode}): mean of {args.eval_episodes} eval episodes >= {stop_value} within {budget} env steps")
+    changed = f"; with {', '.join(args.overrides)}" if args.overrides else ""
+    print(f"{args.entry} ({mode}{changed}): mean of {args.eval_episodes} eval episodes >= {stop_value} "
+          f"within {budget} env steps")
     print(f"{'seed':>5}{'solved':>8}{'env steps':>11}{'wall s':>9}{'last eval':>11}")
     for r in results:
         print(f"{r['seed']:>5}{str(r['solved']):>8}{r['env_steps']:>11}{r['wall_s']:>9.1f}{r['last_eval']:>11.1f}")
     env_steps = [r["env_steps"] for r in results]
     walls = [round(r["wall_s"], 2) for r in results]
-    summary = {"entry": args.entry, "seeds": seeds, "solved_seeds": sum(r["solved"] for r in results),
+    summary = {"entry": args.entry, "seeds": seeds, "first_seed": args.first_seed, "overrides": args.overrides, "solved_seeds": sum(r["solved"] for r in results),
                "env_steps": env_steps, "wall_s": walls, "median_env_steps": statistics.median(env_steps),
                "median_wall_s": round(statistics.median(walls), 2)}
     print(f"solved {summary['solved_seeds']}/{seeds}; median {summary['median_env_steps']} env steps, "

@@ -1,0 +1,34 @@
+"""Every benchmark script runs in its quick form and ends with the JSON line its issue names.
+
+Figures are not checked here (machines are noisy); only that the scripts work and report what they promise.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+CASES = {
+    "async_pipeline": (["--quick"], {"sync_s", "async_s", "speedup", "ideal_speedup"}),
+    "collector_throughput": (["--quick"], {"steps_per_s", "baseline_steps_per_s", "ratio"}),
+    "solve": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "2000", "--set", "policy.learn.learning_rate=2e-3"],
+              {"entry", "seeds", "solved_seeds", "env_steps", "wall_s", "median_env_steps", "median_wall_s"}),
+    "env_managers": (["--quick"], {"benchmark"}),
+    "replay_buffer": (["--quick"], {"capacity"}),
+    "sac_learn_step": (["--quick"], {"rows", "geomean_speedup"}),
+    "learning_curve": (["cartpole/dqn", "--quick"], {"entry", "final_returns", "mean_final_return"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs_and_ends_with_its_json_line(name, tmp_path):
+    args, keys = CASES[name]
+    out = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert keys <= set(summary), sorted(summary)
