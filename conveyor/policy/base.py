@@ -271,6 +271,12 @@ class Policy(abc.ABC):
             self.train_iter = int(state_dict["counters"]["train_iter"])
 
 
+def nstep_option() -> Option:
+    """The ``nstep`` option of policies whose targets go through :meth:`Policy._bootstrap_discount`."""
+    return Option(1, "N-step return length; the pipeline's n-step enhancer reads it and writes 'discount' into "
+                     "batches.", check=schema.positive)
+
+
 def replay_buffer_schema(size: int) -> dict:
     """The ``other.replay_buffer`` options of off-policy policies, read by the pipeline to build a DequeBuffer."""
     return {

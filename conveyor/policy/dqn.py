@@ -16,7 +16,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Policy, TargetSync, fused_adam, make_target, replay_buffer_schema
+from conveyor.policy.base import Policy, TargetSync, fused_adam, make_target, nstep_option, replay_buffer_schema
 from conveyor.policy.model import QNetwork
 from conveyor.schema import Option
 
@@ -45,8 +45,7 @@ class DQNPolicy(Policy):
     def config_schema(cls) -> dict:
         """Base options plus DQN's (defaults suit CartPole)."""
         return schema.merge_schemas(super().config_schema(), {
-            "nstep": Option(1, "N-step return length; the pipeline's n-step enhancer reads it and writes "
-                               "'discount' into batches.", check=schema.positive),
+            "nstep": nstep_option(),
             "model": {
                 "action_shape": Option(None, "Number of discrete actions (set from the env).", type=int,
                                        check=_action_num_check),

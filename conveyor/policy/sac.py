@@ -29,7 +29,7 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.policy.base import (Policy, TargetSync, _hidden_sizes_check, fused_adam, make_target,
-                                  replay_buffer_schema)
+                                  nstep_option, replay_buffer_schema)
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor
 from conveyor.schema import ConfigError, Option
 
@@ -112,8 +112,7 @@ class SACPolicy(Policy):
     def config_schema(cls) -> dict:
         """Base options plus SAC's (defaults are the SAC paper's: 256x256 networks, lr 3e-4, batch 256)."""
         return schema.merge_schemas(super().config_schema(), {
-            "nstep": Option(1, "N-step return length; the pipeline's n-step enhancer reads it and writes "
-                               "'discount' into batches.", check=schema.positive),
+            "nstep": nstep_option(),
             "model": {
                 "action_shape": Option(None, "Action dimension of the 1-D Box action space (set from the env).",
                                        type=int, check=_action_dim_check),
