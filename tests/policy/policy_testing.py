@@ -1,6 +1,9 @@
 """Hand-set models and batch builders shared by the policy tests."""
 from __future__ import annotations
 
+import io
+from typing import Any
+
 import torch
 import treetensor.torch as ttorch
 from torch import nn
@@ -28,3 +31,11 @@ def transitions(**fields) -> ttorch.Tensor:
         else:
             out[key] = torch.tensor(value, dtype=torch.float32)
     return ttorch.Tensor(out)
+
+
+def through_bytes(state: Any) -> Any:
+    """``state`` saved with ``torch.save`` and loaded back, as a checkpoint on disk would be."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)

@@ -1,7 +1,6 @@
 """DQNPolicy through its public views: TD targets, target networks, PER, exploration, checkpoints."""
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import treetensor.torch as ttorch
 from conveyor.data.batch import as_tree
 from conveyor.policy import DQNPolicy
 from conveyor.schema import ConfigError
-from policy_testing import TableQ, transitions
+from policy_testing import TableQ, through_bytes, transitions
 
 GAMMA = 0.9
 
@@ -247,12 +246,8 @@ def test_state_dict_round_trip_restores_model_target_optimizer_counters_and_rng(
     for i in range(5):
         trained.learn_mode.forward(_cartpole_like_batch(i))
     trained.collect_mode.forward(np.zeros((3, 4), np.float32), eps=0.5)
-    buffer = io.BytesIO()
-    torch.save(trained.state_dict(), buffer)
-    buffer.seek(0)
-
     resumed = DQNPolicy(cfg, seed=2)
-    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    resumed.load_state_dict(through_bytes(trained.state_dict()))
 
     assert resumed.learn_mode.train_iter == 5
     for a, b in [(trained.model, resumed.model), (trained.target_model, resumed.target_model)]:

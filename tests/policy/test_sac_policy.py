@@ -2,7 +2,6 @@
 action bounds, bootstrap targets, temperature and target updates, prioritized replay, checkpoints."""
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -16,6 +15,7 @@ from conveyor.config import compile_config
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor, tanh_gaussian_log_prob
 from conveyor.policy.sac import SACModel, SACPolicy
 from conveyor.schema import ConfigError
+from policy_testing import through_bytes
 
 GAMMA = 0.9
 
@@ -362,12 +362,8 @@ def test_state_dict_round_trip_restores_everything():
         trained.learn_mode.forward(random_batch(i))
     obs = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
     trained.collect_mode.forward(obs)
-    buffer = io.BytesIO()
-    torch.save(trained.state_dict(), buffer)
-    buffer.seek(0)
-
     resumed = SACPolicy(cfg, seed=2)
-    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    resumed.load_state_dict(through_bytes(trained.state_dict()))
 
     assert resumed.learn_mode.train_iter == 5
     assert resumed.alpha == trained.alpha and trained.alpha != pytest.approx(0.2)
