@@ -20,7 +20,8 @@ __all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError"]
 
 TOP_SCHEMA = {
     "exp_name": Option("experiment", "Name of the run: logs and checkpoints go under runs/<exp_name>/.", type=str),
-    "seed": Option(0, "Seed of the envs, the networks' initialisation and exploration.", type=int),
+    "seed": Option(0, "Seed of the envs, the networks' initialisation and exploration.", type=int,
+                   check=lambda value: None if 0 <= value < 2**32 else "must be in [0, 2**32)"),
 }
 """Top-level keys every config has."""
 
@@ -54,10 +55,11 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
                    infer_shapes: bool = True) -> EasyDict:
     """Validate ``cfg`` against the top-level, env and policy schemas and return it with every default.
 
-    ``policy`` is the policy class (e.g. ``DQNPolicy``). With ``infer_shapes``, a ``policy.model``
-    ``obs_shape`` / ``action_shape`` left unset is read from the env's spaces (one env is built for
-    that and closed), and so are ``action_low`` / ``action_high`` of a Box action space where the
-    policy's model schema declares them (continuous-action policies such as SAC). The input is not modified.
+    ``policy`` is the policy class (e.g. ``DQNPolicy``). With ``infer_shapes`` one env is built (and
+    closed) to read its spaces: the policy's ``check_config`` checks the config against them and across
+    keys, a ``policy.model`` ``obs_shape`` / ``action_shape`` left unset is read from them, and so are
+    ``action_low`` / ``action_high`` of a Box action space where the policy's model schema declares them;
+    the values read are validated like the user's. The input is not modified.
     """
     schema: dict = dict(TOP_SCHEMA, env=ENV_SCHEMA)
     if policy is not None:
@@ -67,26 +69,34 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
                           "pass policy=<the policy class>, e.g. compile_config(cfg, policy=DQNPolicy)")
     compiled = validate(copy.deepcopy(dict(cfg)), schema)
     check_env_id(compiled.env.env_id)
-    model = compiled.get("policy", {}).get("model")
-    unset_bounds = [key for key in ("action_low", "action_high") if model is not None and key in model
-                    and model[key] is None]
-    if infer_shapes and model is not None and (model.get("obs_shape") is None or model.get("action_shape") is None
-                                               or unset_bounds):
-        env = gym.make(compiled.env.env_id, **compiled.env.env_kwargs)
-        try:
-            obs_shape, action_shape = space_shapes(env.observation_space, env.action_space)
-            action_space = env.action_space
-        finally:
-            env.close()
-        if model.obs_shape is None:
-            model.obs_shape = obs_shape
-        if model.action_shape is None:
-            model.action_shape = action_shape
-        if unset_bounds and isinstance(action_space, gym.spaces.Box):
-            bounds = {"action_low": action_space.low, "action_high": action_space.high}
-            for key in unset_bounds:
-                model[key] = _bound(bounds[key])
+    if not infer_shapes or policy is None:
+        return compiled
+    env = gym.make(compiled.env.env_id, **compiled.env.env_kwargs)
+    try:
+        observation_space, action_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    check = getattr(policy, "check_config", None)
+    if check is not None:
+        check(compiled, observation_space, action_space)
+    _infer_model_keys(compiled.policy.model, observation_space, action_space)
+    # What was read from the env is checked like what the user wrote.
+    compiled.policy = validate(compiled.policy, schema["policy"], path="policy")
     return compiled
+
+
+def _infer_model_keys(model: Any, observation_space: gym.Space, action_space: gym.Space) -> None:
+    """Fill the model keys left unset (shapes, and Box action bounds where the model declares them)."""
+    obs_shape, action_shape = space_shapes(observation_space, action_space)
+    if model.get("obs_shape") is None:
+        model.obs_shape = obs_shape
+    if model.get("action_shape") is None:
+        model.action_shape = action_shape
+    if isinstance(action_space, gym.spaces.Box):
+        bounds = {"action_low": action_space.low, "action_high": action_space.high}
+        for key, values in bounds.items():
+            if key in model and model[key] is None:
+                model[key] = _bound(values)
 
 
 def _bound(values: Any) -> Any:

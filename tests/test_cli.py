@@ -30,3 +30,11 @@ def test_non_positive_max_env_step_exits_2(capsys):
 def test_bad_usage_exits_2_from_the_console_script():
     result = subprocess.run([sys.executable, "-m", "conveyor", "train"], capture_output=True, text=True)
     assert result.returncode == 2 and "entry" in result.stderr
+
+
+def test_a_negative_seed_exits_2_with_one_line_naming_the_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "cartpole/dqn", "--seed", "-1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config key 'seed' must be in [0, 2**32), got -1" in err
+    assert not (tmp_path / "runs").exists()

@@ -79,3 +79,39 @@ def test_open_options_accept_any_dict_and_defaults_are_fresh_copies():
     a, b = defaults(schema), defaults(schema)
     a.kwargs["x"] = 1
     assert b.kwargs == {}
+
+
+def compile_for(policy, env_id, **section):
+    return compile_config(EasyDict(dict(exp_name="t", env=dict(env_id=env_id), policy=section)), policy=policy)
+
+
+@pytest.mark.parametrize("policy, env_id, section, message", [
+    ("DQNPolicy", "Pendulum-v1", {}, r"DQNPolicy needs a Discrete action space, but env.env_id='Pendulum-v1'.*SAC"),
+    ("PPOPolicy", "Pendulum-v1", {}, r"PPOPolicy needs a Discrete.*policy.model.action_space='gaussian'"),
+    ("PPOPolicy", "CartPole-v1", {"model": {"action_space": "gaussian"}}, r"needs a Box.*set it to 'discrete'"),
+    ("SACPolicy", "CartPole-v1", {}, r"SACPolicy needs a Box action space.*Discrete\(2\)"),
+])
+def test_an_algorithm_on_an_env_whose_actions_it_cannot_take_is_refused_at_compile_time(policy, env_id, section,
+                                                                                       message):
+    import conveyor.policy as policies
+    with pytest.raises(ConfigError, match=message):
+        compile_for(getattr(policies, policy), env_id, **section)
+
+
+def test_exploration_that_would_grow_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"'policy.other.eps.start' \(0.01\) is below 'policy.other.eps.end' \(0.5\)"):
+        compile_for(DQNPolicy, "CartPole-v1", other=dict(eps=dict(start=0.01, end=0.5)))
+
+
+def test_an_on_policy_minibatch_larger_than_a_rollout_is_refused():
+    from conveyor.policy import PPOPolicy
+    with pytest.raises(ConfigError, match=r"'policy.learn.batch_size' \(4096\) is larger than the 1024 transitions"):
+        compile_for(PPOPolicy, "CartPole-v1", learn=dict(batch_size=4096))
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_take_is_refused(seed):
+    with pytest.raises(ConfigError, match=r"config key 'seed' must be in \[0, 2\*\*32\)"):
+        compile_config(EasyDict(dict(exp_name="t", seed=seed, env=dict(env_id="CartPole-v1"), policy={})),
+                       policy=DQNPolicy)
+

@@ -150,6 +150,18 @@ class Policy(abc.ABC):
         return schema.defaults(cls.config_schema())
 
     @classmethod
+    def check_config(cls, cfg: Mapping[str, Any], observation_space: Any, action_space: Any) -> None:
+        """Checks across keys and against the env's spaces that one key's schema cannot make; ``cfg`` is the
+        whole compiled config. Raises :class:`ConfigError` naming the key and the fix, before anything is built."""
+
+    @classmethod
+    def _require_action_space(cls, cfg: Mapping[str, Any], action_space: Any, kind: str, fix: str) -> None:
+        """Refuse an env whose action space is not ``kind`` (``"Discrete"`` or ``"Box"``), saying ``fix``."""
+        if type(action_space).__name__ != kind:
+            raise ConfigError(f"{cls.__name__} needs a {kind} action space, but env.env_id='{cfg['env']['env_id']}' "
+                              f"has {action_space}: {fix}")
+
+    @classmethod
     @abc.abstractmethod
     def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:
         """The network this policy trains, from the (validated) ``cfg.policy.model`` section."""

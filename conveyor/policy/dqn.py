@@ -18,7 +18,7 @@ from torch import nn
 from conveyor import schema
 from conveyor.policy.base import Policy, TargetSync, fused_adam, make_target, nstep_option, replay_buffer_schema
 from conveyor.policy.model import QNetwork
-from conveyor.schema import Option
+from conveyor.schema import ConfigError, Option
 
 __all__ = ["DQNPolicy"]
 
@@ -79,6 +79,16 @@ class DQNPolicy(Policy):
                 "replay_buffer": replay_buffer_schema(20000),
             },
         })
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any], observation_space: Any, action_space: Any) -> None:
+        """A Discrete action space, and an exploration rate that decays (``eps.start >= eps.end``)."""
+        cls._require_action_space(cfg, action_space, "Discrete", "use a continuous-action algorithm for it "
+                                  "(SAC, or PPO with policy.model.action_space='gaussian')")
+        eps = cfg["policy"]["other"]["eps"]
+        if eps["start"] < eps["end"]:
+            raise ConfigError(f"config key 'policy.other.eps.start' ({eps['start']}) is below 'policy.other.eps.end' "
+                              f"({eps['end']}): exploration decays from start to end, so set start >= end")
 
     @classmethod
     def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:

@@ -161,6 +161,11 @@ class SACPolicy(Policy):
         })
 
     @classmethod
+    def check_config(cls, cfg: Mapping[str, Any], observation_space: Any, action_space: Any) -> None:
+        """A 1-D Box action space."""
+        cls._require_action_space(cfg, action_space, "Box", "use DQN or PPO for discrete actions")
+
+    @classmethod
     def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:
         """A :class:`SACModel` from ``model_cfg``: actor and critics share no weights."""
         obs_shape = cls._required(model_cfg, "obs_shape", "obs_shape=3 for Pendulum")
