@@ -72,6 +72,8 @@ class StepCollector:
         for t in range(self._steps):
             if random:
                 out: Dict[str, Any] = {"action": _random_actions(env.action_space, n)}
+                if hasattr(policy, "version"):  # the keys a versioned policy's rows have; -1: no weights chose these
+                    out["weight_version"] = np.full(n, -1, dtype=np.int64)
             else:
                 out = policy.forward(obs, **kwargs)
             ts = env.step(out["action"])

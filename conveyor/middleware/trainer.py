@@ -23,6 +23,14 @@ __all__ = ["multistep_trainer", "trainer"]
 class LearnPolicy(Protocol):
     def forward(self, batch: Any) -> Dict[str, Any]: ...
 
+    def publish(self) -> int: ...
+
+
+def _check_learn_view(policy: Any, where: str) -> None:
+    if not callable(getattr(policy, "forward", None)) or not callable(getattr(policy, "publish", None)):
+        raise TypeError(f"{where} needs a learn view with forward(batch) and publish(), such as "
+                        f"policy.learn_mode; got {policy!r}")
+
 
 def _positive_int(value: Any, key: str, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -43,6 +51,7 @@ def multistep_trainer(cfg: Any, policy: LearnPolicy):
     Reads ctx: ``train_data``, ``train_iter``.
     Writes ctx: ``train_iter`` (+1 per gradient step), ``train_output`` (list of per-step metric dicts).
     """
+    _check_learn_view(policy, "multistep_trainer")
     learn = cfg.policy.learn
     epochs = _positive_int(learn.get("epoch_per_collect"), "epoch_per_collect", "multistep_trainer")
     batch_size = _positive_int(learn.get("batch_size"), "batch_size", "multistep_trainer")
@@ -70,8 +79,11 @@ def multistep_trainer(cfg: Any, policy: LearnPolicy):
                 outputs.append(out)
                 ctx.train_iter += 1
                 if max_kl is not None and out.get("charts/approx_kl", 0.0) > max_kl:
-                    ctx.train_output = outputs
-                    return
+                    break
+            else:
+                continue
+            break
+        policy.publish()
         ctx.train_output = outputs
 
     return _train
@@ -83,6 +95,7 @@ def trainer(cfg: Any, policy: LearnPolicy):
     Reads ctx: ``train_data``, ``train_iter``.
     Writes ctx: ``train_iter`` (+1 per gradient step), ``train_output`` (list of per-step metric dicts).
     """
+    _check_learn_view(policy, "trainer")
     updates = _positive_int(cfg.policy.learn.get("update_per_collect", 1), "update_per_collect", "trainer")
 
     def _train(ctx: OnlineRLContext) -> None:
@@ -92,6 +105,7 @@ def trainer(cfg: Any, policy: LearnPolicy):
         for _ in range(updates):
             outputs.append(policy.forward(ctx.train_data))
             ctx.train_iter += 1
+        policy.publish()
         ctx.train_output = outputs
 
     return _train

@@ -26,7 +26,7 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
-from conveyor.policy.base import ActorCriticCollectMode, Policy, _optional_positive, fused_adam
+from conveyor.policy.base import Acting, ActorCriticCollectMode, Policy, _optional_positive, fused_adam
 from conveyor.policy.normaliser import ObsNormaliser
 from conveyor.schema import ConfigError, Option
 
@@ -167,12 +167,34 @@ class PPOPolicy(Policy):
                                           fused=fused_adam(self.device))
         self.register_state("optimizer", self.optimizer)
         self._parameters = list(self.model.parameters())
-        self._collect_hidden: torch.Tensor | None = None
-        self._eval_hidden: torch.Tensor | None = None
 
     # --- observations and recurrent state --------------------------------------------------------
     def _normalise(self, obs: Any) -> Any:
+        """Observations as the learner sees them: normalised by the live statistics."""
         return obs if self.obs_normaliser is None else self.obs_normaliser(obs)
+
+    def _acting_extras(self) -> Any:
+        """The observation statistics acting uses, frozen with each published version. Publishing after an update
+        first folds the observations collected since the last fold into them, so a rollout is acted on, valued
+        and learned from with one set of statistics (the first ratio of every update is exactly 1)."""
+        normaliser = self.obs_normaliser
+        if normaliser is None:
+            return None
+        if self.train_iter != self._committed_at:
+            normaliser.commit()
+            self._committed_at = self.train_iter
+        return normaliser.frozen(self.device)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a checkpoint; observations it holds as gathered stay uncommitted until the next update."""
+        with self._learn_lock:
+            committed_at = self._committed_at
+            self._committed_at = int(state_dict.get("counters", {}).get("train_iter", 0))
+            try:
+                super().load_state_dict(state_dict)
+            except Exception:
+                self._committed_at = committed_at
+                raise
 
     def _initial_state(self, state: torch.Tensor | None, batch: int) -> torch.Tensor:
         if state is None or state.shape[0] != batch:
@@ -187,57 +209,52 @@ class PPOPolicy(Policy):
         ids = torch.as_tensor(list(env_ids), dtype=torch.long, device=state.device)
         return state.index_fill(0, ids, 0.0)
 
-    def _reset_collect(self, env_ids: Sequence[int] | None) -> None:
+    def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None:
         """Zero the recurrent state of envs whose episodes ended."""
-        self._collect_hidden = self._cleared(self._collect_hidden, env_ids)
-
-    def _reset_eval(self, env_ids: Sequence[int] | None) -> None:
-        self._eval_hidden = self._cleared(self._eval_hidden, env_ids)
+        memory["hidden"] = self._cleared(memory.get("hidden"), env_ids)
 
     # --- acting ----------------------------------------------------------------------------------
-    def _forward_collect(self, obs: Any) -> dict[str, Any]:
+    def _forward_collect(self, acting: Acting, obs: Any) -> dict[str, Any]:
         """Sampled actions with their log-probabilities and values (and the recurrent state around the step)."""
-        normaliser = self.obs_normaliser
-        if normaliser is not None:
-            if self.train_iter != self._committed_at:  # first step after an update: fold in the last rollout
-                with self._learn_lock:
-                    normaliser.commit()
-                    self._committed_at = self.train_iter
-            normaliser.observe(obs)
-            obs = normaliser(obs)
+        if self.obs_normaliser is not None:
+            self.obs_normaliser.observe(obs)  # gathered for the fold at the next publish
+            obs = acting.extras(obs)
         out: dict[str, Any] = {}
+        model = acting.model
         if self.recurrent:
-            hidden = self._initial_state(self._collect_hidden, obs.shape[0])
-            params, value, next_hidden = self.model(obs, hidden)
-            self._collect_hidden = next_hidden
+            hidden = self._initial_state(acting.memory.get("hidden"), obs.shape[0])
+            params, value, next_hidden = model(obs, hidden)
+            acting.memory["hidden"] = next_hidden
             out["hidden"], out["next_hidden"] = hidden.cpu().numpy(), next_hidden.cpu().numpy()
         else:
-            params, value, _ = self.model(obs)
+            params, value, _ = model(obs)
         action, raw_action, logp = self.action_dist.sample(params, self.rng)
         out.update(action=action, logp=logp.cpu().numpy(), value=value.cpu().numpy())
         if raw_action is not None:
             out["raw_action"] = raw_action.cpu().numpy()
         return out
 
-    def _forward_eval(self, obs: Any) -> dict[str, Any]:
+    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
         """Deterministic actions: the most likely discrete action, or the Gaussian's mean (clipped / squashed)."""
-        obs = self._normalise(obs)
+        if acting.extras is not None:
+            obs = acting.extras(obs)
         if self.recurrent:
-            hidden = self._initial_state(self._eval_hidden, obs.shape[0])
-            params, _, self._eval_hidden = self.model(obs, hidden)
+            hidden = self._initial_state(acting.memory.get("hidden"), obs.shape[0])
+            params, _, acting.memory["hidden"] = acting.model(obs, hidden)
         else:
-            params = self.model.actor(obs)  # the critic is not needed to act
+            params = acting.model.actor(obs)  # the critic is not needed to act
         return {"action": self.action_dist.mode(params)}
 
-    def _value(self, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
+    def _value(self, acting: Acting, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
         """The critic's values of ``obs`` (after the recurrent state ``hidden``)."""
-        obs = self._normalise(obs)
+        if acting.extras is not None:
+            obs = acting.extras(obs)
         if self.recurrent:
             if hidden is None:
                 raise ValueError("PPOPolicy.collect_mode.value: a recurrent policy needs hidden= (the state before "
                                  "obs, e.g. the trajectory's next_hidden)")
-            return self.model.value(obs, hidden.float()).cpu().numpy()
-        return self.model.value(obs).cpu().numpy()
+            return acting.model.value(obs, hidden.float()).cpu().numpy()
+        return acting.model.value(obs).cpu().numpy()
 
     # --- learning --------------------------------------------------------------------------------
     def _anneal_lr(self) -> float:

@@ -19,10 +19,15 @@ class RecordingLearner:
 
     def __init__(self):
         self.batches = []
+        self.published_after = []  # how many batches had been seen at each publish
 
     def forward(self, batch):
         self.batches.append(batch)
         return {"losses/x": 0.0}
+
+    def publish(self):
+        self.published_after.append(len(self.batches))
+        return len(self.published_after)
 
 
 def learn_cfg(**learn):
@@ -50,6 +55,7 @@ def test_multistep_trainer_runs_epochs_of_shuffled_minibatches_covering_every_ro
         seen = torch.cat([b.obs for b in learner.batches[3 * epoch:3 * epoch + 3]])
         assert sorted(seen.tolist()) == list(range(10))
     assert learner.batches[0].obs.tolist() != learner.batches[3].obs.tolist()  # reshuffled every epoch
+    assert learner.published_after == [9]  # the weights are published once, after the round
 
 
 def test_multistep_trainer_cuts_sequence_batches_into_whole_sequences():
@@ -87,6 +93,7 @@ def test_trainer_takes_update_per_collect_steps_on_the_whole_batch():
     ctx = train(trainer(learn_cfg(update_per_collect=2), learner), data)
     assert ctx.train_iter == 2 and len(ctx.train_output) == 2
     assert all(b is data for b in learner.batches)
+    assert learner.published_after == [2]
 
 
 def test_trainers_do_nothing_without_train_data():
