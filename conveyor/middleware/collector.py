@@ -104,7 +104,7 @@ class StepCollector:
         for t, crashed in crashes:
             valid[t] = ~crashed
             if t > 0:  # the transition before a crash ends its dropped episode: nothing bootstraps across it
-                data["truncated"][t - 1] |= crashed & valid[t - 1]
+                data["truncated"][t - 1] |= crashed & valid[t - 1] & ~data["terminated"][t - 1]
         data["valid"] = valid
         done = (data["terminated"] | data["truncated"]) & valid
         ctx.trajectories = to_tensor(data)

@@ -49,7 +49,9 @@ def data_pusher(cfg: Any, buffer: Buffer):
 
     def _push(ctx: OnlineRLContext) -> None:
         if ctx.trajectories is not None:
-            buffer.extend(_valid_rows(ctx.trajectories))
+            rows = _valid_rows(ctx.trajectories)
+            if len(rows.reward):  # the n-step enhancer may have no finished transition yet
+                buffer.extend(rows)
             ctx.trajectories = None
         elif ctx.episodes is not None:
             for episode in ctx.episodes:
