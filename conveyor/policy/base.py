@@ -427,8 +427,13 @@ def replay_buffer_schema(size: int) -> dict:
         "size": Option(size, "Replay buffer capacity in transitions.", check=schema.positive),
         "prioritized": Option(False, "Prioritized experience replay."),
         "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float, check=schema.unit_interval),
-        "beta": Option(0.4, "Importance-weight exponent of prioritized replay.", type=float,
+        "beta": Option(0.4, "Importance-weight exponent of prioritized replay at the start.", type=float,
                        check=schema.unit_interval),
+        "beta_end": Option(1.0, "The importance-weight exponent reached after beta_anneal_steps (1 corrects the whole "
+                                "sampling bias, as the PER paper anneals to).", type=float, check=schema.unit_interval),
+        "beta_anneal_steps": Option(100_000, "Transitions added to the buffer (env steps) over which beta rises "
+                                             "linearly to beta_end; the schedule is saved with the buffer (None: beta "
+                                             "stays fixed).", type=int, check=_optional_positive),
     }
 
 

@@ -10,8 +10,8 @@ as in CleanRL's ``ppo.py``::
     v_loss   = 0.5 * mean((V(s) - return)^2)        (or the max with the clipped value's loss)
     loss     = pg_loss - entropy_coef * entropy + value_coef * v_loss
 
-Options: per-minibatch advantage normalisation, gradient-norm clipping, linear learning-rate
-annealing, an observation normaliser (running mean / std of collected observations, checkpointed),
+Options: per-minibatch advantage normalisation, gradient-norm clipping, linear learning-rate annealing by env
+steps or rounds (the trainer sets it), an observation normaliser (running mean / std of collected observations),
 and a GRU core whose per-env state the collector resets at episode ends and stores with each step
 (``hidden`` before it, ``next_hidden`` after it), so the learner can replay sequences from it.
 """
@@ -108,8 +108,13 @@ class PPOPolicy(Policy):
                                      check=schema.positive),
                 "learning_rate": Option(3e-4, "Adam learning rate (the start value when annealed).", type=float,
                                         check=schema.positive),
-                "lr_anneal_steps": Option(None, "Anneal the learning rate linearly to 0 over this many gradient "
-                                                "steps (None: constant).", type=int, check=_optional_positive),
+                "lr_anneal_steps": Option(None, "Anneal the learning rate linearly to 0 over this many lr_anneal_unit "
+                                                "(None: constant); the trainer sets it before each round.", type=int,
+                                          check=_optional_positive),
+                "lr_anneal_unit": Option("env_step", "What lr_anneal_steps counts: 'env_step' (ctx.env_step when a "
+                                                     "round starts) or 'iteration' (training rounds); never gradient "
+                                                     "steps, whose number early stopping varies.",
+                                         choices=("env_step", "iteration")),
                 "clip_ratio": Option(0.2, "Clip the probability ratio to [1 - clip_ratio, 1 + clip_ratio].",
                                      type=float, check=schema.positive),
                 "value_clip": Option(None, "Also clip the new value to within this of the collected one and take the "
@@ -117,8 +122,9 @@ class PPOPolicy(Policy):
                                      check=_optional_positive),
                 "value_coef": Option(0.5, "Weight of the value loss.", type=float, check=schema.non_negative),
                 "entropy_coef": Option(0.0, "Weight of the entropy bonus.", type=float, check=schema.non_negative),
-                "target_kl": Option(None, "Stop a round's passes early once a step's approx_kl exceeds 1.5 * target_kl "
-                                          "(read by multistep_trainer; None: run every epoch).", type=float,
+                "target_kl": Option(None, "End a round's passes once a minibatch's approx_kl under the current policy "
+                                          "exceeds 1.5 * target_kl, before stepping on it (Stable-Baselines3's rule; "
+                                          "None: run every epoch).", type=float,
                                     check=_optional_positive),
                 "adv_norm": Option(True, "Normalise advantages to zero mean, unit std within each minibatch."),
                 "grad_clip": Option(0.5, "Clip the gradient's global L2 norm to this (None: no clipping).",
@@ -257,19 +263,14 @@ class PPOPolicy(Policy):
         return acting.model.value(obs).cpu().numpy()
 
     # --- learning --------------------------------------------------------------------------------
-    def _anneal_lr(self) -> float:
-        learn = self.cfg.learn
-        lr = learn.learning_rate
-        if learn.lr_anneal_steps is not None:
-            lr *= max(0.0, 1.0 - self.train_iter / learn.lr_anneal_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-        return lr
-
     def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
-        """One PPO gradient step on a minibatch (flat ``[B]``, or sequences ``[L, B]`` for a recurrent policy)."""
+        """One PPO gradient step on a minibatch (flat ``[B]``, or sequences ``[L, B]`` for a recurrent policy).
+
+        With ``learn.target_kl`` set, the minibatch's approximate KL under the current policy is checked first:
+        above ``1.5 * target_kl`` no step is taken and the output carries ``early_stop = True``.
+        """
         learn = self.cfg.learn
-        lr = self._anneal_lr()
+        lr = self.optimizer.param_groups[0]["lr"]
         obs = self._normalise(batch.obs)
         if self.recurrent:
             if batch.reward.ndim != 2 or "episode_start" not in batch:
@@ -310,9 +311,6 @@ class PPOPolicy(Policy):
         entropy_loss = _masked_mean(entropy, mask)
         loss = pg_loss - learn.entropy_coef * entropy_loss + learn.value_coef * v_loss
 
-        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
-        self.train_iter += 1
-
         with torch.no_grad():
             approx_kl = _masked_mean((ratio - 1.0) - logratio, mask)  # the low-variance estimator of KL(old || new)
             clip_frac = _masked_mean(((ratio - 1.0).abs() > learn.clip_ratio).float(), mask)
@@ -320,6 +318,11 @@ class PPOPolicy(Policy):
         out: dict[str, Any] = dict(zip(("losses/policy", "losses/value", "losses/entropy", "charts/approx_kl",
                                         "charts/clip_frac"), metrics))
         out["charts/lr"] = float(lr)
+        if learn.target_kl is not None and out["charts/approx_kl"] > 1.5 * learn.target_kl:
+            out["early_stop"] = True  # moved far enough from the collecting policy: no step on this minibatch
+            return out
+        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
+        self.train_iter += 1
         if grad_norm is not None:
             out["charts/grad_norm"] = grad_norm.item()
         return out

@@ -83,7 +83,7 @@ def collected(T, N, seed=0, nested=False):
     terminated, truncated = u < 0.1, (u >= 0.1) & (u < 0.17)
     valid = torch.rand(T, N, generator=g) >= 0.08
     row_id = torch.arange(T * N).reshape(T, N)
-    # what the collector writes: the step before a crash inside a call is truncated (the enhancer adds it at calls' edges)
+    # the step before a crash is left unmarked: the enhancer applies the collector's rule itself
     next_obs = (row_id * 10).float().unsqueeze(-1)
     if nested:
         next_obs = ttorch.Tensor({"pos": next_obs, "img": -next_obs})

@@ -228,7 +228,8 @@ def test_learning_steps_keep_numbering_and_the_learner_checkpoint_consistent():
     policy = DQNPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [8]}}, seed=0)
     batch = ttorch.Tensor({"obs": torch.randn(8, 4), "action": torch.zeros(8, dtype=torch.long),
                            "reward": torch.ones(8), "next_obs": torch.randn(8, 4),
-                           "terminated": torch.zeros(8, dtype=torch.bool), "truncated": torch.zeros(8, dtype=torch.bool)})
+                           "terminated": torch.zeros(8, dtype=torch.bool),
+                           "truncated": torch.zeros(8, dtype=torch.bool)})
     policy.learn_mode.forward(batch)
     policy.learn_mode.publish()
     state = policy.state_dict()
