@@ -62,13 +62,15 @@ class DequeBuffer:
     Transitions are dicts (nested dicts for Dict observations) or ttorch trees of numpy arrays,
     torch tensors or Python scalars. The first data written fixes each key's shape and dtype. With
     ``prioritized=True``, ``sample`` draws proportionally to ``(priority + eps) ** alpha`` and adds
-    importance-sampling ``weight``s; feed new priorities back with ``update_priority``. ``seed``
+    importance-sampling ``weight``s; feed new priorities back with ``update_priority``; their exponent ``beta``
+    rises linearly to ``beta_end`` over the first ``beta_anneal_steps`` transitions added, when given. ``seed``
     makes sampling reproducible. Thread-safe: every operation holds the buffer's lock, so in an async
     pipeline the pusher of one iteration and the learner of another can share it.
     """
 
     def __init__(self, size: int, *, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
-                 eps: float = 1e-6, seed: int | None = None) -> None:
+                 eps: float = 1e-6, seed: int | None = None, beta_end: float | None = None,
+                 beta_anneal_steps: int | None = None) -> None:
         if not isinstance(size, Integral) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"DequeBuffer size must be a positive int (the most transitions kept), got {size!r}")
         if not isinstance(eps, Real) or isinstance(eps, bool) or not 0.0 <= float(eps) < math.inf:
@@ -80,6 +82,14 @@ class DequeBuffer:
         self._prioritized: bool = bool(prioritized)
         self._alpha: float = _check_unit("alpha", alpha, "0 samples uniformly, 1 fully in proportion to priority")
         self._beta: float = _check_unit("beta", beta, "how much of the sampling bias the weights undo; 1 = all")
+        self._beta_end: float = self._beta if beta_end is None else \
+            _check_unit("beta_end", beta_end, "the beta reached after beta_anneal_steps transitions; 1 undoes all bias")
+        if beta_anneal_steps is not None and (not isinstance(beta_anneal_steps, Integral)
+                                              or isinstance(beta_anneal_steps, bool) or beta_anneal_steps <= 0):
+            raise ValueError(f"DequeBuffer beta_anneal_steps must be None or an int > 0 (transitions added over which "
+                             f"beta rises to beta_end), got {beta_anneal_steps!r}")
+        self._beta_steps: int | None = None if beta_anneal_steps is None else int(beta_anneal_steps)
+        self._added: int = 0  # transitions ever added: the beta schedule's clock
         self._eps: float = float(eps)
         self._rng: np.random.Generator = np.random.default_rng(None if seed is None else int(seed))
         self._storage: RingStorage = RingStorage(self._size)
@@ -111,8 +121,12 @@ class DequeBuffer:
 
     @property
     def beta(self) -> float:
-        """How much of the prioritized-sampling bias the weights correct; settable, to anneal it to 1."""
-        return self._beta
+        """How much of the prioritized-sampling bias the weights correct now: with ``beta_anneal_steps``, it rises
+        linearly from the start value to ``beta_end`` over that many transitions added (env steps). Setting it
+        sets the start value."""
+        if self._beta_steps is None:
+            return self._beta
+        return self._beta + (self._beta_end - self._beta) * min(1.0, self._added / self._beta_steps)
 
     @beta.setter
     def beta(self, value: float) -> None:
@@ -134,6 +148,7 @@ class DequeBuffer:
             self._tree.set_one(slot, self._max_priority ** self._alpha)
         self._ptr = (slot + 1) % self._size
         self._len = min(self._len + 1, self._size)
+        self._added += 1
 
     @_locked
     def extend(self, batch: Any) -> None:
@@ -154,6 +169,7 @@ class DequeBuffer:
                 self._tree.fill(0, start + kept - self._size, priority)
         self._ptr = (self._ptr + n) % self._size
         self._len = min(self._len + n, self._size)
+        self._added += n
 
     @_locked
     def sample(self, n: int) -> ttorch.Tensor:
@@ -170,7 +186,7 @@ class DequeBuffer:
                 raise ValueError("DequeBuffer.sample: every priority is 0, so nothing can be drawn; "
                                  "use eps > 0 or give some transitions a positive priority")
             slots = self._tree.find((np.arange(n) + self._rng.random(n)) / n)
-            weight = (self._tree.min / self._tree.leaves[slots]) ** self._beta
+            weight = (self._tree.min / self._tree.leaves[slots]) ** self.beta
             extra["weight"] = torch.from_numpy(weight.astype(np.float32))
         batch = _unflatten(self._storage.paths, self._storage.gather(slots))
         batch["index"] = torch.from_numpy(slots)
@@ -232,6 +248,7 @@ class DequeBuffer:
             "storage": storage if self._storage.allocated else None,
             "tree": self._tree.state_dict() if self._tree is not None else None,
             "rng": self._rng.bit_generator.state,
+            "beta_schedule": {"end": self._beta_end, "steps": self._beta_steps, "added": self._added},
         }
 
     @_locked
@@ -258,6 +275,8 @@ class DequeBuffer:
         self._ptr, self._len = int(state["ptr"]), int(state["len"])
         self._max_priority = float(state["max_priority"])
         self._rng.bit_generator.state = state["rng"]
+        schedule = state.get("beta_schedule", {"end": self._beta, "steps": None, "added": 0})
+        self._beta_end, self._beta_steps, self._added = schedule["end"], schedule["steps"], int(schedule["added"])
 
     def _leaves(self, data: Any, batched: bool, where: str) -> list[np.ndarray]:
         """The data's leaves as arrays in storage order; the first data also fixes the storage layout."""

@@ -72,6 +72,8 @@ class StepCollector:
         for t in range(self._steps):
             if random:
                 out: Dict[str, Any] = {"action": _random_actions(env.action_space, n)}
+                if hasattr(policy, "version"):  # the keys a versioned policy's rows have; -1: no weights chose these
+                    out["weight_version"] = np.full(n, -1, dtype=np.int64)
             else:
                 out = policy.forward(obs, **kwargs)
             ts = env.step(out["action"])
@@ -102,7 +104,7 @@ class StepCollector:
         for t, crashed in crashes:
             valid[t] = ~crashed
             if t > 0:  # the transition before a crash ends its dropped episode: nothing bootstraps across it
-                data["truncated"][t - 1] |= crashed & valid[t - 1]
+                data["truncated"][t - 1] |= crashed & valid[t - 1] & ~data["terminated"][t - 1]
         data["valid"] = valid
         done = (data["terminated"] | data["truncated"]) & valid
         ctx.trajectories = to_tensor(data)

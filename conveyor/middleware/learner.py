@@ -26,6 +26,8 @@ class Buffer(Protocol):
 class LearnPolicy(Protocol):
     def forward(self, batch: Any) -> Dict[str, Any]: ...
 
+    def publish(self) -> int: ...
+
 
 def _valid_rows(batch: Any) -> Any:
     """Merge leading dims and drop rows marked invalid (crashed env steps)."""
@@ -47,7 +49,9 @@ def data_pusher(cfg: Any, buffer: Buffer):
 
     def _push(ctx: OnlineRLContext) -> None:
         if ctx.trajectories is not None:
-            buffer.extend(_valid_rows(ctx.trajectories))
+            rows = _valid_rows(ctx.trajectories)
+            if len(rows.reward):  # the n-step enhancer may have no finished transition yet
+                buffer.extend(rows)
             ctx.trajectories = None
         elif ctx.episodes is not None:
             for episode in ctx.episodes:
@@ -62,11 +66,15 @@ class OffPolicyLearner:
 
     Training waits until the buffer holds ``max(batch_size, learn.learning_starts)`` transitions.
     Priorities returned by the policy (``priority``) are written back when the buffer is prioritized.
+    After its steps it publishes the weights once (``policy.publish()``), for collectors and evaluators to act on.
 
     Reads ctx: ``train_iter``. Writes ctx: ``train_iter``, ``train_output`` (list of per-step metric dicts).
     """
 
     def __init__(self, cfg: Any, policy: LearnPolicy, buffer: Buffer) -> None:
+        if not callable(getattr(policy, "forward", None)) or not callable(getattr(policy, "publish", None)):
+            raise TypeError(f"OffPolicyLearner needs a learn view with forward(batch) and publish(), such as "
+                            f"policy.learn_mode; got {policy!r}")
         learn = cfg.policy.learn
         self._policy = policy
         self._buffer = buffer
@@ -90,4 +98,5 @@ class OffPolicyLearner:
                 self._buffer.update_priority(batch.index, priority)
             ctx.train_iter += 1
             outputs.append(out)
+        self._policy.publish()
         ctx.train_output = outputs

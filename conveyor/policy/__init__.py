@@ -3,11 +3,13 @@
 Imports only ``conveyor.schema`` and ``conveyor.data`` of Conveyor: a policy works without a pipeline.
 """
 from conveyor.policy.base import (
+    Acting,
     ActorCriticCollectMode,
     CollectMode,
     EvalMode,
     LearnMode,
     Policy,
+    Snapshot,
     Stateful,
     TargetSync,
     hard_update,
@@ -34,6 +36,8 @@ __all__ = [
     "LearnMode",
     "CollectMode",
     "EvalMode",
+    "Snapshot",
+    "Acting",
     "Stateful",
     "make_target",
     "hard_update",

@@ -12,16 +12,30 @@ through a small view, in the spirit of Tianshou 2's split between acting and lea
 
 The views convert their input to tensors once (``to_tensor``) and run acting under ``torch.no_grad``,
 then call the subclass's hooks: :meth:`Policy._forward_learn`, :meth:`Policy._forward_collect`,
-:meth:`Policy._forward_eval`, :meth:`Policy._value` and, for per-env state, :meth:`Policy._reset_collect` /
-:meth:`Policy._reset_eval`. Hooks are ordinary overridden methods; nothing is looked up by name.
-Whatever a subclass adds to the checkpoint (a target network, an optimizer, an observation
-normaliser) it hands to :meth:`Policy.register_state` once, in its constructor.
+:meth:`Policy._forward_eval`, :meth:`Policy._value` and, for per-env state, :meth:`Policy._reset`.
+Hooks are ordinary overridden methods; nothing is looked up by name. Whatever a subclass adds to the
+checkpoint (a target network, an optimizer, an observation normaliser) it hands to
+:meth:`Policy.register_state` once, in its constructor.
+
+Versioned weights. Learning updates ``policy.model`` in place; acting never reads it. :meth:`Policy.publish`
+copies the model's weights into an immutable acting copy and numbers it (:attr:`Policy.version`); the
+collect and eval views act on the newest published copy, pinned for the whole of one ``forward``, so a
+reader in another thread sees one complete version even while a learner steps. Learners publish once
+per call (``OffPolicyLearner``, the on-policy trainers), so a sync pipeline acts exactly as if it read
+the live weights. The initial weights are version 0 (published on first use); loading a checkpoint
+publishes its weights under the version number saved with them. The acting hooks receive an
+:class:`Acting`: the version's ``model`` (a copy: never train it), its ``extras`` (what else acting reads
+and a learner changes, taken at publish: PPO's observation statistics, see :meth:`Policy._acting_extras`)
+and the view's ``memory`` (per-env state such as a recurrent policy's hidden state; each view and each
+snapshot has its own). Copies are recycled once no reader pins them, so publishing copies tensors into
+spare storage and allocates only while readers hold every older copy.
 """
 from __future__ import annotations
 
 import abc
 import copy
 import threading
+import weakref
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -34,8 +48,8 @@ from conveyor import schema
 from conveyor.data.batch import to_tensor
 from conveyor.schema import ConfigError, Option
 
-__all__ = ["Policy", "LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Stateful", "make_target",
-           "hard_update", "soft_update", "TargetSync"]
+__all__ = ["Policy", "LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot", "Acting", "Stateful",
+           "make_target", "hard_update", "soft_update", "TargetSync"]
 
 
 @runtime_checkable
@@ -58,6 +72,35 @@ class _GeneratorState:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.rng.bit_generator.state = dict(state_dict)
+
+
+class _Version:
+    """One published copy of the acting weights: a frozen module, the extras taken with it, its readers' pins."""
+
+    __slots__ = ("number", "model", "tensors", "extras", "pins")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.tensors = [*model.parameters(), *model.buffers()]
+        self.number = -1
+        self.extras: Any = None
+        self.pins = 0
+
+
+class Acting:
+    """What an acting hook works with: one published version's ``model`` and ``extras``, and the calling view's
+    ``memory`` (a dict for per-env state, e.g. a recurrent policy's hidden state). ``version`` is its number."""
+
+    __slots__ = ("model", "extras", "memory", "version")
+
+    def __init__(self, version: _Version, memory: dict) -> None:
+        self.model = version.model
+        self.extras = version.extras
+        self.memory = memory
+        self.version = version.number
+
+
+_SPARE_COPIES = 2  # unpinned old versions kept for reuse, so publishing copies into them instead of allocating
 
 
 def _hidden_sizes_check(value: Sequence[int]) -> str | None:
@@ -99,6 +142,12 @@ class Policy(abc.ABC):
         self._learn_lock = threading.RLock()
         self.register_state("model", self.model)
         self.register_state("rng", _GeneratorState(self.rng))
+        # Published acting copies (see the module doc): the newest, and spares no reader pins any more.
+        self._versions_lock = threading.Lock()
+        self._newest: _Version | None = None
+        self._spare: list[_Version] = []
+        self._model_tensors: list[torch.Tensor] | None = None
+        self._base_lrs: dict[str, list[float]] = {}
         self._learn_mode = LearnMode(self)
         self._collect_mode = CollectMode(self)
         self._eval_mode = EvalMode(self)
@@ -196,24 +245,107 @@ class Policy(abc.ABC):
         """One update on a batch of tensors on ``self.device``; float metrics and optional ``priority``."""
 
     @abc.abstractmethod
-    def _forward_collect(self, obs: Any, **kwargs: Any) -> dict[str, Any]:
-        """Exploring actions for a batch of observation tensors, as numpy (runs under ``no_grad``)."""
+    def _forward_collect(self, acting: Acting, obs: Any, **kwargs: Any) -> dict[str, Any]:
+        """Exploring actions for a batch of observation tensors, as numpy (runs under ``no_grad``), computed
+        with ``acting.model`` (the published weights), never ``self.model``."""
 
     @abc.abstractmethod
-    def _forward_eval(self, obs: Any) -> dict[str, Any]:
-        """Greedy / deterministic actions for a batch of observation tensors, as numpy (under ``no_grad``)."""
+    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
+        """Greedy / deterministic actions for a batch of observation tensors, as numpy (under ``no_grad``),
+        computed with ``acting.model``."""
 
-    def _value(self, obs: Any, **state: Any) -> np.ndarray:
-        """State values ``[B]`` (numpy float32) of a batch of observation tensors (under ``no_grad``);
-        ``state`` holds a recurrent policy's state before ``obs`` (e.g. ``hidden``) as tensors."""
+    def _value(self, acting: Acting, obs: Any, **state: Any) -> np.ndarray:
+        """State values ``[B]`` (numpy float32) of a batch of observation tensors (under ``no_grad``) by
+        ``acting.model``; ``state`` holds a recurrent policy's state before ``obs`` (e.g. ``hidden``) as tensors."""
         raise NotImplementedError(f"{type(self).__name__} has no value function: advantage estimators such as "
                                   f"gae_estimator need an actor-critic policy (e.g. PPOPolicy)")
 
-    def _reset_collect(self, env_ids: Sequence[int] | None) -> None:
-        """Clear the collector's per-env state (recurrent policies); ``None`` means every env."""
+    def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None:
+        """Clear a view's per-env state in ``memory`` for ``env_ids`` (``None``: every env)."""
+        if env_ids is None:
+            memory.clear()
 
-    def _reset_eval(self, env_ids: Sequence[int] | None) -> None:
-        """Clear the evaluator's per-env state (recurrent policies); ``None`` means every env."""
+    def _acting_extras(self) -> Any:
+        """What acting reads besides the model's weights, taken when a version is published (under the learn
+        lock) and handed to the acting hooks as ``acting.extras``; it must never change afterwards."""
+        return None
+
+    # --- versioned weights -----------------------------------------------------------------------
+    def publish(self) -> int:
+        """Make the learning model's current weights the newest acting version (an immutable copy); its number.
+
+        Learners call it once per call; readers that are mid-``forward`` finish on the version they pinned.
+        """
+        with self._learn_lock:
+            self._ensure_published()
+            return self._publish(self._newest.number + 1)
+
+    @property
+    def version(self) -> int:
+        """The number of the newest published version (0: the initial weights)."""
+        return self._ensure_published().number
+
+    def _ensure_published(self) -> _Version:
+        newest = self._newest
+        if newest is None:
+            with self._learn_lock:
+                if self._newest is None:
+                    self._publish(0)
+                newest = self._newest
+        return newest
+
+    def _publish(self, number: int) -> int:
+        """Copy the weights into a spare (or new) version numbered ``number`` and make it the newest; the caller
+        holds the learn lock, so no gradient step runs during the copy."""
+        extras = self._acting_extras()
+        with self._versions_lock:
+            version = self._spare.pop() if self._spare else None
+        if version is None:
+            model = copy.deepcopy(self.model)
+            model.requires_grad_(False)
+            version = _Version(model)
+        else:
+            if self._model_tensors is None:
+                self._model_tensors = [*self.model.parameters(), *self.model.buffers()]
+            with torch.no_grad():
+                torch._foreach_copy_(version.tensors, self._model_tensors)
+        version.number, version.extras = number, extras
+        with self._versions_lock:
+            old, self._newest = self._newest, version
+            if old is not None and old.pins == 0:
+                self._retire(old)
+        return number
+
+    def _retire(self, version: _Version) -> None:
+        if len(self._spare) < _SPARE_COPIES:
+            self._spare.append(version)
+
+    def _pin(self) -> _Version:
+        """The newest version, pinned: it is not recycled until :meth:`_unpin`."""
+        if self._newest is None:
+            self._ensure_published()
+        with self._versions_lock:
+            version = self._newest
+            version.pins += 1
+            return version
+
+    def _unpin(self, version: _Version) -> None:
+        with self._versions_lock:
+            version.pins -= 1
+            if version.pins == 0 and version is not self._newest:
+                self._retire(version)
+
+    # --- learning rate ---------------------------------------------------------------------------
+    def set_lr_factor(self, factor: float) -> None:
+        """Set every registered optimizer's learning rate to ``factor`` times its configured one (annealing)."""
+        if not 0.0 <= factor:
+            raise ValueError(f"{type(self).__name__}.set_lr_factor: factor must be >= 0, got {factor!r}")
+        with self._learn_lock:
+            for name, component in self._stateful.items():
+                if isinstance(component, torch.optim.Optimizer):
+                    base = self._base_lrs[name]
+                    for group, lr in zip(component.param_groups, base):
+                        group["lr"] = lr * factor
 
     # --- helpers for subclasses ------------------------------------------------------------------
     def register_state(self, name: str, component: Stateful) -> None:
@@ -224,6 +356,8 @@ class Policy(abc.ABC):
             raise TypeError(f"policy state {name!r} needs state_dict() and load_state_dict(), "
                             f"got {type(component).__name__}")
         self._stateful[name] = component
+        if isinstance(component, torch.optim.Optimizer):
+            self._base_lrs[name] = [float(group["lr"]) for group in component.param_groups]
 
     def _obs_to_tensor(self, obs: Any) -> Any:
         """An env manager's numpy observations as tensors on ``self.device`` (a tree for dict obs)."""
@@ -261,13 +395,22 @@ class Policy(abc.ABC):
 
     # --- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: registered components (model, optimizer, ...) and counters.
+        """Everything needed to resume: registered components (model, optimizer, ...) and counters
+        (``train_iter``, and ``version``: the newest published version's number).
 
         A deep copy taken between learning steps, so it stays consistent while training goes on.
         """
+        return self._checkpoint(None)
+
+    def _checkpoint(self, version: _Version | None) -> dict[str, Any]:
+        """:meth:`state_dict`, with the model's weights (and version number) of ``version`` when given."""
         with self._learn_lock:
+            newest = self._ensure_published()
             state: dict[str, Any] = {name: component.state_dict() for name, component in self._stateful.items()}
-            state["counters"] = {"train_iter": self.train_iter}
+            state["counters"] = {"train_iter": self.train_iter, "version": newest.number}
+            if version is not None:
+                state["model"] = version.model.state_dict()
+                state["counters"]["version"] = version.number
             return copy.deepcopy(state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -281,6 +424,7 @@ class Policy(abc.ABC):
             for name, component in self._stateful.items():
                 component.load_state_dict(state_dict[name])
             self.train_iter = int(state_dict["counters"]["train_iter"])
+            self._publish(int(state_dict["counters"].get("version", 0)))
 
 
 def nstep_option() -> Option:
@@ -295,8 +439,13 @@ def replay_buffer_schema(size: int) -> dict:
         "size": Option(size, "Replay buffer capacity in transitions.", check=schema.positive),
         "prioritized": Option(False, "Prioritized experience replay."),
         "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float, check=schema.unit_interval),
-        "beta": Option(0.4, "Importance-weight exponent of prioritized replay.", type=float,
+        "beta": Option(0.4, "Importance-weight exponent of prioritized replay at the start.", type=float,
                        check=schema.unit_interval),
+        "beta_end": Option(1.0, "The importance-weight exponent reached after beta_anneal_steps (1 corrects the whole "
+                                "sampling bias, as the PER paper anneals to).", type=float, check=schema.unit_interval),
+        "beta_anneal_steps": Option(100_000, "Transitions added to the buffer (env steps) over which beta rises "
+                                             "linearly to beta_end; the schedule is saved with the buffer (None: beta "
+                                             "stays fixed).", type=int, check=_optional_positive),
     }
 
 
@@ -321,8 +470,18 @@ class LearnMode:
         """One update on ``batch`` (a ttorch tree of transitions); float metrics, maybe ``priority``."""
         policy = self._policy
         batch = policy._batch_to_tensor(batch)
+        if policy._newest is None:
+            policy._ensure_published()  # version 0 holds the initial weights, never updated ones
         with policy._learn_lock:
             return policy._forward_learn(batch)
+
+    def publish(self) -> int:
+        """Make the current weights the newest acting version (see :meth:`Policy.publish`); its number."""
+        return self._policy.publish()
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Scale the configured learning rates by ``factor`` (see :meth:`Policy.set_lr_factor`)."""
+        self._policy.set_lr_factor(factor)
 
     @property
     def train_iter(self) -> int:
@@ -341,26 +500,60 @@ class LearnMode:
         return f"<learn_mode of {type(self._policy).__name__}>"
 
 
-class CollectMode:
-    """The collector's view of a policy."""
+def _collect(policy: Policy, version: _Version, memory: dict, obs: Any, kwargs: dict) -> dict[str, Any]:
+    with torch.no_grad():
+        out = policy._forward_collect(Acting(version, memory), policy._obs_to_tensor(obs), **kwargs)
+    out["weight_version"] = np.full(len(out["action"]), version.number, dtype=np.int64)
+    return out
 
-    __slots__ = ("_policy",)
+
+def _evaluate(policy: Policy, version: _Version, memory: dict, obs: Any) -> dict[str, Any]:
+    with torch.no_grad():
+        return policy._forward_eval(Acting(version, memory), policy._obs_to_tensor(obs))
+
+
+class _ActingView:
+    """What the collect and eval views share: the policy, the view's per-env memory, reset and version."""
+
+    __slots__ = ("_policy", "_memory")
+    _name = "acting view"
 
     def __init__(self, policy: Policy) -> None:
         self._policy = policy
-
-    def forward(self, obs: Any, **kwargs: Any) -> dict[str, Any]:
-        """Actions (numpy ``[N, ...]``) for an env manager's batch of observations, exploring per ``kwargs``."""
-        policy = self._policy
-        with torch.no_grad():
-            return policy._forward_collect(policy._obs_to_tensor(obs), **kwargs)
+        self._memory: dict = {}
 
     def reset(self, env_ids: Sequence[int] | None = None) -> None:
         """Forget per-env state of ``env_ids`` (all envs for ``None``), e.g. when their episodes restart."""
-        self._policy._reset_collect(env_ids)
+        self._policy._reset(self._memory, env_ids)
+
+    @property
+    def version(self) -> int:
+        """The newest published version, which the next ``forward`` acts on."""
+        return self._policy.version
 
     def __repr__(self) -> str:
-        return f"<collect_mode of {type(self._policy).__name__}>"
+        return f"<{self._name} of {type(self._policy).__name__}>"
+
+
+class CollectMode(_ActingView):
+    """The collector's view of a policy: acts on the newest published version of the weights."""
+
+    __slots__ = ()
+    _name = "collect_mode"
+
+    def forward(self, obs: Any, **kwargs: Any) -> dict[str, Any]:
+        """Actions (numpy ``[N, ...]``) for an env manager's batch of observations, exploring per ``kwargs``,
+        and ``weight_version`` (int64 ``[N]``): the published version that chose them."""
+        policy = self._policy
+        version = policy._pin()
+        try:
+            return _collect(policy, version, self._memory, obs, kwargs)
+        finally:
+            policy._unpin(version)
+
+    def snapshot(self) -> Snapshot:
+        """A collect view pinned to the newest version (see :class:`Snapshot`)."""
+        return Snapshot(self._policy, "collect")
 
 
 class ActorCriticCollectMode(CollectMode):
@@ -371,34 +564,79 @@ class ActorCriticCollectMode(CollectMode):
     __slots__ = ()
 
     def value(self, obs: Any, **state: Any) -> np.ndarray:
-        """State values (numpy float32 ``[B]``) of a batch of observations, numpy or tensors. A recurrent
-        policy also takes its state before ``obs`` (e.g. ``hidden=``, as stored in the trajectory)."""
+        """State values (numpy float32 ``[B]``) of a batch of observations, numpy or tensors, by the newest
+        published version. A recurrent policy also takes its state before ``obs`` (e.g. ``hidden=``, as stored
+        in the trajectory)."""
         policy = self._policy
-        with torch.no_grad():
-            return policy._value(policy._obs_to_tensor(obs),
-                                 **{k: policy._obs_to_tensor(v) for k, v in state.items()})
+        version = policy._pin()
+        try:
+            with torch.no_grad():
+                return policy._value(Acting(version, self._memory), policy._obs_to_tensor(obs),
+                                     **{k: policy._obs_to_tensor(v) for k, v in state.items()})
+        finally:
+            policy._unpin(version)
 
 
-class EvalMode:
-    """The evaluator's view of a policy."""
+class EvalMode(_ActingView):
+    """The evaluator's view of a policy: acts on the newest published version of the weights."""
 
-    __slots__ = ("_policy",)
-
-    def __init__(self, policy: Policy) -> None:
-        self._policy = policy
+    __slots__ = ()
+    _name = "eval_mode"
 
     def forward(self, obs: Any) -> dict[str, Any]:
         """Greedy / deterministic actions (numpy ``[N, ...]``) for a batch of observations."""
         policy = self._policy
-        with torch.no_grad():
-            return policy._forward_eval(policy._obs_to_tensor(obs))
+        version = policy._pin()
+        try:
+            return _evaluate(policy, version, self._memory, obs)
+        finally:
+            policy._unpin(version)
+
+    def snapshot(self) -> Snapshot:
+        """An eval view pinned to the newest version, so a whole evaluation sees one version (see :class:`Snapshot`)."""
+        return Snapshot(self._policy, "eval")
+
+
+class Snapshot:
+    """A collect or eval view pinned to one published version: every ``forward`` acts on it, however many
+    versions are published meanwhile. It has its own per-env state (start it with ``reset()``), and
+    ``state_dict()`` is the policy's checkpoint with this version's model weights (and version number) and
+    the other parts as they are now. The version stays pinned (its copy is not recycled) while the snapshot
+    is referenced.
+    """
+
+    __slots__ = ("_policy", "_version", "_mode", "_memory", "__weakref__")
+
+    def __init__(self, policy: Policy, mode: str) -> None:
+        self._policy = policy
+        self._version = policy._pin()
+        self._mode = mode
+        self._memory: dict = {}
+        weakref.finalize(self, policy._unpin, self._version)
+
+    @property
+    def version(self) -> int:
+        """The number of the version this snapshot acts on."""
+        return self._version.number
+
+    def forward(self, obs: Any, **kwargs: Any) -> dict[str, Any]:
+        """As the view it was taken from (``collect_mode.forward`` / ``eval_mode.forward``), on this version."""
+        if self._mode == "collect":
+            return _collect(self._policy, self._version, self._memory, obs, kwargs)
+        if kwargs:
+            raise TypeError(f"an eval snapshot's forward takes only obs, got {sorted(kwargs)}")
+        return _evaluate(self._policy, self._version, self._memory, obs)
 
     def reset(self, env_ids: Sequence[int] | None = None) -> None:
-        """Forget per-env state of ``env_ids`` (all envs for ``None``)."""
-        self._policy._reset_eval(env_ids)
+        """Forget this snapshot's per-env state of ``env_ids`` (all envs for ``None``)."""
+        self._policy._reset(self._memory, env_ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's checkpoint whose model weights are exactly this version's (see :meth:`Policy.state_dict`)."""
+        return self._policy._checkpoint(self._version)
 
     def __repr__(self) -> str:
-        return f"<eval_mode of {type(self._policy).__name__}>"
+        return f"<{self._mode} snapshot of {type(self._policy).__name__}, version {self.version}>"
 
 
 def make_target(model: nn.Module) -> nn.Module:

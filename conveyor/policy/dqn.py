@@ -16,7 +16,8 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Policy, TargetSync, fused_adam, make_target, nstep_option, replay_buffer_schema
+from conveyor.policy.base import (Acting, Policy, TargetSync, fused_adam, make_target, nstep_option,
+                                  replay_buffer_schema)
 from conveyor.policy.model import QNetwork
 from conveyor.schema import ConfigError, Option
 
@@ -111,20 +112,20 @@ class DQNPolicy(Policy):
         self._loss_fn: Callable[..., torch.Tensor] = F.huber_loss if learn.loss == "huber" else F.mse_loss
 
     # --- acting ----------------------------------------------------------------------------------
-    def _forward_collect(self, obs: Any, *, eps: float) -> dict[str, Any]:
+    def _forward_collect(self, acting: Acting, obs: Any, *, eps: float) -> dict[str, Any]:
         """Eps-greedy actions: each env independently acts uniformly at random with probability ``eps``."""
         if not 0.0 <= eps <= 1.0:
             raise ValueError(f"DQNPolicy.collect_mode.forward: eps must be in [0, 1], got {eps!r}")
-        q = self.model(obs)
+        q = acting.model(obs)
         greedy = q.argmax(-1).cpu().numpy()
         # One draw per env decides whether it explores, a second which uniform action it takes.
         u = self.rng.random((2, *greedy.shape))
         random_action = (u[1] * q.shape[-1]).astype(greedy.dtype)
         return {"action": np.where(u[0] < eps, random_action, greedy)}
 
-    def _forward_eval(self, obs: Any) -> dict[str, Any]:
+    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
         """Greedy actions."""
-        return {"action": self.model(obs).argmax(-1).cpu().numpy()}
+        return {"action": acting.model(obs).argmax(-1).cpu().numpy()}
 
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:

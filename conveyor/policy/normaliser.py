@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-__all__ = ["RunningMeanStd", "ObsNormaliser"]
+__all__ = ["RunningMeanStd", "ObsNormaliser", "FrozenNormaliser"]
 
 
 class RunningMeanStd:
@@ -56,6 +56,19 @@ class RunningMeanStd:
         self.count = int(state_dict["count"])
 
 
+class FrozenNormaliser:
+    """``clip((obs - mean) * inv_std)`` with fixed statistics: what a published policy version acts with."""
+
+    __slots__ = ("mean", "inv_std", "clip")
+
+    def __init__(self, mean: torch.Tensor, inv_std: torch.Tensor, clip: float | None) -> None:
+        self.mean, self.inv_std, self.clip = mean, inv_std, clip
+
+    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        out = (obs.float() - self.mean) * self.inv_std
+        return out if self.clip is None else out.clamp(-self.clip, self.clip)
+
+
 class ObsNormaliser:
     """``clip((obs - mean) / sqrt(var + eps), -clip, clip)`` with running statistics of observed data.
 
@@ -84,6 +97,14 @@ class ObsNormaliser:
             self._mean, self._inv_std = self._mean.to(obs.device), self._inv_std.to(obs.device)
         out = (obs.float() - self._mean) * self._inv_std
         return out if self.clip is None else out.clamp(-self.clip, self.clip)
+
+    def frozen(self, device: torch.device | str | None = None) -> FrozenNormaliser:
+        """The statistics in use now, as a normaliser that never changes (tensors on ``device``)."""
+        with self._lock:
+            mean, inv_std = self._mean, self._inv_std  # replaced, never written in place, by commits
+        if device is not None:
+            mean, inv_std = mean.to(device), inv_std.to(device)
+        return FrozenNormaliser(mean, inv_std, self.clip)
 
     def observe(self, obs: torch.Tensor) -> None:
         """Gather a batch ``[B, *shape]`` of raw observations for the next :meth:`commit`."""

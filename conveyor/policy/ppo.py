@@ -10,8 +10,8 @@ as in CleanRL's ``ppo.py``::
     v_loss   = 0.5 * mean((V(s) - return)^2)        (or the max with the clipped value's loss)
     loss     = pg_loss - entropy_coef * entropy + value_coef * v_loss
 
-Options: per-minibatch advantage normalisation, gradient-norm clipping, linear learning-rate
-annealing, an observation normaliser (running mean / std of collected observations, checkpointed),
+Options: per-minibatch advantage normalisation, gradient-norm clipping, linear learning-rate annealing by env
+steps or rounds (the trainer sets it), an observation normaliser (running mean / std of collected observations),
 and a GRU core whose per-env state the collector resets at episode ends and stores with each step
 (``hidden`` before it, ``next_hidden`` after it), so the learner can replay sequences from it.
 """
@@ -26,7 +26,7 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
-from conveyor.policy.base import ActorCriticCollectMode, Policy, _optional_positive, fused_adam
+from conveyor.policy.base import Acting, ActorCriticCollectMode, Policy, _optional_positive, fused_adam
 from conveyor.policy.normaliser import ObsNormaliser
 from conveyor.schema import ConfigError, Option
 
@@ -108,8 +108,13 @@ class PPOPolicy(Policy):
                                      check=schema.positive),
                 "learning_rate": Option(3e-4, "Adam learning rate (the start value when annealed).", type=float,
                                         check=schema.positive),
-                "lr_anneal_steps": Option(None, "Anneal the learning rate linearly to 0 over this many gradient "
-                                                "steps (None: constant).", type=int, check=_optional_positive),
+                "lr_anneal_steps": Option(None, "Anneal the learning rate linearly to 0 over this many lr_anneal_unit "
+                                                "(None: constant); the trainer sets it before each round.", type=int,
+                                          check=_optional_positive),
+                "lr_anneal_unit": Option("env_step", "What lr_anneal_steps counts: 'env_step' (ctx.env_step when a "
+                                                     "round starts) or 'iteration' (training rounds); never gradient "
+                                                     "steps, whose number early stopping varies.",
+                                         choices=("env_step", "iteration")),
                 "clip_ratio": Option(0.2, "Clip the probability ratio to [1 - clip_ratio, 1 + clip_ratio].",
                                      type=float, check=schema.positive),
                 "value_clip": Option(None, "Also clip the new value to within this of the collected one and take the "
@@ -117,8 +122,9 @@ class PPOPolicy(Policy):
                                      check=_optional_positive),
                 "value_coef": Option(0.5, "Weight of the value loss.", type=float, check=schema.non_negative),
                 "entropy_coef": Option(0.0, "Weight of the entropy bonus.", type=float, check=schema.non_negative),
-                "target_kl": Option(None, "Stop a round's passes early once a step's approx_kl exceeds 1.5 * target_kl "
-                                          "(read by multistep_trainer; None: run every epoch).", type=float,
+                "target_kl": Option(None, "End a round's passes once a minibatch's approx_kl under the current policy "
+                                          "exceeds 1.5 * target_kl, before stepping on it (Stable-Baselines3's rule; "
+                                          "None: run every epoch).", type=float,
                                     check=_optional_positive),
                 "adv_norm": Option(True, "Normalise advantages to zero mean, unit std within each minibatch."),
                 "grad_clip": Option(0.5, "Clip the gradient's global L2 norm to this (None: no clipping).",
@@ -184,12 +190,34 @@ class PPOPolicy(Policy):
                                           fused=fused_adam(self.device))
         self.register_state("optimizer", self.optimizer)
         self._parameters = list(self.model.parameters())
-        self._collect_hidden: torch.Tensor | None = None
-        self._eval_hidden: torch.Tensor | None = None
 
     # --- observations and recurrent state --------------------------------------------------------
     def _normalise(self, obs: Any) -> Any:
+        """Observations as the learner sees them: normalised by the live statistics."""
         return obs if self.obs_normaliser is None else self.obs_normaliser(obs)
+
+    def _acting_extras(self) -> Any:
+        """The observation statistics acting uses, frozen with each published version. Publishing after an update
+        first folds the observations collected since the last fold into them, so a rollout is acted on, valued
+        and learned from with one set of statistics (the first ratio of every update is exactly 1)."""
+        normaliser = self.obs_normaliser
+        if normaliser is None:
+            return None
+        if self.train_iter != self._committed_at:
+            normaliser.commit()
+            self._committed_at = self.train_iter
+        return normaliser.frozen(self.device)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a checkpoint; observations it holds as gathered stay uncommitted until the next update."""
+        with self._learn_lock:
+            committed_at = self._committed_at
+            self._committed_at = int(state_dict.get("counters", {}).get("train_iter", 0))
+            try:
+                super().load_state_dict(state_dict)
+            except Exception:
+                self._committed_at = committed_at
+                raise
 
     def _initial_state(self, state: torch.Tensor | None, batch: int) -> torch.Tensor:
         if state is None or state.shape[0] != batch:
@@ -204,72 +232,62 @@ class PPOPolicy(Policy):
         ids = torch.as_tensor(list(env_ids), dtype=torch.long, device=state.device)
         return state.index_fill(0, ids, 0.0)
 
-    def _reset_collect(self, env_ids: Sequence[int] | None) -> None:
+    def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None:
         """Zero the recurrent state of envs whose episodes ended."""
-        self._collect_hidden = self._cleared(self._collect_hidden, env_ids)
-
-    def _reset_eval(self, env_ids: Sequence[int] | None) -> None:
-        self._eval_hidden = self._cleared(self._eval_hidden, env_ids)
+        memory["hidden"] = self._cleared(memory.get("hidden"), env_ids)
 
     # --- acting ----------------------------------------------------------------------------------
-    def _forward_collect(self, obs: Any) -> dict[str, Any]:
+    def _forward_collect(self, acting: Acting, obs: Any) -> dict[str, Any]:
         """Sampled actions with their log-probabilities and values (and the recurrent state around the step)."""
-        normaliser = self.obs_normaliser
-        if normaliser is not None:
-            if self.train_iter != self._committed_at:  # first step after an update: fold in the last rollout
-                with self._learn_lock:
-                    normaliser.commit()
-                    self._committed_at = self.train_iter
-            normaliser.observe(obs)
-            obs = normaliser(obs)
+        if self.obs_normaliser is not None:
+            self.obs_normaliser.observe(obs)  # gathered for the fold at the next publish
+            obs = acting.extras(obs)
         out: dict[str, Any] = {}
+        model = acting.model
         if self.recurrent:
-            hidden = self._initial_state(self._collect_hidden, obs.shape[0])
-            params, value, next_hidden = self.model(obs, hidden)
-            self._collect_hidden = next_hidden
+            hidden = self._initial_state(acting.memory.get("hidden"), obs.shape[0])
+            params, value, next_hidden = model(obs, hidden)
+            acting.memory["hidden"] = next_hidden
             out["hidden"], out["next_hidden"] = hidden.cpu().numpy(), next_hidden.cpu().numpy()
         else:
-            params, value, _ = self.model(obs)
+            params, value, _ = model(obs)
         action, raw_action, logp = self.action_dist.sample(params, self.rng)
         out.update(action=action, logp=logp.cpu().numpy(), value=value.cpu().numpy())
         if raw_action is not None:
             out["raw_action"] = raw_action.cpu().numpy()
         return out
 
-    def _forward_eval(self, obs: Any) -> dict[str, Any]:
+    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
         """Deterministic actions: the most likely discrete action, or the Gaussian's mean (clipped / squashed)."""
-        obs = self._normalise(obs)
+        if acting.extras is not None:
+            obs = acting.extras(obs)
         if self.recurrent:
-            hidden = self._initial_state(self._eval_hidden, obs.shape[0])
-            params, _, self._eval_hidden = self.model(obs, hidden)
+            hidden = self._initial_state(acting.memory.get("hidden"), obs.shape[0])
+            params, _, acting.memory["hidden"] = acting.model(obs, hidden)
         else:
-            params = self.model.actor(obs)  # the critic is not needed to act
+            params = acting.model.actor(obs)  # the critic is not needed to act
         return {"action": self.action_dist.mode(params)}
 
-    def _value(self, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
+    def _value(self, acting: Acting, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
         """The critic's values of ``obs`` (after the recurrent state ``hidden``)."""
-        obs = self._normalise(obs)
+        if acting.extras is not None:
+            obs = acting.extras(obs)
         if self.recurrent:
             if hidden is None:
                 raise ValueError("PPOPolicy.collect_mode.value: a recurrent policy needs hidden= (the state before "
                                  "obs, e.g. the trajectory's next_hidden)")
-            return self.model.value(obs, hidden.float()).cpu().numpy()
-        return self.model.value(obs).cpu().numpy()
+            return acting.model.value(obs, hidden.float()).cpu().numpy()
+        return acting.model.value(obs).cpu().numpy()
 
     # --- learning --------------------------------------------------------------------------------
-    def _anneal_lr(self) -> float:
-        learn = self.cfg.learn
-        lr = learn.learning_rate
-        if learn.lr_anneal_steps is not None:
-            lr *= max(0.0, 1.0 - self.train_iter / learn.lr_anneal_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-        return lr
-
     def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
-        """One PPO gradient step on a minibatch (flat ``[B]``, or sequences ``[L, B]`` for a recurrent policy)."""
+        """One PPO gradient step on a minibatch (flat ``[B]``, or sequences ``[L, B]`` for a recurrent policy).
+
+        With ``learn.target_kl`` set, the minibatch's approximate KL under the current policy is checked first:
+        above ``1.5 * target_kl`` no step is taken and the output carries ``early_stop = True``.
+        """
         learn = self.cfg.learn
-        lr = self._anneal_lr()
+        lr = self.optimizer.param_groups[0]["lr"]
         obs = self._normalise(batch.obs)
         if self.recurrent:
             if batch.reward.ndim != 2 or "episode_start" not in batch:
@@ -310,9 +328,6 @@ class PPOPolicy(Policy):
         entropy_loss = _masked_mean(entropy, mask)
         loss = pg_loss - learn.entropy_coef * entropy_loss + learn.value_coef * v_loss
 
-        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
-        self.train_iter += 1
-
         with torch.no_grad():
             approx_kl = _masked_mean((ratio - 1.0) - logratio, mask)  # the low-variance estimator of KL(old || new)
             clip_frac = _masked_mean(((ratio - 1.0).abs() > learn.clip_ratio).float(), mask)
@@ -320,6 +335,11 @@ class PPOPolicy(Policy):
         out: dict[str, Any] = dict(zip(("losses/policy", "losses/value", "losses/entropy", "charts/approx_kl",
                                         "charts/clip_frac"), metrics))
         out["charts/lr"] = float(lr)
+        if learn.target_kl is not None and out["charts/approx_kl"] > 1.5 * learn.target_kl:
+            out["early_stop"] = True  # moved far enough from the collecting policy: no step on this minibatch
+            return out
+        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
+        self.train_iter += 1
         if grad_norm is not None:
             out["charts/grad_norm"] = grad_norm.item()
         return out

@@ -28,7 +28,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import (Policy, TargetSync, _hidden_sizes_check, fused_adam, make_target,
+from conveyor.policy.base import (Acting, Policy, TargetSync, _hidden_sizes_check, fused_adam, make_target,
                                   nstep_option, replay_buffer_schema)
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor
 from conveyor.schema import ConfigError, Option
@@ -226,16 +226,16 @@ class SACPolicy(Policy):
         return float(self.temperature.log_alpha.detach().exp())
 
     # --- acting ----------------------------------------------------------------------------------
-    def _forward_collect(self, obs: Any) -> dict[str, Any]:
+    def _forward_collect(self, acting: Acting, obs: Any) -> dict[str, Any]:
         """Sampled actions ``tanh(mu + sigma * noise)`` in the env's bounds, as float32 numpy."""
-        mean, log_std = self.actor(obs)
+        mean, log_std = acting.model.actor(obs)
         noise = torch.from_numpy(self.rng.standard_normal(mean.shape, dtype=np.float32)).to(mean.device)
         action = torch.tanh(mean + log_std.exp() * noise)
         return {"action": self.action_scaler.to_env(action).cpu().numpy()}
 
-    def _forward_eval(self, obs: Any) -> dict[str, Any]:
+    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
         """The deterministic actions ``tanh(mu)`` in the env's bounds, as float32 numpy."""
-        return {"action": self.action_scaler.to_env(self.actor.mode(obs)).cpu().numpy()}
+        return {"action": self.action_scaler.to_env(acting.model.actor.mode(obs)).cpu().numpy()}
 
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def train_off_policy(main_config: Mapping[str, Any], policy_cls: Type[Any], cfg:
     policy = policy_cls(cfg.policy)
     replay = cfg.policy.other.replay_buffer
     buffer_ = DequeBuffer(replay.size, prioritized=replay.prioritized, alpha=replay.alpha, beta=replay.beta,
-                          seed=cfg.seed)
+                          beta_end=replay.beta_end, beta_anneal_steps=replay.beta_anneal_steps, seed=cfg.seed)
     ctx = OnlineRLContext()
     if resume:
         resume_into(cfg, policy, ctx, buffer_)

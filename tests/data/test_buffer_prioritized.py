@@ -1,5 +1,6 @@
 """Prioritized replay: sampling in proportion to priority ** alpha, IS weights, priority updates."""
 import numpy as np
+import pytest
 import torch
 
 from conveyor.data import DequeBuffer
@@ -110,3 +111,29 @@ def test_extend_into_a_deep_tree_makes_the_new_slots_sampleable():
     index = buffer.sample(10_000).index.numpy()
     assert index.max() < 100
     assert np.allclose(np.bincount(index, minlength=100) / 10_000, 0.01, atol=0.005)
+
+
+def test_beta_rises_linearly_to_beta_end_over_the_transitions_added():
+    buffer = DequeBuffer(100, prioritized=True, beta=0.4, beta_end=1.0, beta_anneal_steps=10, seed=0)
+    betas = []
+    for _ in range(6):
+        betas.append(buffer.beta)
+        buffer.extend({"x": np.zeros(4, np.float32)})
+    assert betas == pytest.approx([0.4, 0.64, 0.88, 1.0, 1.0, 1.0])
+
+
+def test_the_beta_schedule_and_sampling_rng_are_saved_with_the_buffer():
+    def fill(buffer):
+        buffer.extend({"x": np.arange(5, dtype=np.float32)})
+        buffer.update_priority(np.arange(5), np.arange(1.0, 6.0))
+
+    original = DequeBuffer(10, prioritized=True, beta=0.2, beta_end=1.0, beta_anneal_steps=20, seed=3)
+    fill(original)
+    restored = DequeBuffer(10, prioritized=True)
+    restored.load_state_dict(original.state_dict())
+    assert restored.beta == original.beta == pytest.approx(0.2 + 0.8 * 5 / 20)
+    a, b = original.sample(8), restored.sample(8)
+    assert torch.equal(a.index, b.index) and torch.equal(a.weight, b.weight)
+    for buffer in (original, restored):
+        buffer.extend({"x": np.zeros(5, np.float32)})
+    assert restored.beta == original.beta == pytest.approx(0.6)

@@ -91,13 +91,38 @@ def test_learner_leaves_a_uniform_buffer_without_priorities(cfg, policy):
     assert buffer.updates == [] and ctx.train_iter == cfg.policy.learn.update_per_collect
 
 
-def test_collector_pusher_learner_chain_trains(cfg, policy, cartpole_envs):
+def run_chain(cfg, policy, envs, buffer):
+    """Five iterations of collector, pusher and learner; the final context."""
     from conveyor import task
-    buffer = DequeBuffer(1000)
     with task.start(ctx=OnlineRLContext()):
         task.use(lambda ctx: ctx.collect_kwargs.update(eps=0.5))
-        task.use(StepCollector(cfg, policy.collect_mode, cartpole_envs(4)))
+        task.use(StepCollector(cfg, policy.collect_mode, envs))
         task.use(data_pusher(cfg, buffer))
         task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer))
         task.run(max_step=5)
-        assert task.ctx.env_step == 80 and task.ctx.train_iter == 10
+        return task.ctx
+
+
+def test_collector_pusher_learner_chain_trains(cfg, policy, cartpole_envs):
+    ctx = run_chain(cfg, policy, cartpole_envs(4), DequeBuffer(1000))
+    assert ctx.env_step == 80 and ctx.train_iter == 10
+
+
+def test_learner_publishes_once_per_call_and_the_buffer_keeps_the_version_of_every_row(cfg, policy, cartpole_envs):
+    buffer = DequeBuffer(1000)
+    run_chain(cfg, policy, cartpole_envs(4), buffer)
+    assert policy.version == 5  # one publish per learner call, however many gradient steps it took
+    stored = buffer.state_dict()["storage"]["weight_version"]
+    assert stored.dtype == np.int64
+    assert sorted(set(stored[:len(buffer)].tolist())) == [0, 1, 2, 3, 4]  # call k collected with version k
+
+
+def test_learner_refuses_a_view_that_cannot_publish(cfg):
+    import pytest
+
+    class StepOnly:
+        def forward(self, batch):
+            return {}
+
+    with pytest.raises(TypeError, match="publish"):
+        OffPolicyLearner(cfg, StepOnly(), DequeBuffer(10))

@@ -1,4 +1,6 @@
 """On-policy trainers: epochs of shuffled minibatches, full-batch steps, and the on-policy pipeline as written."""
+import pickle
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -19,10 +21,15 @@ class RecordingLearner:
 
     def __init__(self):
         self.batches = []
+        self.published_after = []  # how many batches had been seen at each publish
 
     def forward(self, batch):
         self.batches.append(batch)
         return {"losses/x": 0.0}
+
+    def publish(self):
+        self.published_after.append(len(self.batches))
+        return len(self.published_after)
 
 
 def learn_cfg(**learn):
@@ -50,6 +57,7 @@ def test_multistep_trainer_runs_epochs_of_shuffled_minibatches_covering_every_ro
         seen = torch.cat([b.obs for b in learner.batches[3 * epoch:3 * epoch + 3]])
         assert sorted(seen.tolist()) == list(range(10))
     assert learner.batches[0].obs.tolist() != learner.batches[3].obs.tolist()  # reshuffled every epoch
+    assert learner.published_after == [9]  # the weights are published once, after the round
 
 
 def test_multistep_trainer_cuts_sequence_batches_into_whole_sequences():
@@ -62,16 +70,61 @@ def test_multistep_trainer_cuts_sequence_batches_into_whole_sequences():
     assert columns == list(range(6))
 
 
-def test_multistep_trainer_stops_a_round_once_the_policy_moved_past_the_target_kl():
+def test_a_step_the_policy_declines_ends_the_round_and_is_not_counted():
     class Drifting(RecordingLearner):
         def forward(self, batch):
             super().forward(batch)
-            return {"charts/approx_kl": 0.01 * len(self.batches)}  # 0.01, 0.02, 0.03, ...
+            return {"charts/approx_kl": 0.01, "early_stop": len(self.batches) == 4}  # declines the 4th minibatch
 
     learner = Drifting()
     ctx = train(multistep_trainer(learn_cfg(epoch_per_collect=4, batch_size=4, target_kl=0.02), learner),
                 flat_batch(8))
-    assert ctx.train_iter == len(ctx.train_output) == 4  # stopped after the step reporting 0.04 > 1.5 * 0.02
+    assert len(learner.batches) == 4 and ctx.train_iter == 3  # three gradient steps, then the declined one
+    assert len(ctx.train_output) == 4 and all("early_stop" not in out for out in ctx.train_output)
+    assert learner.published_after == [4]
+
+
+class LrRecorder(RecordingLearner):
+    def __init__(self):
+        super().__init__()
+        self.factors = []
+
+    def set_lr_factor(self, factor):
+        self.factors.append(factor)
+
+
+@pytest.mark.parametrize("unit, env_steps, expected", [
+    ("env_step", [0, 50, 100, 150], [1.0, 0.5, 0.0, 0.0]),
+    ("iteration", [0, 1000, 2000, 3000], [1.0, 0.5, 0.0, 0.0]),
+])
+def test_learning_rate_anneals_by_env_steps_or_rounds_never_by_gradient_steps(unit, env_steps, expected):
+    learner = LrRecorder()
+    steps = 100 if unit == "env_step" else 2
+    mw = multistep_trainer(learn_cfg(epoch_per_collect=3, batch_size=2, lr_anneal_steps=steps, lr_anneal_unit=unit),
+                           learner)
+    for step in env_steps:
+        ctx = OnlineRLContext()
+        ctx.env_step, ctx.train_data = step, flat_batch(8)
+        mw(ctx)
+    assert learner.factors == pytest.approx(expected)
+
+
+def test_a_resumed_trainer_shuffles_and_anneals_as_an_uninterrupted_one():
+    def rounds(mw, learner, n):
+        for _ in range(n):
+            train(mw, flat_batch(10))
+        return [b.obs.tolist() for b in learner.batches]
+
+    cfg = learn_cfg(epoch_per_collect=2, batch_size=4, lr_anneal_steps=10, lr_anneal_unit="iteration")
+    straight = LrRecorder()
+    expected = rounds(multistep_trainer(cfg, straight), straight, 4)
+    first, second = LrRecorder(), LrRecorder()
+    mw = multistep_trainer(cfg, first)
+    rounds(mw, first, 2)
+    resumed = multistep_trainer(cfg, second)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(mw.state_dict())))
+    assert first.batches and [b.obs.tolist() for b in first.batches] + rounds(resumed, second, 2) == expected
+    assert first.factors + second.factors == straight.factors
 
 
 def test_a_minibatch_as_large_as_the_batch_is_the_batch_itself():
@@ -87,6 +140,7 @@ def test_trainer_takes_update_per_collect_steps_on_the_whole_batch():
     ctx = train(trainer(learn_cfg(update_per_collect=2), learner), data)
     assert ctx.train_iter == 2 and len(ctx.train_output) == 2
     assert all(b is data for b in learner.batches)
+    assert learner.published_after == [2]
 
 
 def test_trainers_do_nothing_without_train_data():

@@ -278,6 +278,7 @@ def test_dqn_learns_a_two_state_contextual_bandit():
         policy.learn_mode.forward({"obs": eye[state], "next_obs": eye[state], "action": action,
                                    "reward": (action == state).astype(np.float32),
                                    "terminated": np.ones(32, bool), "truncated": np.zeros(32, bool)})
+    policy.learn_mode.publish()
     np.testing.assert_array_equal(policy.eval_mode.forward(eye)["action"], [0, 1])
     assert policy.learn_mode.train_iter == 200
 

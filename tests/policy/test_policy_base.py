@@ -54,20 +54,19 @@ class EchoPolicy(Policy):
         self.train_iter += 1
         return {"losses/echo": float(batch.reward.sum()), "charts/obs_type": type(batch.obs).__name__}
 
-    def _forward_collect(self, obs, **kwargs):
+    def _forward_collect(self, acting, obs, **kwargs):
         self.grad_enabled.append(torch.is_grad_enabled())
         self.normaliser.update(obs.numpy())
-        return {"action": self.model(obs).argmax(-1).numpy(), "kwargs": kwargs, "obs_type": type(obs)}
+        acting.memory["view"] = "collect"
+        return {"action": acting.model(obs).argmax(-1).numpy(), "kwargs": kwargs, "obs_type": type(obs)}
 
-    def _forward_eval(self, obs):
+    def _forward_eval(self, acting, obs):
         self.grad_enabled.append(torch.is_grad_enabled())
-        return {"action": self.model(obs).argmax(-1).numpy()}
+        acting.memory["view"] = "eval"
+        return {"action": acting.model(obs).argmax(-1).numpy()}
 
-    def _reset_collect(self, env_ids):
-        self.resets.append(("collect", env_ids))
-
-    def _reset_eval(self, env_ids):
-        self.resets.append(("eval", env_ids))
+    def _reset(self, memory, env_ids):
+        self.resets.append((memory.get("view"), env_ids))
 
 
 def echo_policy(**kwargs) -> EchoPolicy:
@@ -91,6 +90,8 @@ def test_eval_view_runs_without_grad():
 
 def test_reset_views_reach_their_hooks_with_env_ids():
     policy = echo_policy()
+    policy.collect_mode.forward(np.ones((4, 3), np.float32))
+    policy.eval_mode.forward(np.ones((4, 3), np.float32))
     policy.collect_mode.reset([1, 3])
     policy.eval_mode.reset()
     assert policy.resets == [("collect", [1, 3]), ("eval", None)]
@@ -106,10 +107,11 @@ def test_learn_view_accepts_a_dict_of_numpy_and_counts_through_train_iter():
 def test_views_expose_only_their_modes_methods():
     policy = echo_policy()
     public = {name for name in dir(policy.collect_mode) if not name.startswith("_")}
-    assert public == {"forward", "reset"}
-    assert {name for name in dir(policy.eval_mode) if not name.startswith("_")} == {"forward", "reset"}
+    assert public == {"forward", "reset", "snapshot", "version"}
+    assert {name for name in dir(policy.eval_mode) if not name.startswith("_")} == \
+        {"forward", "reset", "snapshot", "version"}
     assert {name for name in dir(policy.learn_mode) if not name.startswith("_")} == \
-        {"forward", "train_iter", "state_dict", "load_state_dict"}
+        {"forward", "publish", "set_lr_factor", "train_iter", "state_dict", "load_state_dict"}
 
 
 def test_registered_state_joins_the_checkpoint():

@@ -42,27 +42,42 @@ def normalising_policy():
                       "learn": {"batch_size": 4}}, seed=0)
 
 
-def learn_once(policy, obs):
+def learn_once(policy, obs, publish=True):
+    """Collect on ``obs``, take one step on it, and publish the weights as a trainer does."""
     out = policy.collect_mode.forward(obs)
     n = len(obs)
     policy.learn_mode.forward(ttorch.Tensor({
         "obs": torch.from_numpy(obs), "action": torch.from_numpy(out["action"]),
         "logp": torch.from_numpy(out["logp"]), "value": torch.from_numpy(out["value"]), "adv": torch.ones(n),
         "return": torch.ones(n), "reward": torch.zeros(n)}))
+    if publish:
+        policy.learn_mode.publish()
 
 
-def test_ppo_keeps_statistics_fixed_through_a_rollout_and_folds_it_in_when_collecting_after_an_update():
+def test_ppo_keeps_statistics_fixed_through_a_rollout_and_folds_it_in_when_publishing_after_an_update():
     policy = normalising_policy()
     norm = policy.obs_normaliser
     rollout = np.random.default_rng(0).normal(5.0, 3.0, size=(32, 2)).astype(np.float32)
     for chunk in np.split(rollout, 4):
         policy.collect_mode.forward(chunk)
     assert norm.stats.count == 0  # the rollout is acted on, valued and learned from with the same statistics
-    learn_once(policy, rollout[:4])
+    learn_once(policy, rollout[:4], publish=False)
     assert norm.stats.count == 0
-    policy.collect_mode.forward(rollout[:4])  # first step of the next rollout: the previous one is folded in
+    policy.learn_mode.publish()  # the update is published: the rollout is folded in for the next one
     assert norm.stats.count == 32 + 4  # (learn_once collected 4 more)
     np.testing.assert_allclose(norm.stats.mean, np.concatenate([rollout, rollout[:4]]).mean(0), rtol=1e-5)
+    policy.collect_mode.forward(rollout[:4])
+    assert norm.stats.count == 32 + 4
+
+
+def test_acting_uses_the_statistics_published_with_the_weights():
+    policy = normalising_policy()
+    obs = np.random.default_rng(2).normal(5.0, 3.0, size=(16, 2)).astype(np.float32)
+    learn_once(policy, obs)
+    published = policy.collect_mode.value(obs)
+    policy.collect_mode.forward(obs * 10)
+    policy.obs_normaliser.commit()  # the live statistics move; the published version keeps its own
+    np.testing.assert_array_equal(policy.collect_mode.value(obs), published)
 
 
 def test_checkpoint_round_trip_restores_the_normaliser():

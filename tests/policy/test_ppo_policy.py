@@ -117,11 +117,21 @@ def test_entropy_is_reported_and_its_bonus_flattens_the_policy():
 
 
 # --- learning rate, gradient clipping, metrics ----------------------------------------------------------
-def test_learning_rate_anneals_linearly_to_zero_over_the_configured_gradient_steps():
+def test_the_learning_rate_is_what_the_trainer_set_as_a_fraction_of_the_configured_one():
     policy = table_policy(learning_rate=1e-3, lr_anneal_steps=4)
-    lrs = [policy.learn_mode.forward(batch(adv=[1.0], logp=[HALF]))["charts/lr"] for _ in range(6)]
-    assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0, 0.0])
-    assert policy.optimizer.param_groups[0]["lr"] == 0.0
+    policy.learn_mode.set_lr_factor(0.25)
+    assert policy.learn_mode.forward(batch(adv=[1.0], logp=[HALF]))["charts/lr"] == pytest.approx(2.5e-4)
+    assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4)
+
+
+def test_a_minibatch_past_the_target_kl_takes_no_step_and_asks_to_stop():
+    policy = table_policy(target_kl=0.01)
+    before = policy.model.logits.detach().clone()
+    out = policy.learn_mode.forward(batch(adv=[1.0], logp=[math.log(0.9)]))  # far from the collecting policy
+    assert out["early_stop"] is True and out["charts/approx_kl"] > 0.015
+    assert torch.equal(policy.model.logits, before) and policy.learn_mode.train_iter == 0
+    out = policy.learn_mode.forward(batch(adv=[1.0], logp=[HALF]))  # ratio 1: KL 0, the step is taken
+    assert "early_stop" not in out and policy.learn_mode.train_iter == 1
 
 
 def test_constant_learning_rate_without_annealing():

@@ -360,6 +360,7 @@ def test_state_dict_round_trip_restores_everything():
     trained = SACPolicy(cfg, seed=1)
     for i in range(5):
         trained.learn_mode.forward(random_batch(i))
+    trained.learn_mode.publish()  # as a learner does after its steps
     obs = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
     trained.collect_mode.forward(obs)
     resumed = SACPolicy(cfg, seed=2)
@@ -393,6 +394,7 @@ def test_sac_learns_a_one_step_continuous_bandit():
         policy.learn_mode.forward({"obs": s, "next_obs": s, "action": a,
                                    "reward": -((a - 0.5 * s) ** 2).sum(-1).astype(np.float32),
                                    "terminated": np.ones(64, bool), "truncated": np.zeros(64, bool)})
+    policy.learn_mode.publish()
     s = np.array([[-1.0], [0.0], [1.0]], np.float32)
     np.testing.assert_allclose(policy.eval_mode.forward(s)["action"][:, 0], [-0.5, 0.0, 0.5], atol=0.15)
 

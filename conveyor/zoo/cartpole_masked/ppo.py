@@ -28,7 +28,7 @@ main_config = EasyDict(dict(
         discount_factor=0.98,
         gae_lambda=0.8,
         model=dict(hidden_sizes=[64, 64], obs_norm=True),
-        learn=dict(epoch_per_collect=20, batch_size=256, learning_rate=1e-3, lr_anneal_steps=8000,
+        learn=dict(epoch_per_collect=20, batch_size=256, learning_rate=1e-3, lr_anneal_steps=102_400,
                    clip_ratio=0.2, entropy_coef=0.0, value_coef=1.0, grad_clip=0.5),
         collect=dict(n_sample=256),
         eval=dict(evaluator=dict(eval_freq=200)),
