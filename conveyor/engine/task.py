@@ -48,6 +48,8 @@ class Task:
         self._max_inflight = 2
         self._executor: Optional[ThreadPoolExecutor] = None
         self._base_ctx: Optional[Context] = None
+        self._states: Dict[str, Any] = {}
+        self._between: List[Callable[[], None]] = []
         self.finish = False
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -158,18 +160,79 @@ class Task:
                 self._run_async(max_step)
             else:
                 self._run_sync(max_step)
-        finally:
+        except BaseException as exc:
             self._running = False
-            self._events.emit(FINISH_EVENT)
+            self._between.clear()
+            self._events.emit(FINISH_EVENT, exc)
+            raise
+        self._running = False
+        self._run_between()
+        self._events.emit(FINISH_EVENT, None)
 
     def _run_sync(self, max_step: int) -> None:
         for _ in range(max_step):
             if self.finish:
                 return
             stack: List[Suspended] = []
-            run_forward(self._middleware, self._base_ctx, stack)
+            self._local.end = False
+            for mw in self._middleware:
+                try:
+                    suspended = enter(mw, self._base_ctx)
+                except BaseException as exc:
+                    unwind(stack, exc)
+                    break
+                if suspended is not None:
+                    stack.append(suspended)
+                if self._local.end:
+                    break
             unwind(stack)
             self._base_ctx = self._next_ctx(self._base_ctx)
+            self._run_between()
+
+    # --- state (shim of engine hooks 1, 2 and 5 until the engine branch lands) ---------------------
+    def end_iteration(self) -> None:
+        """The middleware after the calling one are not entered in this iteration."""
+        self._local.end = True
+
+    def between_iterations(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once at the next point where no middleware runs."""
+        self._between.append(fn)
+
+    def _run_between(self) -> None:
+        while self._between:
+            self._between.pop(0)()
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Include ``obj`` (``state_dict``/``load_state_dict``) in :meth:`state_dict` under ``name``."""
+        if name in self._states:
+            raise ValueError(f"task.register_state: {name!r} is already registered")
+        self._states[name] = obj
+
+    def _stateful(self) -> Dict[str, Any]:
+        return {f"{i}:{mw.name}": mw.fn for i, mw in enumerate(self._middleware)
+                if hasattr(mw.fn, "state_dict") and hasattr(mw.fn, "load_state_dict")}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The whole pipeline's state: kept context fields, stateful middleware, registered objects."""
+        ctx = self.ctx
+        return {"ctx": {**ctx.state_dict(), "total_step": ctx.total_step},
+                "middleware": {key: fn.state_dict() for key, fn in self._stateful().items()},
+                "objects": {name: obj.state_dict() for name, obj in self._states.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into the current chain."""
+        stateful = self._stateful()
+        if set(stateful) != set(state["middleware"]):
+            raise KeyError(f"task.load_state_dict: middleware {sorted(state['middleware'])} saved, "
+                           f"{sorted(stateful)} in the chain")
+        for key, fn in stateful.items():
+            fn.load_state_dict(state["middleware"][key])
+        for name, obj in self._states.items():
+            obj.load_state_dict(state["objects"][name])
+        kept = dict(state["ctx"])
+        total_step = kept.pop("total_step")
+        self._base_ctx.load_state_dict(kept)
+        self._base_ctx.total_step = total_step
 
     def _run_async(self, max_step: int) -> None:
         if self.finish or max_step == 0:

@@ -81,7 +81,7 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
 
     writer = SummaryWriter(logdir)
     scalars_of = _Scalars(train_show_freq)
-    task.once(FINISH_EVENT, writer.close)
+    task.once(FINISH_EVENT, lambda *_: writer.close())
 
     def _log(ctx: OnlineRLContext):
         yield
@@ -112,7 +112,7 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
 
     run = wandb.init(project=project, config=config, **init_kwargs)
     scalars_of = _Scalars(train_show_freq)
-    task.once(FINISH_EVENT, run.finish)
+    task.once(FINISH_EVENT, lambda *_: run.finish())
 
     def _log(ctx: OnlineRLContext):
         yield
@@ -132,7 +132,7 @@ def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
     if make_bar is None:
         from tqdm import tqdm as make_bar
     bar = make_bar(total=total_env_step, desc=desc, unit="step", dynamic_ncols=True)
-    task.once(FINISH_EVENT, bar.close)
+    task.once(FINISH_EVENT, lambda *_: bar.close())
     shown = [0]
 
     def _progress(ctx: OnlineRLContext):

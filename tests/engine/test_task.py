@@ -313,11 +313,11 @@ def test_finish_event_is_emitted_when_run_returns_or_raises():
     from conveyor.engine import FINISH_EVENT
     seen = []
     with task.start():
-        task.on(FINISH_EVENT, lambda: seen.append("ok"))
+        task.on(FINISH_EVENT, lambda *_: seen.append("ok"))
         task.use(lambda ctx: None)
         task.run(max_step=2)
     with task.start():
-        task.on(FINISH_EVENT, lambda: seen.append("after error"))
+        task.on(FINISH_EVENT, lambda *_: seen.append("after error"))
         task.use(lambda ctx: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             task.run(max_step=2)
