@@ -84,12 +84,14 @@ class Restored:
 
 
 def pickle_env(env: gym.Env) -> bytes | None:
-    """The env's whole state as bytes (pickle, then cloudpickle), or None if it does not pickle."""
+    """The env's whole state as bytes (pickle, then cloudpickle), or None if it does not pickle.
+
+    The bytes are those of the env after one round trip, so an env saved, restored and saved again in
+    the same state gives the same bytes (a first pickling may lay out the same state differently).
+    """
     for dumps in (pickle.dumps, cloudpickle.dumps):
         try:
-            blob = dumps(env)
-            pickle.loads(blob)
-            return blob
+            return dumps(pickle.loads(dumps(env)))
         except Exception:
             continue
     return None

@@ -61,7 +61,7 @@ class StepCollector:
         return {"env": None if self._obs is None else self._env.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Go on from :meth:`state_dict`: the envs continue their episodes (or are reseeded where they do not pickle)."""
+        """Go on from :meth:`state_dict`: the envs continue their episodes (reseeded where they do not pickle)."""
         restored = _restore_envs(self._env, self._policy, state["env"])
         self._obs = None if restored is None else restored.obs
 
@@ -69,7 +69,7 @@ class StepCollector:
         env, policy = self._env, self._policy
         if self._obs is None:
             self._obs = env.reset(seed=self._seed)
-            if self._random_collect_size > 0 and self._seed is not None:
+            if self._seed is not None:
                 env.action_space.seed(self._seed)  # random warm-up actions are reproducible too
         n = env.env_num
         rows: Dict[str, List[Any]] = {"obs": [], "reward": [], "next_obs": [], "terminated": [], "truncated": []}
