@@ -92,6 +92,7 @@ def _worker(conn: Connection, parent_end: Connection | None, fns_blob: bytes, fi
             env_id: str | None) -> None:
     """A worker process: builds its envs, then steps them on command, writing results into shared memory."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C goes to the parent, which closes its workers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does SIGTERM sent to the whole process group
     if parent_end is not None:
         parent_end.close()
     group = shm = None

@@ -3,13 +3,14 @@ from conveyor.middleware.advantage import gae_estimator, generalized_advantage
 from conveyor.middleware.ckpt import CheckpointError, CkptSaver, load_checkpoint, restore, save_checkpoint
 from conveyor.middleware.collector import EPISODE_EVENT, EpisodeCollector, StepCollector, eps_greedy_handler
 from conveyor.middleware.enhancer import nstep_returns, nstep_reward_enhancer
-from conveyor.middleware.evaluator import EvaluationError, InteractionEvaluator, evaluate, interaction_evaluator
+from conveyor.middleware.evaluator import (EVAL_EVENT, EvaluationError, InteractionEvaluator, evaluate,
+                                          interaction_evaluator)
 from conveyor.middleware.learner import OffPolicyLearner, data_pusher
 from conveyor.middleware.logger import online_logger, progress_bar, wandb_online_logger
 from conveyor.middleware.termination import termination_checker
 from conveyor.middleware.trainer import multistep_trainer, trainer
 
-__all__ = ["CheckpointError", "CkptSaver", "EPISODE_EVENT", "EpisodeCollector", "EvaluationError",
+__all__ = ["CheckpointError", "CkptSaver", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
            "InteractionEvaluator", "OffPolicyLearner", "StepCollector", "data_pusher",
            "eps_greedy_handler", "evaluate", "interaction_evaluator", "load_checkpoint", "nstep_returns",
            "nstep_reward_enhancer", "online_logger", "progress_bar", "restore", "save_checkpoint",

@@ -20,13 +20,15 @@ from typing import Any, Dict, Mapping, Optional, Union
 import torch
 
 from conveyor.engine import FINISH_EVENT, Context, OnlineRLContext, task
+from conveyor.middleware.evaluator import EVAL_EVENT
 
 __all__ = ["CheckpointError", "CkptSaver", "save_checkpoint", "load_checkpoint", "restore", "remove_stale_temps"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 _TEMP_SUFFIX = ".tmp"
-_EVAL_KEYS = ("returns", "lengths", "mean", "std", "env_step", "train_iter", "weight_version", "crashes", "dropped")
+_EVAL_KEYS = ("returns", "lengths", "mean", "std", "env_step", "train_iter", "weight_version", "crashes", "dropped",
+              "seed")
 
 
 class CheckpointError(OSError):
@@ -132,6 +134,9 @@ class CkptSaver:
     Register the policy, the buffer and the RNGs with ``task.register_state`` for them to be saved.
     ``meta`` is merged into every file's ``"meta"`` entry (e.g. the entry and policy names).
 
+    Evaluations are read from ``ctx.eval_output`` and from the evaluator's ``EVAL_EVENT`` (an evaluation
+    that reaches the stop value ends its iteration before the saver is entered).
+
     Reads ctx: ``train_iter``, ``eval_output``. Writes ctx: ``last_save_iter``.
     """
 
@@ -153,7 +158,9 @@ class CkptSaver:
         self._last_save_iter = 0
         self._last_write = time.monotonic()
         self._stop_snapshot: Any = None
-        self._hooked = False
+        self._seen: Any = None
+        task.on(FINISH_EVENT, self._on_finish)
+        task.on(EVAL_EVENT, self._on_evaluation)  # also sees an evaluation that ended its iteration early
         remove_stale_temps(self._dir)
 
     def __repr__(self) -> str:
@@ -174,16 +181,7 @@ class CkptSaver:
         self._last_save_iter = int(state["last_save_iter"])
 
     def __call__(self, ctx: OnlineRLContext) -> None:
-        if not self._hooked:
-            task.on(FINISH_EVENT, self._on_finish)
-            self._hooked = True
-        out = ctx.eval_output
-        if isinstance(out, dict) and out.get("mean") is not None:
-            if self._best is None or out["mean"] > self._best:
-                self._best = out["mean"]
-                self._save_best(out)
-            if out.get("stop_value_reached"):
-                self._stop_snapshot = out.get("snapshot")
+        self._on_evaluation(ctx.eval_output)
         now = time.monotonic()
         due = self._train_freq is not None and ctx.train_iter - self._last_save_iter >= self._train_freq
         if due:
@@ -201,6 +199,17 @@ class CkptSaver:
         for name in names:
             path = save_checkpoint(self._dir / name, state)
         return path
+
+    def _on_evaluation(self, out: Any) -> None:
+        """Write ``eval_best`` if this evaluation beats the best so far (each result is handled once)."""
+        if not isinstance(out, dict) or out.get("mean") is None or out is self._seen:
+            return
+        self._seen = out
+        if self._best is None or out["mean"] > self._best:
+            self._best = out["mean"]
+            self._save_best(out)
+        if out.get("stop_value_reached"):
+            self._stop_snapshot = out.get("snapshot")
 
     def _save_best(self, out: Mapping[str, Any]) -> None:
         snapshot = out.get("snapshot")

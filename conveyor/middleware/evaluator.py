@@ -12,9 +12,13 @@ import numpy as np
 
 from conveyor.engine import OnlineRLContext, task
 
-__all__ = ["EvaluationError", "InteractionEvaluator", "interaction_evaluator", "evaluate"]
+__all__ = ["EVAL_EVENT", "EvaluationError", "InteractionEvaluator", "interaction_evaluator", "evaluate"]
 
 log = logging.getLogger("conveyor.evaluator")
+
+EVAL_EVENT = "evaluator.result"
+"""Emitted with ``ctx.eval_output`` after each evaluation, also one that ends the iteration at the stop value
+(the middleware after the evaluator are then not entered, so they cannot read it from the context)."""
 
 
 class EvaluationError(RuntimeError):
@@ -81,12 +85,13 @@ class InteractionEvaluator:
     The policy is pinned with ``policy.snapshot()`` (the policy itself if it has none), so the whole
     evaluation sees one version of the weights, and the snapshot goes into ``ctx.eval_output`` for the
     checkpoint saver. Once the mean return reaches ``cfg.env.stop_value`` it sets ``task.finish`` and
-    ends the iteration, so nothing trains after the evaluation that scored. Evaluation ``k`` seeds its
+    ends the iteration, so nothing trains after the evaluation that scored. Each result is also emitted
+    as :data:`EVAL_EVENT` (the checkpoint saver listens to it). Evaluation ``k`` seeds its
     envs with ``seed + 100000 + 1000 k`` (never training seeds); the count survives a resume.
 
     Reads ctx: ``train_iter``, ``env_step``, ``last_eval_iter``.
     Writes ctx: ``eval_value`` (mean return), ``eval_output`` (``returns, lengths, mean, std, env_step,
-    train_iter, weight_version, crashes, dropped, snapshot, stop_value_reached``), ``last_eval_iter``,
+    train_iter, weight_version, crashes, dropped, snapshot, seed, stop_value_reached``), ``last_eval_iter``,
     ``last_eval_value``.
     """
 
@@ -122,20 +127,21 @@ class InteractionEvaluator:
         if not due:
             return
         snapshot = self._policy.snapshot() if hasattr(self._policy, "snapshot") else self._policy
-        result = evaluate(snapshot, self._env, self._n_episode, seed=self._base_seed + 1000 * self._evaluations,
-                          max_crashes=self._max_crashes)
+        seed = self._base_seed + 1000 * self._evaluations
+        result = evaluate(snapshot, self._env, self._n_episode, seed=seed, max_crashes=self._max_crashes)
         if result["crashes"]:
             log.warning("evaluation at env step %d: %d env crashes, %d episodes dropped and run again",
                         ctx.env_step, result["crashes"], result["dropped"])
         reached = self._stop_value is not None and result["mean"] >= self._stop_value
-        result.update(env_step=ctx.env_step, train_iter=ctx.train_iter, snapshot=snapshot, stop_value_reached=reached,
-                      weight_version=getattr(snapshot, "version", None))
+        result.update(env_step=ctx.env_step, train_iter=ctx.train_iter, seed=seed, snapshot=snapshot,
+                      stop_value_reached=reached, weight_version=getattr(snapshot, "version", None))
         self._evaluations += 1
         self._env_step = ctx.env_step
         ctx.eval_value = result["mean"]
         ctx.eval_output = result
         ctx.last_eval_iter = ctx.train_iter
         ctx.last_eval_value = result["mean"]
+        task.emit(EVAL_EVENT, result)
         if reached:
             task.finish = True
             task.end_iteration()
