@@ -309,16 +309,16 @@ def test_a_separate_task_instance_is_independent_of_the_global_one():
             assert task.middleware == []
 
 
-def test_finish_event_is_emitted_when_run_returns_or_raises():
+def test_finish_event_is_emitted_with_none_or_the_error_that_ended_the_run():
     from conveyor.engine import FINISH_EVENT
     seen = []
     with task.start():
-        task.on(FINISH_EVENT, lambda *_: seen.append("ok"))
+        task.on(FINISH_EVENT, lambda error: seen.append(error))
         task.use(lambda ctx: None)
         task.run(max_step=2)
     with task.start():
-        task.on(FINISH_EVENT, lambda *_: seen.append("after error"))
+        task.on(FINISH_EVENT, lambda error: seen.append(error))
         task.use(lambda ctx: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
+        with pytest.raises(ZeroDivisionError) as info:
             task.run(max_step=2)
-    assert seen == ["ok", "after error"]
+    assert seen == [None, info.value]

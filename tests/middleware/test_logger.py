@@ -98,6 +98,9 @@ def test_progress_bar_follows_env_steps_and_eval_return():
         def set_postfix(self, refresh=True, **kw):
             self.postfix = kw
 
+        def refresh(self):
+            pass
+
         def close(self):
             self.closed = True
 
