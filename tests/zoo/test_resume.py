@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from conveyor.cli import main as cli
 from conveyor.envs import make_env_manager
