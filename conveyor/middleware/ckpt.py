@@ -117,6 +117,16 @@ def restore(path: PathLike, policy: Any, ctx: Optional[Context] = None, buffer: 
     return state
 
 
+def _register(name: str, obj: Any) -> None:
+    """``task.register_state(name, obj)`` where possible: inside ``task.start`` and the name still free."""
+    if obj is None or not hasattr(obj, "state_dict"):
+        return
+    try:
+        task.register_state(name, obj)
+    except (RuntimeError, ValueError, TypeError):
+        pass  # outside task.start, the pipeline registered its own under that name, or it is not saveable
+
+
 class CkptSaver:
     """Writes consistent checkpoints of the whole pipeline, and the evaluated weights that scored best.
 
@@ -131,7 +141,9 @@ class CkptSaver:
       evaluation that beats the best so far; the best score is part of the saver's state, so it
       survives a resume.
 
-    Register the policy, the buffer and the RNGs with ``task.register_state`` for them to be saved.
+    Built inside ``task.start``, the saver registers ``policy`` (and ``buffer`` if given) with
+    ``task.register_state`` under those names, unless something is registered under them already; register
+    other objects (RNGs, ...) yourself.
     ``meta`` is merged into every file's ``"meta"`` entry (e.g. the entry and policy names).
 
     Evaluations are read from ``ctx.eval_output`` and from the evaluator's ``EVAL_EVENT`` (an evaluation
@@ -140,7 +152,7 @@ class CkptSaver:
     Reads ctx: ``train_iter``, ``eval_output``. Writes ctx: ``last_save_iter``.
     """
 
-    def __init__(self, policy: Any, save_dir: PathLike, train_freq: Optional[int] = None, *,
+    def __init__(self, policy: Any, save_dir: PathLike, train_freq: Optional[int] = None, *, buffer: Any = None,
                  interval_s: Optional[float] = None, save_finish: bool = True,
                  meta: Optional[Mapping[str, Any]] = None) -> None:
         if train_freq is not None and (not isinstance(train_freq, int) or train_freq <= 0):
@@ -159,6 +171,8 @@ class CkptSaver:
         self._last_write = time.monotonic()
         self._stop_snapshot: Any = None
         self._seen: Any = None
+        for name, obj in (("policy", policy), ("buffer", buffer)):
+            _register(name, obj)
         task.on(FINISH_EVENT, self._on_finish)
         task.on(EVAL_EVENT, self._on_evaluation)  # also sees an evaluation that ended its iteration early
         remove_stale_temps(self._dir)
