@@ -256,5 +256,5 @@ def compose(*middleware: Union[Callable, Middleware], name: Optional[str] = None
         return onion(chain, ctx)
 
     composed.__qualname__ = composed.__name__ = name or f"compose({', '.join(mw.name for mw in chain)})"
-    composed.members = chain  # type: ignore[attr-defined]  # for Task.state_dict's walk over the chain
+    composed._members = chain  # type: ignore[attr-defined]  # Task.state_dict walks into compositions
     return composed
