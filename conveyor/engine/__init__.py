@@ -5,7 +5,7 @@ Importing it loads no torch, gymnasium or pynng, so it stays a fast, general run
 from conveyor.engine.compose import Middleware, MiddlewareError, compose
 from conveyor.engine.context import Context, OfflineRLContext, OnlineRLContext
 from conveyor.engine.events import EventBus
-from conveyor.engine.task import FINISH_EVENT, Task, task
+from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Task, task
 
-__all__ = ["Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Task",
+__all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Task",
            "compose", "task"]

@@ -1,11 +1,13 @@
 """The onion: run middleware forward in order, then their backward parts in reverse.
 
 A middleware is a callable taking ``ctx``. If calling it returns a generator, the code before its
-``yield`` is its forward part and the code after is its backward part. :func:`compose` turns a list
-of middleware into one; :func:`enter` and :func:`leave` run the two halves of one middleware and are
-what the task's sync and async runners are built from. When a middleware raises, the exception is
-thrown into every suspended generator above it, innermost first, so ``try/finally`` and
-``try/except`` around a ``yield`` behave as in plain Python.
+``yield`` is its forward part and the code after is its backward part. :func:`onion` is the one
+implementation of a pass over a chain (enter in order, hand over, unwind innermost first); the
+task's sync loop, the async pipeline's iterations, :func:`compose` / ``task.serial`` all run it, and
+``task.parallel``, ``task.wrap``, ``task.forward`` / ``backward`` use its parts (:func:`enter`,
+:func:`hand_over`, :func:`unwind`). When a middleware raises, the exception is thrown into every
+suspended generator above it, innermost first, so ``try/finally`` and ``try/except`` around a
+``yield`` behave as in plain Python.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from contextlib import nullcontext
 from types import GeneratorType
 from typing import Any, Callable, ContextManager, Deque, Dict, Generator, List, Optional, Sequence, Union
 
-__all__ = ["Middleware", "MiddlewareError", "Suspended", "Timing", "as_middleware", "check_middleware",
-           "compose", "enter", "hand_over", "leave", "middleware_name", "run_forward", "unwind"]
+__all__ = ["DIRECT", "Middleware", "MiddlewareError", "Suspended", "Timing", "as_middleware", "check_middleware",
+           "compose", "enter", "hand_over", "leave", "middleware_name", "note", "onion", "unwind"]
 
 class MiddlewareError(RuntimeError):
     """A middleware was misused: it yielded twice, never yielded, or is a factory passed unbuilt."""
@@ -118,7 +120,8 @@ def as_middleware(fn: Any, lock: Optional[ContextManager] = None) -> Middleware:
     return Middleware(fn, lock=lock)
 
 
-def _note(exc: BaseException, text: str) -> None:
+def note(exc: BaseException, text: str) -> None:
+    """Attach ``text`` to ``exc`` once (``add_note``), so tracebacks say where an error came from."""
     if hasattr(exc, "add_note") and text not in getattr(exc, "__notes__", ()):
         exc.add_note(text)
 
@@ -150,76 +153,99 @@ def enter(mw: Middleware, ctx: Any) -> Optional[Suspended]:
                 raise MiddlewareError(f"middleware '{mw.name}' ({_where(mw.fn)}) returned a callable: it looks "
                                       f"like a factory; pass what it returns to task.use()")
     except BaseException as exc:
-        _note(exc, f"in middleware '{mw.name}'")
+        note(exc, f"in middleware '{mw.name}'")
         raise
     mw.timing.add(time.perf_counter() - start)
     return None
 
 
-def leave(suspended: Suspended, exc: Optional[BaseException] = None) -> Optional[BaseException]:
+def leave(suspended: Suspended, exc: Optional[BaseException] = None, cancel: bool = False) -> Optional[BaseException]:
     """Run the backward part of a suspended middleware, throwing ``exc`` into it if given.
 
     Returns the exception that should keep propagating upwards: None if the backward part finished
     normally (a generator that catches ``exc`` and returns has handled it), else what it raised.
+    ``cancel=True`` closes the generator instead (its ``finally`` runs; ``exc`` passes through).
     """
     mw, gen = suspended.mw, suspended.gen
     start = time.perf_counter()
+    result = exc if cancel else None
     try:
         with mw.lock or nullcontext():
-            if exc is None:
+            if cancel:
+                gen.close()
+            elif exc is None:
                 gen.send(None)
             else:
                 gen.throw(exc)
+            if not cancel:
+                gen.close()
+                result = MiddlewareError(f"generator middleware '{mw.name}' ({_where(mw.fn)}) yielded more than "
+                                         f"once: a middleware yields exactly once, to hand over to the rest of "
+                                         f"the chain")
+                result.__context__ = exc
     except StopIteration:
-        result = None
+        pass
     except BaseException as raised:
-        _note(raised, f"in middleware '{mw.name}'")
+        note(raised, f"in middleware '{mw.name}'")
         result = raised
-    else:
-        gen.close()
-        result = MiddlewareError(f"generator middleware '{mw.name}' ({_where(mw.fn)}) yielded more than once: "
-                                 f"a middleware yields exactly once, to hand over to the rest of the chain")
-        if exc is not None:
-            result.__context__ = exc
     mw.timing.add(suspended.forward_s + time.perf_counter() - start)
     return result
 
 
-def unwind(stack: List[Suspended], exc: Optional[BaseException] = None) -> None:
-    """Run the backward parts of ``stack`` innermost first, passing an exception outwards; raise what is left."""
+class Direct:
+    """How an onion enters and leaves a middleware outside the async pipeline: directly."""
+
+    enter = staticmethod(enter)
+    leave = staticmethod(leave)
+
+
+DIRECT = Direct()
+
+
+def unwind(stack: List[Suspended], error: Optional[BaseException] = None, gate: Any = DIRECT) -> None:
+    """Backward parts of ``stack``, innermost first, each receiving what the one inside it raised; raise what is left."""
     while stack:
-        exc = leave(stack.pop(), exc)
-    if exc is not None:
-        raise exc
+        error = gate.leave(stack.pop(), error)
+    if error is not None:
+        raise error
 
 
-def run_forward(chain: Sequence[Middleware], ctx: Any, stack: List[Suspended]) -> None:
-    """Forward parts of ``chain`` in order, pushing suspended generators on ``stack``.
+def hand_over(stack: List[Suspended], error: Optional[BaseException] = None, gate: Any = DIRECT) -> Generator:
+    """Settle a forward error, ``yield`` to what runs inside, then unwind ``stack`` with what comes back.
 
-    On an exception the chain stops there and the generators suspended so far are unwound with it:
-    one of them may handle it (the stack is then empty), else it propagates.
+    A forward error is thrown into ``stack`` at once: if a generator handles it, the hand-over still
+    happens, with nothing left to unwind; otherwise it propagates from here.
     """
-    for mw in chain:
-        try:
-            suspended = enter(mw, ctx)
-        except BaseException as exc:
-            unwind(stack, exc)
-            return
-        if suspended is not None:
-            stack.append(suspended)
-
-
-def hand_over(stack: List[Suspended]) -> Generator:
-    """Yield to the rest of the chain, then unwind ``stack`` (with the exception, if one comes back up).
-
-    The body of every middleware made of other middleware: ``yield from hand_over(stack)``.
-    """
+    if error is not None:
+        unwind(stack, error, gate)
     try:
         yield
     except BaseException as exc:
-        unwind(stack, exc)
+        unwind(stack, exc, gate)
         return
-    unwind(stack)
+    unwind(stack, None, gate)
+
+
+def onion(chain: Sequence[Middleware], ctx: Any, gate: Any = DIRECT) -> Generator:
+    """The onion, the one loop every composition form runs: enter in order, hand over, unwind innermost first.
+
+    Forward parts run in order until one raises or the iteration is ended (``task.end_iteration()``
+    marks ``ctx``). ``gate`` runs each enter and leave: :data:`DIRECT`, or the async pipeline's turnstiles.
+    Drive it with ``for _ in onion(chain, ctx): pass``, or ``yield from`` it inside a middleware.
+    """
+    stack: List[Suspended] = []
+    error: Optional[BaseException] = None
+    for mw in chain:
+        if getattr(ctx, "_ended", False):
+            break
+        try:
+            suspended = gate.enter(mw, ctx)
+        except BaseException as exc:
+            error = exc
+            break
+        if suspended is not None:
+            stack.append(suspended)
+    yield from hand_over(stack, error, gate)
 
 
 def compose(*middleware: Union[Callable, Middleware], name: Optional[str] = None) -> Callable[[Any], Generator]:
@@ -227,9 +253,8 @@ def compose(*middleware: Union[Callable, Middleware], name: Optional[str] = None
     chain = [as_middleware(fn) for fn in middleware]
 
     def composed(ctx: Any) -> Generator:
-        stack: List[Suspended] = []
-        run_forward(chain, ctx, stack)
-        yield from hand_over(stack)
+        return onion(chain, ctx)
 
     composed.__qualname__ = composed.__name__ = name or f"compose({', '.join(mw.name for mw in chain)})"
+    composed._members = chain  # type: ignore[attr-defined]  # Task.state_dict walks into compositions
     return composed

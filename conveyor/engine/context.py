@@ -2,27 +2,75 @@
 
 Only fields named with :meth:`Context.keep` survive :meth:`Context.renew`; everything else returns to
 its default, so per-iteration data (trajectories, train outputs) never leaks into the next loop.
-Kept values live in a small store that the async pipeline shares between the iterations in flight,
-so a kept counter read anywhere is the newest value written to it.
+Within a task, kept values live in one store shared by every iteration's context (in both modes), so
+a kept counter read anywhere is the newest value written to it. While a run is active the store
+journals assignments per iteration, so a failed run can return kept values to what the last
+completed iteration left (see ``docs/engine.md``).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import functools
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 __all__ = ["Context", "OnlineRLContext", "OfflineRLContext"]
 
 
 class _KeptStore:
-    """The values of kept fields; one store is shared by every context of an async pipeline."""
+    """The values of kept fields, shared by every context of a task's iterations.
 
-    __slots__ = ("values",)
+    While a run is active (:meth:`begin` .. :meth:`end`) each assignment is journaled with the iteration
+    that made it; :meth:`commit` folds the assignments of completed iterations into ``committed``, and
+    ``end(rollback=True)`` returns the values to it, dropping what failed or cancelled iterations wrote.
+    """
+
+    __slots__ = ("values", "journal", "committed", "lock")
 
     def __init__(self, values: Optional[Dict[str, Any]] = None) -> None:
         self.values: Dict[str, Any] = dict(values or {})
+        self.journal: Optional[List[Tuple[int, str, Any]]] = None
+        self.committed: Dict[str, Any] = {}
+        self.lock: Optional[threading.Lock] = None
+
+    def set(self, name: str, value: Any, step: int) -> None:
+        if self.journal is None:
+            self.values[name] = value
+            return
+        with self.lock:  # type: ignore[union-attr]
+            self.values[name] = value
+            if self.journal is not None:
+                self.journal.append((step, name, value))
+
+    def begin(self) -> None:
+        """Start journaling: the current values are committed."""
+        self.lock = self.lock or threading.Lock()
+        with self.lock:
+            self.committed = dict(self.values)
+            self.journal = []
+
+    def commit(self, step: Optional[int] = None) -> None:
+        """Assignments made by iterations up to ``step`` (every one when None) are final."""
+        with self.lock:  # type: ignore[union-attr]
+            if self.journal is None:
+                return
+            pending = []
+            for entry in self.journal:
+                if step is None or entry[0] <= step:
+                    self.committed[entry[1]] = entry[2]
+                else:
+                    pending.append(entry)
+            self.journal = pending
+
+    def end(self, rollback: bool) -> None:
+        """Stop journaling; with ``rollback``, values go back to the committed ones."""
+        with self.lock:  # type: ignore[union-attr]
+            if rollback:
+                self.values.update(self.committed)
+            self.journal = None
+            self.committed = {}
 
 
 class _hybridmethod:
@@ -60,7 +108,7 @@ class _Field:
         d = obj.__dict__
         store = d.get("_kept")
         if store is not None and self.name in store.values:
-            store.values[self.name] = value
+            store.set(self.name, value, d.get("total_step", 0))
         else:
             d[self.name] = value
 
@@ -79,6 +127,7 @@ class Context:
 
     total_step: int = 0
 
+    _ended: ClassVar[bool] = False  # set on an iteration's context by task.end_iteration()
     _field_names: ClassVar[frozenset] = frozenset()
     _defaults: ClassVar[tuple] = ()
 

@@ -7,16 +7,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
 
-from conveyor.engine.compose import (Middleware, Suspended, check_middleware, compose, enter, hand_over, leave,
-                                     run_forward, unwind)
+from conveyor.engine.compose import (Middleware, Suspended, check_middleware, compose, enter, hand_over, note, onion,
+                                     unwind)
 from conveyor.engine.context import Context
 from conveyor.engine.events import EventBus
 from conveyor.engine.pipeline import AsyncPipeline
 
-__all__ = ["FINISH_EVENT", "Task", "task"]
+__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Task", "task"]
 
 FINISH_EVENT = "finish"
-"""Emitted (locally, no args) when :meth:`Task.run` returns or raises."""
+"""Emitted locally when :meth:`Task.run` ends, with one argument: the exception that ended it, or None."""
+
+CLOSE_EVENT = "close"
+"""Emitted locally, no args, when the ``with task.start():`` block exits: close files and bars here."""
 
 LockArg = Union[bool, ContextManager]
 
@@ -35,6 +38,7 @@ class Task:
     def __init__(self) -> None:
         self._shared_lock = threading.RLock()
         self._local = threading.local()
+        self._between_lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
@@ -48,14 +52,20 @@ class Task:
         self._max_inflight = 2
         self._executor: Optional[ThreadPoolExecutor] = None
         self._base_ctx: Optional[Context] = None
+        self._pipeline: Optional[AsyncPipeline] = None
+        self._last_done = -1
+        self._between: List[Callable[[], None]] = []
+        self._objects: Dict[str, Any] = {}
         self.finish = False
 
     # --- lifecycle ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def start(self, async_mode: bool = False, ctx: Optional[Context] = None, max_inflight: int = 2) -> Iterator["Task"]:
-        """Open a pipeline; leaving the block resets middleware, event handlers, flags and stats.
+        """Open a pipeline; leaving the block emits :data:`CLOSE_EVENT`, then resets middleware, event
+        handlers, registered state, flags and stats.
 
-        ``async_mode=True`` overlaps iterations (at most ``max_inflight`` in flight at once).
+        ``ctx`` is the first iteration's context; every later one shares its kept values. ``async_mode=True``
+        overlaps iterations (at most ``max_inflight`` in flight at once).
         """
         if self._started:
             raise RuntimeError("task.start() is already active: leave the current `with task.start():` block first")
@@ -70,9 +80,12 @@ class Task:
         try:
             yield self
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-            self._reset()
+            try:
+                self._events.emit(CLOSE_EVENT)
+            finally:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                self._reset()
 
     @property
     def async_mode(self) -> bool:
@@ -139,9 +152,10 @@ class Task:
     def run(self, max_step: int = sys.maxsize) -> None:
         """Run the chain ``max_step`` times, or until a middleware sets ``task.finish = True``.
 
-        After each iteration the context is replaced by ``ctx.renew()``. An exception in a middleware
-        stops the run and propagates, with the middleware's name in its notes. When the run ends, for
-        whatever reason, the task emits :data:`FINISH_EVENT` locally so middleware can release files.
+        Each iteration gets a fresh context (kept fields carried over, ``total_step`` = its index). An
+        exception in a middleware stops the run and propagates, with the middleware's name in its notes;
+        kept fields then hold what the last completed iteration left. When the run ends, pending
+        :meth:`between_iterations` callbacks run, then :data:`FINISH_EVENT` is emitted with the error or None.
         """
         if not self._started:
             raise RuntimeError("task.run() must be called inside `with task.start():`")
@@ -152,48 +166,182 @@ class Task:
         if not self._middleware and max_step == sys.maxsize:
             raise RuntimeError("task.run() with no middleware and no max_step would loop forever: add middleware "
                                "with task.use(...) first")
+        store = self._base_ctx._store()
+        store.begin()
+        self._last_done = self._base_ctx.total_step - 1
         self._running = True
+        error: Optional[BaseException] = None
         try:
             if self._async:
                 self._run_async(max_step)
             else:
                 self._run_sync(max_step)
-        finally:
-            self._running = False
-            self._events.emit(FINISH_EVENT)
+        except BaseException as exc:
+            error = exc
+        store.end(rollback=error is not None)
+        if error is not None or self._base_ctx.total_step != self._last_done + 1:
+            self._base_ctx = self._fresh(self._last_done + 1)
+        self._pipeline = None
+        self._running = False
+        error = self._run_pending(error)
+        try:
+            self._events.emit(FINISH_EVENT, error)
+        except BaseException as exc:
+            error = _first(error, exc, "a FINISH_EVENT handler")
+        if error is not None:
+            raise error
 
     def _run_sync(self, max_step: int) -> None:
+        chain = self._middleware
         for _ in range(max_step):
             if self.finish:
                 return
-            stack: List[Suspended] = []
-            run_forward(self._middleware, self._base_ctx, stack)
-            unwind(stack)
-            self._base_ctx = self._next_ctx(self._base_ctx)
+            ctx = self._base_ctx
+            for _ in onion(chain, ctx):
+                pass
+            self._completed(self._last_done + 1)
+            self._base_ctx = self._fresh(self._last_done + 1)
+            if self._between:
+                self._quiescent()
 
     def _run_async(self, max_step: int) -> None:
         if self.finish or max_step == 0:
             return
-        template = self._base_ctx
-        first = template.total_step
+        first_ctx = self._base_ctx
+        first = first_ctx.total_step
 
         def new_ctx(i: int) -> Context:
-            if i == first:
-                return template
-            ctx = template._renew(template._store())  # kept fields shared by every iteration in flight
-            ctx.total_step = i
-            return ctx
+            return first_ctx if i == first else self._fresh(i)
 
-        pipeline = AsyncPipeline(self._middleware, self._max_inflight, self._local)
-        try:
-            pipeline.run(first, max_step, new_ctx, lambda: self.finish)
-        finally:
-            self._base_ctx = self._next_ctx(pipeline.newest_done or template)
+        self._pipeline = AsyncPipeline(self._middleware, self._max_inflight, self._local)
+        self._pipeline.run(first, max_step, new_ctx, lambda: self.finish, self._completed, self._quiescent)
 
-    def _next_ctx(self, ctx: Context) -> Context:
-        new = ctx.renew()
-        new.total_step = ctx.total_step + 1
+    def _fresh(self, step: int) -> Context:
+        """A new context for iteration ``step``, sharing the pipeline's kept values."""
+        new = self._base_ctx._renew(self._base_ctx._store())
+        new.total_step = step
         return new
+
+    def _completed(self, i: int) -> None:
+        """Iteration ``i`` completed (called in order): what it wrote to kept fields is final."""
+        self._base_ctx._store().commit(i)
+        self._last_done = i
+
+    def _quiescent(self) -> None:
+        """No middleware is running: move ``task.ctx`` to the next iteration and run the pending callbacks."""
+        self._base_ctx = self._fresh(self._last_done + 1)
+        error = self._run_pending(None)
+        self._base_ctx._store().commit()
+        if error is not None:
+            raise error
+
+    def _run_pending(self, error: Optional[BaseException]) -> Optional[BaseException]:
+        """Run the pending :meth:`between_iterations` callbacks; return ``error`` or the first one they raised."""
+        with self._between_lock:
+            callbacks, self._between = self._between, []
+        for fn in callbacks:
+            try:
+                fn()
+            except BaseException as exc:
+                error = _first(error, exc, "a between_iterations callback")
+        return error
+
+    def between_iterations(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once at the next quiescent point, when no middleware is running.
+
+        Sync mode: right after the current iteration has finished (its context renewed). Async mode:
+        no new iteration starts, those in flight finish, ``fn`` runs on the thread that called
+        :meth:`run`, then the pipeline goes on. Inside ``fn``, :meth:`state_dict` is a consistent cut.
+        Never blocks the caller; outside :meth:`run` it calls ``fn`` at once. Callbacks still pending
+        when the run ends run then, before :data:`FINISH_EVENT`.
+        """
+        if not callable(fn):
+            raise TypeError(f"task.between_iterations() needs a callable taking no arguments, got {fn!r}")
+        if not self._started:
+            raise RuntimeError("task.between_iterations() must be called inside `with task.start():`")
+        with self._between_lock:
+            self._between.append(fn)
+        pipeline = self._pipeline
+        if pipeline is not None:
+            pipeline.request_pause()
+        elif not self._running:
+            error = self._run_pending(None)
+            if error is not None:
+                raise error
+
+    def end_iteration(self) -> None:
+        """From a middleware's forward part: enter no further middleware in this iteration.
+
+        Backward parts of the middleware already entered run as usual and the iteration counts as
+        completed. With ``task.finish = True`` set as well, the run ends right there.
+        """
+        if not self._running:
+            raise RuntimeError("task.end_iteration() is for middleware, while task.run() is running")
+        self.ctx._ended = True
+
+    # --- state -------------------------------------------------------------------------------------
+    def register_state(self, name: str, obj: Any) -> None:
+        """Include ``obj`` (with ``state_dict()`` / ``load_state_dict()``) in :meth:`state_dict` under ``name``."""
+        if not self._started:
+            raise RuntimeError("task.register_state() must be called inside `with task.start():`")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"task.register_state(name={name!r}): the name must be a non-empty string")
+        if name in self._objects:
+            raise ValueError(f"task.register_state('{name}'): already registered ({self._objects[name]!r}); "
+                             f"use another name")
+        if not _stateful(obj):
+            raise TypeError(f"task.register_state('{name}', {obj!r}): the object needs state_dict() and "
+                            f"load_state_dict() methods")
+        self._objects[name] = obj
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The whole pipeline's state: the context's kept fields and ``total_step``, every stateful middleware
+        of the chain (members of compositions included), every object given to :meth:`register_state`.
+
+        Keys of ``"middleware"`` are ``"<position>:<name>"`` (``"2.1:trainer"`` for the second member of
+        the third middleware), stable across runs of the same pipeline script. Called inside a
+        :meth:`between_iterations` callback or outside :meth:`run`, it is a consistent cut.
+        """
+        ctx = self.ctx
+        return {"ctx": {**ctx.state_dict(), "total_step": ctx.total_step},
+                "middleware": {key: fn.state_dict() for key, fn in self._stateful_middleware().items()},
+                "objects": {name: obj.state_dict() for name, obj in self._objects.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into the current chain (after the ``use`` calls, before :meth:`run`)."""
+        if not self._started:
+            raise RuntimeError("task.load_state_dict() must be called inside `with task.start():`")
+        if self._running:
+            raise RuntimeError("task.load_state_dict() cannot be called while the task is running")
+        middleware = self._stateful_middleware()
+        saved_mw, saved_obj = state.get("middleware", {}), state.get("objects", {})
+        for what, ours, saved in (("middleware", middleware, saved_mw), ("objects", self._objects, saved_obj)):
+            if set(ours) != set(saved):
+                raise ValueError(f"task.load_state_dict: {what} differ from the checkpoint's: missing "
+                                 f"{sorted(set(ours) - set(saved))}, unexpected {sorted(set(saved) - set(ours))}; "
+                                 f"was it saved by another pipeline?")
+        kept = dict(state.get("ctx", {}))
+        total_step = kept.pop("total_step", None)
+        self._base_ctx.load_state_dict(kept)
+        if total_step is not None:
+            self._base_ctx.total_step = total_step
+        for key, fn in middleware.items():
+            fn.load_state_dict(saved_mw[key])
+        for name, obj in self._objects.items():
+            obj.load_state_dict(saved_obj[name])
+
+    def _stateful_middleware(self) -> Dict[str, Any]:
+        """``"<position>:<name>"`` -> the middleware object, for every stateful one, depth first."""
+        found: Dict[str, Any] = {}
+
+        def walk(chain: List[Middleware], prefix: str) -> None:
+            for k, mw in enumerate(chain):
+                if _stateful(mw.fn):
+                    found[f"{prefix}{k}:{mw.name}"] = mw.fn
+                walk(getattr(mw.fn, "_members", []), f"{prefix}{k}.")
+
+        walk(self._middleware, "")
+        return found
 
     # --- composition helpers -----------------------------------------------------------------------
     def forward(self, fn: Callable[[Any], Any], ctx: Optional[Context] = None) -> None:
@@ -208,10 +356,10 @@ class Task:
 
     def renew(self) -> "Task":
         """Finish pending backward parts and move to a fresh context (``total_step`` + 1), for hand-written loops."""
-        if self._running and self._async:
-            raise RuntimeError("task.renew() is for hand-written loops; the async pipeline renews contexts itself")
+        if self._running:
+            raise RuntimeError("task.renew() is for hand-written loops; task.run() renews contexts itself")
         self.backward()
-        self._base_ctx = self._next_ctx(self.ctx)
+        self._base_ctx = self._fresh(self._base_ctx.total_step + 1)
         return self
 
     def serial(self, *fns: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -221,24 +369,32 @@ class Task:
 
     def parallel(self, *fns: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """One middleware running the forward parts of ``fns`` concurrently (in async mode), then their
-        backward parts in reverse order."""
+        backward parts in reverse order. Inside a member, ``task.ctx`` is the calling iteration's context."""
         chain = [self._as_record(fn) for fn in fns]
 
         def parallel(ctx: Context) -> Iterator[None]:
-            results: List[Any] = [None] * len(chain)
             if self._async and len(chain) > 1:
-                futures = [self._pool().submit(_capture, enter, mw, ctx) for mw in chain]
+                futures = [self._pool().submit(self._member, mw, ctx) for mw in chain]
                 results = [f.result() for f in futures]
             else:
                 results = [_capture(enter, mw, ctx) for mw in chain]
             stack = [r for r in results if isinstance(r, Suspended)]
             errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                unwind(stack, errors[0])  # raises unless a member's generator handles it
-            yield from hand_over(stack)
+            for other in errors[1:]:
+                note(errors[0], f"another member also raised {type(other).__name__}: {other}")
+            return hand_over(stack, errors[0] if errors else None)
 
         parallel.__qualname__ = parallel.__name__ = f"parallel({', '.join(mw.name for mw in chain)})"
+        parallel._members = chain  # type: ignore[attr-defined]
         return parallel
+
+    def _member(self, mw: Middleware, ctx: Context) -> Any:
+        """Enter one parallel member on a pool thread, where ``task.ctx`` is the calling iteration's context."""
+        self._local.ctx = ctx
+        try:
+            return _capture(enter, mw, ctx)
+        finally:
+            self._local.ctx = None
 
     def wrap(self, fn: Callable[[Any], Any], lock: LockArg = False) -> Callable[[Context], Callable[[], None]]:
         """Make a middleware callable from inside another: ``back = wrapped(ctx)`` runs its forward part and
@@ -247,13 +403,8 @@ class Task:
 
         def wrapped(ctx: Context) -> Callable[[], None]:
             suspended = enter(mw, ctx)
-
-            def backward() -> None:
-                if suspended is not None:
-                    error = leave(suspended)
-                    if error is not None:
-                        raise error
-            return backward
+            stack = [suspended] if suspended is not None else []
+            return lambda: unwind(stack)
 
         wrapped.__qualname__ = wrapped.__name__ = f"wrap({mw.name})"
         return wrapped
@@ -314,6 +465,18 @@ class Task:
                 name, n = f"{mw.name}#{n}", n + 1
             out[name] = mw.timing.summary()
         return out
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _first(error: Optional[BaseException], exc: BaseException, where: str) -> BaseException:
+    """The error to raise: ``error`` if there is one (``exc`` noted on it), else ``exc``."""
+    if error is None:
+        return exc
+    note(error, f"{where} also raised {type(exc).__name__}: {exc}")
+    return error
 
 
 def _capture(fn: Callable[..., Any], *args: Any) -> Any:

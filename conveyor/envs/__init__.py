@@ -7,7 +7,7 @@ Smoke-test a new env with :func:`check_env`.
 """
 from conveyor.envs._check import EnvCheckError, check_env
 from conveyor.envs._config import ENV_SCHEMA, EnvFactory, check_env_id, make_env_manager
-from conveyor.envs._core import EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Timestep
+from conveyor.envs._core import EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Restored, Timestep
 from conveyor.envs._subprocess import SubprocessEnvManager, default_num_workers
 from conveyor.envs._sync import SyncEnvManager
 
@@ -19,6 +19,7 @@ __all__ = [
     "EnvFn",
     "EnvManager",
     "EnvManagerStats",
+    "Restored",
     "SubprocessEnvManager",
     "SyncEnvManager",
     "Timestep",

@@ -7,17 +7,27 @@ Both managers run this same code, so they give identical trajectories for the sa
 from __future__ import annotations
 
 import abc
+import dataclasses
+import logging
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import cloudpickle
 
 import gymnasium as gym
 import numpy as np
 
 from conveyor.envs._spaces import SpaceLayout
 
-__all__ = ["Timestep", "EnvManagerStats", "EnvCrashedError", "EnvManager", "EnvFn"]
+__all__ = ["Timestep", "EnvManagerStats", "EnvCrashedError", "EnvManager", "EnvFn", "Restored"]
 
 EnvFn = Callable[[], gym.Env]
+
+log = logging.getLogger("conveyor.envs")
+
+_RESEED = 2
+"""Last element of the key of :func:`seed_for_rebuild` for envs reseeded on a resume (0: rebuild, 1: respawn)."""
 
 
 @dataclass(slots=True)
@@ -60,6 +70,31 @@ class EnvManagerStats:
     """Partial episodes discarded because their env crashed mid-episode."""
     worker_restarts: int = 0
     """Worker processes respawned after dying (``SubprocessEnvManager`` only)."""
+
+
+@dataclass
+class Restored:
+    """What :meth:`EnvManager.load_state_dict` gives back: the observations to act on next, and the envs
+    that could not be restored (their envs did not pickle) and start a new episode instead."""
+
+    obs: Any
+    """Batched observations, as :meth:`EnvManager.reset` returns them."""
+    reseeded: list[int]
+    """Indices of envs that were reset with a seed derived from the saved seed and env step."""
+
+
+def pickle_env(env: gym.Env) -> bytes | None:
+    """The env's whole state as bytes (pickle, then cloudpickle), or None if it does not pickle.
+
+    The bytes are those of the env after one round trip, so an env saved, restored and saved again in
+    the same state gives the same bytes (a first pickling may lay out the same state differently).
+    """
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        try:
+            return dumps(pickle.loads(dumps(env)))
+        except Exception:
+            continue
+    return None
 
 
 class EnvCrashedError(RuntimeError):
@@ -189,6 +224,43 @@ class _EnvGroup:
         self._streaks = FailureStreaks(n)
         self._t = 0
         self._seed: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per env of the group: the pickled env (None where it does not pickle), return and length so far,
+        rebuild count."""
+        return {"envs": [pickle_env(env) for env in self.envs], "returns": list(self._returns),
+                "lengths": list(self._lengths), "rebuilds": list(self._rebuilds)}
+
+    def load_state_dict(self, state: dict[str, Any], t: int, seed: int | None, env_step: int,
+                        obs: list[np.ndarray]) -> list[int]:
+        """Put back the envs of :meth:`state_dict` (this group's rows); returns the indices of envs that did not
+        unpickle: those are reset with a seed derived from ``seed``, their index and ``env_step`` (never the
+        initial seed), and their first observation is written into ``obs``."""
+        self._t, self._seed = t, seed
+        reseeded = []
+        for j, blob in enumerate(state["envs"]):
+            env = None
+            if blob is not None:
+                try:
+                    env = pickle.loads(blob)
+                except Exception:
+                    env = None
+            self._returns[j] = float(state["returns"][j])
+            self._lengths[j] = int(state["lengths"][j])
+            self._rebuilds[j] = int(state["rebuilds"][j])
+            if env is not None:
+                _close_quietly(self.envs[j])
+                self.envs[j] = env
+                continue
+            index = self.first_index + j
+            reseeded.append(index)
+            self._returns[j], self._lengths[j] = 0.0, 0
+            try:
+                o, _ = self.envs[j].reset(seed=seed_for_rebuild(seed, index, env_step, _RESEED))
+            except Exception as exc:
+                o = self._rebuild(j, exc)
+            self.obs_layout.write(obs, j, o)
+        return reseeded
 
     def _make(self, j: int) -> gym.Env:
         index = self.first_index + j
@@ -358,6 +430,7 @@ class EnvManager(abc.ABC):
         self._max_retry = max_retry
         self._needs_reset = True
         self._closed = False
+        self._last_obs: Any = None
         self.stats = EnvManagerStats()
 
     @property
@@ -377,7 +450,7 @@ class EnvManager(abc.ABC):
             seed, self._initial_seed = self._initial_seed, None
         elif not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
-        obs = self._reset(None if seed is None else int(seed))
+        obs = self._last_obs = self._reset(None if seed is None else int(seed))
         self._needs_reset = False
         return obs
 
@@ -386,7 +459,81 @@ class EnvManager(abc.ABC):
         if self._needs_reset:
             self._check_open("step")
             raise RuntimeError(f"{type(self).__name__}.step() called before reset(): call reset() first")
-        return self._step(action)
+        ts = self._step(action)
+        self._last_obs = ts.obs
+        return ts
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to go on exactly where the envs are: each env pickled (None where it does not pickle),
+        per-env episode bookkeeping, the observations last returned, counters and the action space's RNG.
+
+        Only after :meth:`reset`. A state loads into a manager of either kind with the same number of envs.
+        """
+        if self._needs_reset:
+            self._check_open("state_dict")
+            raise RuntimeError(f"{type(self).__name__}.state_dict() called before reset(): nothing to save yet")
+        per_env = self._env_states()
+        failed = [i for i, blob in enumerate(per_env["envs"]) if blob is None]
+        if failed:
+            log.warning("envs %s (%s) do not pickle: a resume will reseed them from the run seed and env step",
+                        failed, self.env_id)
+        rng = getattr(self.action_space, "np_random", None)
+        return {"env_num": self._env_num, "per_env": per_env, "obs": self._last_obs, "t": self._step_count(),
+                "seed": self._current_seed(), "stats": dataclasses.asdict(self.stats),
+                "action_space_rng": rng.bit_generator.state if rng is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> Restored:
+        """Restore a :meth:`state_dict`; returns the observations to act on next.
+
+        Envs whose state did not pickle are reset instead, with seeds derived from the saved seed, their
+        index and the env step (so a resume never replays the initial episodes); this is logged and they
+        are listed in :attr:`Restored.reseeded`.
+        """
+        self._check_open("load_state_dict")
+        if state.get("env_num") != self._env_num:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state holds {state.get('env_num')} envs, "
+                             f"this manager has {self._env_num}; resume with the same env count")
+        for key, value in state["stats"].items():  # in place: env groups count into this same object
+            setattr(self.stats, key, value)
+        reseeded = self._load_env_states(state["per_env"], int(state["t"]), state["seed"], self.stats.env_steps)
+        obs = self._merge_reseeded(state["obs"], reseeded)
+        if state.get("action_space_rng") is not None and getattr(self.action_space, "np_random", None) is not None:
+            self.action_space.np_random.bit_generator.state = state["action_space_rng"]
+        if reseeded:
+            log.warning("envs %s (%s) could not be restored from the checkpoint (they do not pickle): they start "
+                        "new episodes seeded from the run seed and env step %d", reseeded, self.env_id,
+                        self.stats.env_steps)
+        self._initial_seed = None
+        self._needs_reset = False
+        self._last_obs = obs
+        return Restored(obs, reseeded)
+
+    @abc.abstractmethod
+    def _env_states(self) -> dict[str, list]: ...
+
+    @abc.abstractmethod
+    def _load_env_states(self, per_env: dict[str, list], t: int, seed: int | None, env_step: int) -> list[int]: ...
+
+    @abc.abstractmethod
+    def _reseeded_rows(self) -> list[np.ndarray]:
+        """Leaf arrays holding, at the rows of reseeded envs, their new first observations."""
+
+    def _merge_reseeded(self, obs: Any, reseeded: list[int]) -> Any:
+        """``obs`` with the rows of reseeded envs replaced by their new first observations."""
+        if not reseeded:
+            return obs
+        layout = self._obs_layout
+        leaves = [np.array(leaf, copy=True) for leaf in layout.leaves_of(obs)]
+        for leaf, new in zip(leaves, self._reseeded_rows()):
+            leaf[reseeded] = new[reseeded]
+        return layout.nest(leaves)
+
+    @abc.abstractmethod
+    def _step_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def _current_seed(self) -> int | None: ...
 
     def close(self) -> None:
         """Close every env (and worker process); safe to call twice."""

@@ -92,6 +92,7 @@ def _worker(conn: Connection, parent_end: Connection | None, fns_blob: bytes, fi
             env_id: str | None) -> None:
     """A worker process: builds its envs, then steps them on command, writing results into shared memory."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C goes to the parent, which closes its workers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does SIGTERM sent to the whole process group
     if parent_end is not None:
         parent_end.close()
     group = shm = None
@@ -137,12 +138,18 @@ def _serve(conn: Connection, group: _EnvGroup, stats: EnvManagerStats, shared: _
                 continue
         else:
             command, arg = pickle.loads(data)
+            infos = result = None
             if command == "close":
                 return
-            group.reset(arg[0], obs, respawn=arg[1])
-            infos = None
+            if command == "state":
+                result = group.state_dict()
+            elif command == "load":
+                result = group.load_state_dict(*arg, obs)
+            else:
+                group.reset(arg[0], obs, respawn=arg[1])
         counts = (stats.episodes, stats.crashes, stats.dropped_episodes)
-        conn.send_bytes(pickle.dumps(("ok", infos, tuple(now - before for now, before in zip(counts, reported)))))
+        deltas = tuple(now - before for now, before in zip(counts, reported))
+        conn.send_bytes(pickle.dumps(("ok", infos, deltas) if result is None else ("ok", infos, deltas, result)))
         reported = counts
 
 
@@ -446,6 +453,45 @@ class SubprocessEnvManager(EnvManager):
             except BaseException:
                 self.close()
                 raise
+
+    def _ask_all(self, commands: list[bytes], what: str) -> list[Any]:
+        """Send each worker its command and gather the results; a lost worker is an error (no respawn here)."""
+        sent = [self._send(w, command) for w, command in enumerate(commands)]
+        results = []
+        for w in range(self.num_workers):
+            try:
+                if not sent[w]:
+                    raise self._lost(w)
+                reply = self._reply(w, None)
+            except _WorkerLost as lost:
+                self.close()
+                raise RuntimeError(f"{lost} while {what} envs {self._env_range(w)}") from None
+            self._count(reply)
+            results.append(reply[3])
+        return results
+
+    def _env_states(self) -> dict[str, list]:
+        merged: dict[str, list] = {}
+        for part in self._ask_all([pickle.dumps(("state", None))] * self.num_workers, "saving the state of"):
+            for key, values in part.items():
+                merged.setdefault(key, []).extend(values)
+        return merged
+
+    def _load_env_states(self, per_env: dict[str, list], t: int, seed: int | None, env_step: int) -> list[int]:
+        self._t, self._seed = t, seed
+        commands = [pickle.dumps(("load", ({key: values[a:b] for key, values in per_env.items()}, t, seed, env_step)))
+                    for a, b in self._bounds]
+        return [i for part in self._ask_all(commands, "restoring") for i in part]
+
+    def _reseeded_rows(self) -> list[np.ndarray]:
+        assert self._shared is not None
+        return [a.copy() for a in self._shared.obs]
+
+    def _step_count(self) -> int:
+        return self._t
+
+    def _current_seed(self) -> int | None:
+        return self._seed
 
     def _close(self) -> None:
         self._shared = None

@@ -54,5 +54,25 @@ class SyncEnvManager(EnvManager):
         self.stats.env_steps += n
         return Timestep(layout.nest(obs), layout.nest(next_obs), reward, terminated, truncated, crashed, infos)
 
+    def _env_states(self) -> dict[str, list]:
+        return self._group.state_dict()
+
+    def _load_env_states(self, per_env: dict[str, list], t: int, seed: int | None, env_step: int) -> list[int]:
+        self._new_rows = self._obs_layout.empty(self._env_num)
+        try:
+            return self._group.load_state_dict(per_env, t, seed, env_step, self._new_rows)
+        except EnvCrashedError:
+            self.close()
+            raise
+
+    def _reseeded_rows(self) -> list[np.ndarray]:
+        return self._new_rows
+
+    def _step_count(self) -> int:
+        return self._group._t
+
+    def _current_seed(self) -> int | None:
+        return self._group._seed
+
     def _close(self) -> None:
         self._group.close()

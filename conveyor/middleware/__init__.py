@@ -1,17 +1,18 @@
 """Middleware: the small steps RL pipelines are made of. Each documents the context fields it reads and writes."""
 from conveyor.middleware.advantage import gae_estimator, generalized_advantage
-from conveyor.middleware.ckpt import CkptSaver, load_checkpoint, restore, save_checkpoint
+from conveyor.middleware.ckpt import CheckpointError, CkptSaver, load_checkpoint, restore, save_checkpoint
 from conveyor.middleware.collector import EPISODE_EVENT, EpisodeCollector, StepCollector, eps_greedy_handler
 from conveyor.middleware.enhancer import NStepEnhancer, nstep_returns, nstep_reward_enhancer
-from conveyor.middleware.evaluator import evaluate, interaction_evaluator
+from conveyor.middleware.evaluator import (EVAL_EVENT, EvaluationError, InteractionEvaluator, evaluate,
+                                          interaction_evaluator)
 from conveyor.middleware.learner import OffPolicyLearner, data_pusher
 from conveyor.middleware.logger import online_logger, progress_bar, wandb_online_logger
 from conveyor.middleware.termination import termination_checker
 from conveyor.middleware.trainer import MultistepTrainer, Trainer, multistep_trainer, trainer
 
-__all__ = ["CkptSaver", "EPISODE_EVENT", "EpisodeCollector", "NStepEnhancer", "OffPolicyLearner", "StepCollector",
-           "data_pusher",
-           "eps_greedy_handler", "evaluate", "interaction_evaluator", "load_checkpoint", "nstep_returns",
-           "nstep_reward_enhancer", "online_logger", "progress_bar", "restore", "save_checkpoint",
-           "termination_checker", "wandb_online_logger",
-           "gae_estimator", "generalized_advantage", "multistep_trainer", "trainer", "MultistepTrainer", "Trainer"]
+__all__ = ["CheckpointError", "CkptSaver", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
+           "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "StepCollector", "Trainer",
+           "data_pusher", "eps_greedy_handler", "evaluate", "gae_estimator", "generalized_advantage",
+           "interaction_evaluator", "load_checkpoint", "multistep_trainer", "nstep_returns", "nstep_reward_enhancer",
+           "online_logger", "progress_bar", "restore", "save_checkpoint", "termination_checker", "trainer",
+           "wandb_online_logger"]

@@ -1,42 +1,89 @@
-"""Checkpoints: written atomically, so a killed process never leaves a half-written file behind."""
+"""Checkpoints: consistent cuts of the whole pipeline, written atomically.
+
+A checkpoint file holds ``task.state_dict()`` (the context's kept fields and ``total_step``, every
+stateful middleware, and the objects registered with ``task.register_state``: policy, buffer, RNGs)
+plus a ``"meta"`` entry (when it was written, by what), the only part that differs between two runs
+that did the same work. :class:`CkptSaver` takes it through ``task.between_iterations``, so no
+middleware runs while it is gathered, in sync and async mode alike. Files are written to a temporary
+file that is renamed into place; temporary files a killed write left behind are removed by the next
+:class:`CkptSaver` on the same folder. See docs/checkpoints.md.
+"""
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
-from conveyor.engine import Context, OnlineRLContext, task
+from conveyor.engine import FINISH_EVENT, Context, OnlineRLContext, task
+from conveyor.middleware.evaluator import EVAL_EVENT
 
-__all__ = ["CkptSaver", "save_checkpoint", "load_checkpoint", "restore"]
+__all__ = ["CheckpointError", "CkptSaver", "save_checkpoint", "load_checkpoint", "restore", "remove_stale_temps"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
+_TEMP_SUFFIX = ".tmp"
+_EVAL_KEYS = ("returns", "lengths", "mean", "std", "env_step", "train_iter", "weight_version", "crashes", "dropped",
+              "seed")
+
+
+class CheckpointError(OSError):
+    """A checkpoint (or another file of a run) could not be written or read; the message names the path
+    and the cause."""
+
+    def __init__(self, action: str, path: Path, cause: OSError, what: str = "checkpoint") -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+        self.message = f"cannot {action} {what} {path}: {cause.strerror or cause}"
+        if cause.filename and str(cause.filename) != str(path):
+            self.message += f" ({cause.filename})"
+
+    def __str__(self) -> str:
+        return self.message
+
 
 def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> Path:
-    """Write ``state`` to ``path`` atomically: temporary file in the same folder, fsync, rename, fsync folder."""
+    """Write ``state`` to ``path`` atomically: serialise in memory, write a temporary file in the same
+    folder, fsync, rename, fsync the folder. A disk error is a :class:`CheckpointError` naming the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # in memory first: a full disk then fails in our write, not inside torch
+    tmp: Optional[str] = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMP_SUFFIX, dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
+        tmp = None
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise CheckpointError("write", path, exc) from exc
     finally:
-        os.close(dir_fd)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     return path
+
+
+def remove_stale_temps(directory: PathLike) -> int:
+    """Delete the temporary files that writes killed mid-way left in ``directory``; returns how many."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    removed = 0
+    for stale in directory.glob(f".*{_TEMP_SUFFIX}"):
+        stale.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 def load_checkpoint(path: PathLike) -> Dict[str, Any]:
@@ -44,67 +91,151 @@ def load_checkpoint(path: PathLike) -> Dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: run training first, or check the experiment name")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except OSError as exc:
+        raise CheckpointError("read", path, exc) from exc
 
 
 def restore(path: PathLike, policy: Any, ctx: Optional[Context] = None, buffer: Any = None) -> Dict[str, Any]:
-    """Load a checkpoint into a policy, a context's kept fields and a replay buffer (where saved)."""
+    """Load a checkpoint's policy (and, where saved, context kept fields and replay buffer) outside a pipeline.
+
+    Reads ``latest`` / ``final`` files (``task.state_dict()`` layout) and ``eval_best`` files alike. To
+    resume a whole pipeline, use ``task.load_state_dict`` instead.
+    """
     state = load_checkpoint(path)
-    policy.load_state_dict(state["policy"])
-    if ctx is not None and "ctx" in state:
-        ctx.load_state_dict(state["ctx"])
-    if buffer is not None and state.get("buffer") is not None:
-        buffer.load_state_dict(state["buffer"])
+    objects = state.get("objects", {})
+    policy.load_state_dict(objects["policy"] if "policy" in objects else state["policy"])
+    if ctx is not None and state.get("ctx") is not None:
+        kept = dict(state["ctx"])
+        total_step = kept.pop("total_step", None)
+        ctx.load_state_dict(kept)
+        if total_step is not None:
+            ctx.total_step = total_step
+    if buffer is not None and objects.get("buffer") is not None:
+        buffer.load_state_dict(objects["buffer"])
     return state
 
 
+def _register(name: str, obj: Any) -> None:
+    """``task.register_state(name, obj)`` where possible: inside ``task.start`` and the name still free."""
+    if obj is None or not hasattr(obj, "state_dict"):
+        return
+    try:
+        task.register_state(name, obj)
+    except (RuntimeError, ValueError, TypeError):
+        pass  # outside task.start, the pipeline registered its own under that name, or it is not saveable
+
+
 class CkptSaver:
-    """Saves the policy, the context's kept fields and, on request, the replay buffer.
+    """Writes consistent checkpoints of the whole pipeline, and the evaluated weights that scored best.
 
-    Files under ``<save_dir>/ckpt/``: ``latest.pth.tar`` every ``train_freq`` train iterations (what
-    ``--resume`` reads), ``eval_best.pth.tar`` whenever the evaluation return improves, and
-    ``final.pth.tar`` when the pipeline finishes.
+    Files under ``<save_dir>/ckpt/``:
 
-    Reads ctx: ``train_iter``, ``last_save_iter``, ``eval_value``, kept fields. Writes ctx: ``last_save_iter``.
+    - ``latest.pth.tar``: ``task.state_dict()`` every ``train_freq`` train iterations and every
+      ``interval_s`` seconds of wall-clock time (what ``--resume`` reads); taken between iterations.
+    - ``final.pth.tar`` and ``latest.pth.tar`` when the run ends normally (``max_step``, ``task.finish``:
+      a budget, the stop value, a signal). If the run stopped because an evaluation reached the stop
+      value, the policy in them is the evaluated snapshot.
+    - ``eval_best.pth.tar``: ``{"policy": snapshot.state_dict(), "eval": {...}, "meta": {...}}`` of each
+      evaluation that beats the best so far; the best score is part of the saver's state, so it
+      survives a resume.
+
+    Built inside ``task.start``, the saver registers ``policy`` (and ``buffer`` if given) with
+    ``task.register_state`` under those names, unless something is registered under them already; register
+    other objects (RNGs, ...) yourself.
+    ``meta`` is merged into every file's ``"meta"`` entry (e.g. the entry and policy names).
+
+    Evaluations are read from ``ctx.eval_output`` and from the evaluator's ``EVAL_EVENT`` (an evaluation
+    that reaches the stop value ends its iteration before the saver is entered).
+
+    Reads ctx: ``train_iter``, ``eval_output``. Writes ctx: ``last_save_iter``.
     """
 
-    def __init__(self, policy: Any, save_dir: PathLike, train_freq: Optional[int] = None, *,
-                 buffer: Any = None, save_finish: bool = True) -> None:
+    def __init__(self, policy: Any, save_dir: PathLike, train_freq: Optional[int] = None, *, buffer: Any = None,
+                 interval_s: Optional[float] = None, save_finish: bool = True,
+                 meta: Optional[Mapping[str, Any]] = None) -> None:
         if train_freq is not None and (not isinstance(train_freq, int) or train_freq <= 0):
             raise ValueError(f"CkptSaver(train_freq={train_freq!r}): must be an int > 0, or None to save only "
                              f"the best and final checkpoints")
+        if interval_s is not None and not interval_s > 0:
+            raise ValueError(f"CkptSaver(interval_s={interval_s!r}): must be a number of seconds > 0, or None")
         self._policy = policy
         self._dir = Path(save_dir) / "ckpt"
         self._train_freq = train_freq
-        self._buffer = buffer
+        self._interval_s = interval_s
         self._save_finish = save_finish
+        self._meta = dict(meta or {})
         self._best: Optional[float] = None
+        self._last_save_iter = 0
+        self._last_write = time.monotonic()
+        self._stop_snapshot: Any = None
+        self._seen: Any = None
+        for name, obj in (("policy", policy), ("buffer", buffer)):
+            _register(name, obj)
+        task.on(FINISH_EVENT, self._on_finish)
+        task.on(EVAL_EVENT, self._on_evaluation)  # also sees an evaluation that ended its iteration early
+        remove_stale_temps(self._dir)
 
     def __repr__(self) -> str:
-        return f"CkptSaver(dir={str(self._dir)!r}, train_freq={self._train_freq})"
+        return f"CkptSaver(dir={str(self._dir)!r}, train_freq={self._train_freq}, interval_s={self._interval_s})"
 
     @property
     def directory(self) -> Path:
         """Where checkpoints are written."""
         return self._dir
 
-    def __call__(self, ctx: OnlineRLContext):
-        due = self._train_freq is not None and ctx.train_iter > 0 and \
-            ctx.train_iter - (ctx.last_save_iter or 0) >= self._train_freq
-        if due:
-            ctx.last_save_iter = ctx.train_iter
-            self.save(ctx, "latest.pth.tar")
-        if ctx.eval_value is not None and (self._best is None or ctx.eval_value > self._best):
-            self._best = ctx.eval_value
-            self.save(ctx, "eval_best.pth.tar", with_buffer=False)
-        yield
-        if task.finish and self._save_finish:
-            ctx.last_save_iter = ctx.train_iter
-            self.save(ctx, "final.pth.tar")
-            self.save(ctx, "latest.pth.tar")
+    def state_dict(self) -> Dict[str, Any]:
+        """The best evaluation score so far and the train iteration of the last periodic save."""
+        return {"best": self._best, "last_save_iter": self._last_save_iter}
 
-    def save(self, ctx: Context, name: str, with_buffer: bool = True) -> Path:
-        """Write one checkpoint file now."""
-        state = {"policy": self._policy.state_dict(), "ctx": ctx.state_dict(), "saved_at": time.time(),
-                 "buffer": self._buffer.state_dict() if (with_buffer and self._buffer is not None) else None}
-        return save_checkpoint(self._dir / name, state)
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`: a resumed run only replaces ``eval_best`` with a better score."""
+        self._best = state["best"]
+        self._last_save_iter = int(state["last_save_iter"])
+
+    def __call__(self, ctx: OnlineRLContext) -> None:
+        self._on_evaluation(ctx.eval_output)
+        now = time.monotonic()
+        due = self._train_freq is not None and ctx.train_iter - self._last_save_iter >= self._train_freq
+        if due:
+            self._last_save_iter = ctx.last_save_iter = ctx.train_iter
+        if due or (self._interval_s is not None and now - self._last_write >= self._interval_s):
+            self._last_write = now
+            task.between_iterations(lambda: self.save("latest.pth.tar"))
+
+    def save(self, *names: str, state: Optional[Dict[str, Any]] = None) -> Path:
+        """Write ``task.state_dict()`` (or ``state``) now to each of ``names``; call it between iterations."""
+        if state is None:
+            state = task.state_dict()
+        state["meta"] = {**self._meta, "saved_at": time.time()}
+        path = self._dir
+        for name in names:
+            path = save_checkpoint(self._dir / name, state)
+        return path
+
+    def _on_evaluation(self, out: Any) -> None:
+        """Write ``eval_best`` if this evaluation beats the best so far (each result is handled once)."""
+        if not isinstance(out, dict) or out.get("mean") is None or out is self._seen:
+            return
+        self._seen = out
+        if self._best is None or out["mean"] > self._best:
+            self._best = out["mean"]
+            self._save_best(out)
+        if out.get("stop_value_reached"):
+            self._stop_snapshot = out.get("snapshot")
+
+    def _save_best(self, out: Mapping[str, Any]) -> None:
+        snapshot = out.get("snapshot")
+        holder = snapshot if hasattr(snapshot, "state_dict") else self._policy
+        state = {"policy": holder.state_dict(), "eval": {key: out.get(key) for key in _EVAL_KEYS}}
+        self.save("eval_best.pth.tar", state=state)
+
+    def _on_finish(self, error: Optional[BaseException] = None) -> None:
+        if error is not None or not self._save_finish:
+            return
+        state = task.state_dict()
+        snapshot = self._stop_snapshot
+        if snapshot is not None and hasattr(snapshot, "state_dict") and "policy" in state.get("objects", {}):
+            state["objects"]["policy"] = snapshot.state_dict()  # the weights that reached the stop value
+        self.save("final.pth.tar", "latest.pth.tar", state=state)

@@ -56,11 +56,20 @@ class StepCollector:
     def __repr__(self) -> str:
         return f"StepCollector(envs={self._env.env_num}, steps_per_call={self._steps})"
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The env manager's state (envs, current observations, episode bookkeeping); None before the first call."""
+        return {"env": None if self._obs is None else self._env.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`: the envs continue their episodes (reseeded where they do not pickle)."""
+        restored = _restore_envs(self._env, self._policy, state["env"])
+        self._obs = None if restored is None else restored.obs
+
     def __call__(self, ctx: OnlineRLContext) -> None:
         env, policy = self._env, self._policy
         if self._obs is None:
             self._obs = env.reset(seed=self._seed)
-            if self._random_collect_size > 0 and self._seed is not None:
+            if self._seed is not None:
                 env.action_space.seed(self._seed)  # random warm-up actions are reproducible too
         n = env.env_num
         rows: Dict[str, List[Any]] = {"obs": [], "reward": [], "next_obs": [], "terminated": [], "truncated": []}
@@ -138,6 +147,23 @@ class EpisodeCollector:
         self._running: List[List[Dict[str, Any]]] = [[] for _ in range(env.env_num)]
         self._finished: List[Dict[str, Any]] = []
 
+    def __repr__(self) -> str:
+        return f"EpisodeCollector(envs={self._env.env_num}, n_episode={self._n_episode})"
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The env manager's state, the episodes still running and the finished ones not handed out yet."""
+        return {"env": None if self._obs is None else self._env.state_dict(),
+                "running": self._running, "finished": self._finished}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`; the running episode of an env that had to be reseeded is dropped."""
+        self._running = [list(rows) for rows in state["running"]]
+        self._finished = list(state["finished"])
+        restored = _restore_envs(self._env, self._policy, state["env"])
+        self._obs = None if restored is None else restored.obs
+        for i in [] if restored is None else restored.reseeded:
+            self._running[i] = []
+
     def __call__(self, ctx: OnlineRLContext) -> None:
         env, policy = self._env, self._policy
         if self._obs is None:
@@ -174,6 +200,17 @@ class EpisodeCollector:
         ctx.trajectory_end_idx = np.cumsum([len(ep["reward"]) for ep in finished]) - 1
         ctx.env_step += steps
         ctx.env_episode += len(finished)
+
+
+def _restore_envs(env: Any, policy: CollectPolicy, state: Optional[Dict[str, Any]]) -> Any:
+    """Load an env manager's state (None: not started, the envs begin with a reset at the next call); the
+    policy's per-env state is reset where an env had to be reseeded. Returns the manager's ``Restored``."""
+    if state is None:
+        return None
+    restored = env.load_state_dict(state)
+    if restored.reseeded:
+        policy.reset(restored.reseeded)
+    return restored
 
 
 def _row(batch: Any, i: int) -> Any:

@@ -1,23 +1,44 @@
-"""Evaluation: run the eval policy for whole episodes and report the mean return."""
+"""Evaluation: run one pinned version of the eval policy for whole episodes and report the mean return.
+
+Env crashes during an evaluation are bounded: a crashed episode is dropped and run again, at most
+``max_crashes`` times per evaluation; one more is an :class:`EvaluationError`.
+"""
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from conveyor.engine import OnlineRLContext, task
 
-__all__ = ["interaction_evaluator", "evaluate"]
+__all__ = ["EVAL_EVENT", "EvaluationError", "InteractionEvaluator", "interaction_evaluator", "evaluate"]
+
+log = logging.getLogger("conveyor.evaluator")
+
+EVAL_EVENT = "evaluator.result"
+"""Emitted with ``ctx.eval_output`` after each evaluation, also one that ends the iteration at the stop value
+(the middleware after the evaluator are then not entered, so they cannot read it from the context)."""
 
 
-def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None) -> Dict[str, Any]:
-    """Run ``n_episode`` complete episodes of ``policy`` (an eval-mode view) on an env manager.
+class EvaluationError(RuntimeError):
+    """An evaluation gave up: its envs crashed more often than ``max_crashes`` allows."""
+
+
+def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
+             max_crashes: Optional[int] = None) -> Dict[str, Any]:
+    """Run ``n_episode`` complete episodes of ``policy`` (an eval-mode view or a snapshot) on an env manager.
 
     Episodes are shared out evenly over the envs up front (env ``i`` runs ``n_episode // N`` episodes,
     one more for the first ``n_episode % N``), so short episodes do not crowd out long ones. An episode
-    whose env crashes is not counted and is run again. Returns ``returns`` and ``lengths`` (lists),
-    ``mean`` and ``std`` of the returns.
+    whose env crashes is not counted and is run again; after ``max_crashes`` crashes (default
+    ``n_episode``) the next one raises :class:`EvaluationError`. Returns ``returns`` and ``lengths``
+    (lists), ``mean`` and ``std`` of the returns, ``crashes`` (env crashes seen) and ``dropped``
+    (episodes lost to them).
     """
+    limit = n_episode if max_crashes is None else max_crashes
+    if not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"evaluate(max_crashes={max_crashes!r}): must be an int >= 0 or None")
     n = env.env_num
     quota = np.full(n, n_episode // n)
     quota[: n_episode % n] += 1
@@ -26,6 +47,7 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None) 
         policy.reset()
     returns: List[float] = []
     lengths: List[int] = []
+    crashes = dropped = 0
     while quota.sum() > 0:
         action = policy.forward(obs)["action"]
         ts = env.step(action)
@@ -33,51 +55,99 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None) 
         if ended.any():
             ids = np.flatnonzero(ended)
             for i in ids:
+                if ts.crashed[i]:
+                    crashes += 1
+                    dropped += int(quota[i] > 0)
+                    if crashes > limit:
+                        raise EvaluationError(
+                            f"evaluation on {getattr(env, 'env_id', 'the envs')} gave up after {crashes} env crashes "
+                            f"({dropped} episodes dropped, {len(returns)} of {n_episode} finished), more than "
+                            f"max_crashes={limit} allows; last error: {ts.info[i].get('error')}. Fix the env, or "
+                            f"raise max_crashes if its failures are rare")
+                    continue
                 episode = ts.info[i].get("episode")
-                if quota[i] > 0 and not ts.crashed[i] and episode is not None:
+                if quota[i] > 0 and episode is not None:
                     returns.append(float(episode["r"]))
                     lengths.append(int(episode["l"]))
                     quota[i] -= 1
             if hasattr(policy, "reset"):
                 policy.reset(ids.tolist())
         obs = ts.obs
-    return {"returns": returns, "lengths": lengths, "mean": float(np.mean(returns)), "std": float(np.std(returns))}
+    return {"returns": returns, "lengths": lengths, "mean": float(np.mean(returns)), "std": float(np.std(returns)),
+            "crashes": crashes, "dropped": dropped}
 
 
-def interaction_evaluator(cfg: Any, policy: Any, env: Any):
-    """Evaluates the policy every ``cfg.policy.eval.evaluator.eval_freq`` train iterations (and first of
-    all at the start), on ``cfg.env.n_evaluator_episode`` episodes; sets ``task.finish`` once the mean
-    return reaches ``cfg.env.stop_value``. If ``eval_env_step_freq`` is set, it also evaluates
-    whenever that many env steps have passed since the last evaluation.
+class InteractionEvaluator:
+    """Evaluates one pinned version of the policy every ``cfg.policy.eval.evaluator.eval_freq`` train
+    iterations (and first of all at the start), on ``cfg.env.n_evaluator_episode`` episodes; if
+    ``eval_env_step_freq`` is set, also whenever that many env steps have passed since the last evaluation.
+
+    The policy is pinned with ``policy.snapshot()`` (the policy itself if it has none), so the whole
+    evaluation sees one version of the weights, and the snapshot goes into ``ctx.eval_output`` for the
+    checkpoint saver. Once the mean return reaches ``cfg.env.stop_value`` it sets ``task.finish`` and
+    ends the iteration, so nothing trains after the evaluation that scored. Each result is also emitted
+    as :data:`EVAL_EVENT` (the checkpoint saver listens to it). Evaluation ``k`` seeds its
+    envs with ``seed + 100000 + 1000 k`` (never training seeds); the count survives a resume.
 
     Reads ctx: ``train_iter``, ``env_step``, ``last_eval_iter``.
-    Writes ctx: ``eval_value`` (mean return), ``eval_output`` (returns, lengths, mean, std, and the
-    ``env_step`` / ``train_iter`` it was taken at),
-    ``last_eval_iter``, ``last_eval_value``.
+    Writes ctx: ``eval_value`` (mean return), ``eval_output`` (``returns, lengths, mean, std, env_step,
+    train_iter, weight_version, crashes, dropped, snapshot, seed, stop_value_reached``), ``last_eval_iter``,
+    ``last_eval_value``.
     """
-    evaluator_cfg = cfg.policy.eval.evaluator
-    freq = evaluator_cfg.eval_freq
-    env_freq = evaluator_cfg.get("eval_env_step_freq")
-    n_episode = cfg.env.n_evaluator_episode
-    stop_value = cfg.env.get("stop_value")
-    base_seed = (cfg.get("seed") or 0) + 100_000  # evaluation episodes never replay training seeds
-    state = {"evaluations": 0, "env_step": 0}
 
-    def _evaluate(ctx: OnlineRLContext) -> None:
-        due = ctx.last_eval_iter is None or ctx.train_iter - ctx.last_eval_iter >= freq
-        if env_freq is not None and ctx.last_eval_iter is not None:
-            due = due or ctx.env_step - state["env_step"] >= env_freq
+    def __init__(self, cfg: Any, policy: Any, env: Any, *, max_crashes: Optional[int] = None) -> None:
+        evaluator_cfg = cfg.policy.eval.evaluator
+        self._freq = evaluator_cfg.eval_freq
+        self._env_freq = evaluator_cfg.get("eval_env_step_freq")
+        self._n_episode = cfg.env.n_evaluator_episode
+        self._stop_value = cfg.env.get("stop_value")
+        self._base_seed = (cfg.get("seed") or 0) + 100_000
+        self._max_crashes = max_crashes
+        self._policy = policy
+        self._env = env
+        self._evaluations = 0
+        self._env_step = 0
+
+    def __repr__(self) -> str:
+        return f"InteractionEvaluator(eval_freq={self._freq}, n_episode={self._n_episode})"
+
+    def state_dict(self) -> Dict[str, Any]:
+        """How many evaluations ran (their seeds follow from it) and the env step of the last one."""
+        return {"evaluations": self._evaluations, "env_step": self._env_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Go on with the evaluation schedule of :meth:`state_dict`."""
+        self._evaluations = int(state["evaluations"])
+        self._env_step = int(state["env_step"])
+
+    def __call__(self, ctx: OnlineRLContext) -> None:
+        due = ctx.last_eval_iter is None or ctx.train_iter - ctx.last_eval_iter >= self._freq
+        if self._env_freq is not None and ctx.last_eval_iter is not None:
+            due = due or ctx.env_step - self._env_step >= self._env_freq
         if not due:
             return
-        result = evaluate(policy, env, n_episode, seed=base_seed + 1000 * state["evaluations"])
-        result.update(env_step=ctx.env_step, train_iter=ctx.train_iter)
-        state["evaluations"] += 1
-        state["env_step"] = ctx.env_step
+        snapshot = self._policy.snapshot() if hasattr(self._policy, "snapshot") else self._policy
+        seed = self._base_seed + 1000 * self._evaluations
+        result = evaluate(snapshot, self._env, self._n_episode, seed=seed, max_crashes=self._max_crashes)
+        if result["crashes"]:
+            log.warning("evaluation at env step %d: %d env crashes, %d episodes dropped and run again",
+                        ctx.env_step, result["crashes"], result["dropped"])
+        reached = self._stop_value is not None and result["mean"] >= self._stop_value
+        result.update(env_step=ctx.env_step, train_iter=ctx.train_iter, seed=seed, snapshot=snapshot,
+                      stop_value_reached=reached, weight_version=getattr(snapshot, "version", None))
+        self._evaluations += 1
+        self._env_step = ctx.env_step
         ctx.eval_value = result["mean"]
         ctx.eval_output = result
         ctx.last_eval_iter = ctx.train_iter
         ctx.last_eval_value = result["mean"]
-        if stop_value is not None and result["mean"] >= stop_value:
+        task.emit(EVAL_EVENT, result)
+        if reached:
             task.finish = True
+            task.end_iteration()
 
-    return _evaluate
+
+def interaction_evaluator(cfg: Any, policy: Any, env: Any, *,
+                          max_crashes: Optional[int] = None) -> InteractionEvaluator:
+    """The evaluator middleware (see :class:`InteractionEvaluator`)."""
+    return InteractionEvaluator(cfg, policy, env, max_crashes=max_crashes)

@@ -1,4 +1,9 @@
-"""Loggers: TensorBoard (tensorboardX) or Weights & Biases scalars, and a terminal progress bar."""
+"""Loggers: TensorBoard (tensorboardX) or Weights & Biases scalars, and a terminal progress bar.
+
+Their files and bars live as long as the pipeline: they flush when a run ends (``FINISH_EVENT``) and
+close when the ``with task.start():`` block exits (``CLOSE_EVENT``), so a second ``run()`` in the same
+block goes on writing to them.
+"""
 from __future__ import annotations
 
 import time
@@ -7,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from conveyor.engine import FINISH_EVENT, OnlineRLContext, task
+from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OnlineRLContext, task
 from conveyor.middleware.collector import EPISODE_EVENT
 
 __all__ = ["online_logger", "wandb_online_logger", "progress_bar"]
@@ -81,7 +86,8 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
 
     writer = SummaryWriter(logdir)
     scalars_of = _Scalars(train_show_freq)
-    task.once(FINISH_EVENT, writer.close)
+    task.on(FINISH_EVENT, lambda error: writer.flush())
+    task.once(CLOSE_EVENT, writer.close)
 
     def _log(ctx: OnlineRLContext):
         yield
@@ -112,7 +118,7 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
 
     run = wandb.init(project=project, config=config, **init_kwargs)
     scalars_of = _Scalars(train_show_freq)
-    task.once(FINISH_EVENT, run.finish)
+    task.once(CLOSE_EVENT, run.finish)
 
     def _log(ctx: OnlineRLContext):
         yield
@@ -132,7 +138,8 @@ def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
     if make_bar is None:
         from tqdm import tqdm as make_bar
     bar = make_bar(total=total_env_step, desc=desc, unit="step", dynamic_ncols=True)
-    task.once(FINISH_EVENT, bar.close)
+    task.on(FINISH_EVENT, lambda error: bar.refresh())
+    task.once(CLOSE_EVENT, bar.close)
     shown = [0]
 
     def _progress(ctx: OnlineRLContext):

@@ -1,41 +1,130 @@
-"""What every online zoo entry does around its pipeline: compile the config, build envs, resume, run."""
+"""What every online zoo entry does around its pipeline: the run directory, the config, envs, the saved
+state, resume, signals.
+
+Rules (docs/checkpoints.md): a run lives in ``runs/<exp_name>/`` (``config.json``, ``ckpt/``, ``tb/``);
+a new run refuses a name that already holds a run (continue it with ``resume=True``, or pick another
+name); ``resume=True`` reads the saved config and ``ckpt/latest.pth.tar`` and goes on exactly where that
+checkpoint was; SIGINT or SIGTERM finish the current iteration, write ``final`` and ``latest`` and raise
+:class:`TrainingInterrupted` (a second signal stops at once).
+"""
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import random
+import signal
+import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Type
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Type
 
 import numpy as np
 import torch
 from easydict import EasyDict
 
 from conveyor.config import compile_config
-from conveyor.engine import OnlineRLContext
+from conveyor.engine import OnlineRLContext, task
 from conveyor.envs import make_env_manager
-from conveyor.engine import task
-from conveyor.middleware import online_logger, progress_bar, restore, termination_checker
+from conveyor.middleware import (CheckpointError, CkptSaver, load_checkpoint, online_logger, progress_bar,
+                                 termination_checker)
+from conveyor.schema import ConfigError
 
-__all__ = ["prepare", "experiment_dir", "seed_everything", "env_managers", "resume_into", "use_reporting"]
+__all__ = ["prepare", "experiment_dir", "seed_everything", "env_managers", "use_reporting", "train_online",
+           "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
 
 RUNS = Path("runs")
+CONFIG_FILE = "config.json"
+LATEST = "latest.pth.tar"
 
 
-def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Mapping[str, Any]] = None, *,
-            seed: Optional[int] = None, exp_name: Optional[str] = None) -> EasyDict:
-    """The compiled config of an entry: ``cfg`` (default ``main_config``) with the command-line overrides."""
-    raw = EasyDict(copy.deepcopy(dict(cfg if cfg is not None else main_config)))
-    if seed is not None:
-        raw.seed = seed
-    if exp_name is not None:
-        raw.exp_name = exp_name
-    return compile_config(raw, policy=policy)
+class RunDirError(ValueError):
+    """A run directory cannot be used as asked: it already holds a run, or holds another algorithm's run."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped on SIGINT or SIGTERM after writing its final checkpoints."""
+
+    def __init__(self, signum: int, ctx: Any, ckpt_dir: Path) -> None:
+        self.signum = signum
+        self.ctx = ctx
+        self.ckpt_dir = ckpt_dir
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} at env_step={ctx.env_step} train_iter={ctx.train_iter}; "
+                         f"final and latest checkpoints in {ckpt_dir}")
+
+
+def check_exp_name(name: Any) -> str:
+    """``name`` if it is a usable run name: one non-empty path component, not ``.`` or ``..``."""
+    if not isinstance(name, str) or not name.strip() or name in (".", "..") or "/" in name or "\\" in name \
+            or "\0" in name:
+        raise ConfigError(f"exp_name {name!r} is not a run name: use one folder name such as 'cartpole_dqn_2' "
+                          f"(no '/', not empty, not '.' or '..'); runs go under {RUNS}/")
+    return name
 
 
 def experiment_dir(cfg: Mapping[str, Any]) -> Path:
-    """``runs/<exp_name>``: where an entry's logs and checkpoints go."""
-    return RUNS / cfg["exp_name"]
+    """``runs/<exp_name>``: where an entry's config, logs and checkpoints go."""
+    return RUNS / check_exp_name(cfg["exp_name"])
+
+
+def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Mapping[str, Any]] = None, *,
+            seed: Optional[int] = None, exp_name: Optional[str] = None, resume: bool = False) -> EasyDict:
+    """The compiled config of a run, with its run directory ready.
+
+    A new run: ``cfg`` (default ``main_config``) with the overrides; its name must not hold a run yet;
+    the directory is created and the resolved config saved in it. ``resume=True``: the config saved by
+    the run (``cfg`` and ``seed``, if given, must agree with it).
+    """
+    raw = EasyDict(copy.deepcopy(dict(cfg if cfg is not None else main_config)))
+    if exp_name is not None:
+        raw.exp_name = exp_name
+    run_dir = experiment_dir(raw)
+    if resume:
+        return _saved_config(run_dir, policy, None if cfg is None else raw, seed)
+    if seed is not None:
+        raw.seed = seed
+    compiled = compile_config(raw, policy=policy)
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise RunDirError(f"{run_dir} already holds a run: continue it with --resume, or choose another --exp-name")
+    _write_config(run_dir, policy, compiled)
+    return compiled
+
+
+def _write_config(run_dir: Path, policy: Type[Any], cfg: EasyDict) -> None:
+    path = run_dir / CONFIG_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"policy": policy.__name__, "config": cfg}, indent=2) + "\n")
+    except OSError as exc:
+        raise CheckpointError("write", path, exc, what="run config") from exc
+
+
+def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], seed: Optional[int]) -> EasyDict:
+    latest = run_dir / "ckpt" / LATEST
+    if not latest.is_file():
+        raise FileNotFoundError(f"cannot resume '{run_dir.name}': no checkpoint at {latest}; start without "
+                                f"--resume, or pass the --exp-name of an earlier run")
+    path = run_dir / CONFIG_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"cannot resume '{run_dir.name}': {path} is missing (a run from an older "
+                                f"version?); start a new run") from None
+    except (OSError, ValueError) as exc:
+        raise RunDirError(f"cannot resume '{run_dir.name}': {path} is unreadable ({exc})") from None
+    if saved.get("policy") != policy.__name__:
+        raise RunDirError(f"cannot resume '{run_dir.name}' with {policy.__name__}: it is a {saved.get('policy')} "
+                          f"run; resume it with its own entry, or choose another --exp-name")
+    cfg = compile_config(EasyDict(saved["config"]), policy=policy)
+    if seed is not None and seed != cfg.seed:
+        raise RunDirError(f"--seed {seed} differs from the seed {cfg.seed} of run '{run_dir.name}': leave --seed "
+                          f"out to resume it")
+    if given is not None:
+        mine = json.loads(json.dumps(compile_config(given, policy=policy)))
+        if mine != json.loads(json.dumps(cfg)):
+            raise RunDirError(f"the config given differs from the one run '{run_dir.name}' saved in {path}: resume "
+                              f"without a config, or start a new run")
+    return cfg
 
 
 def seed_everything(seed: int) -> None:
@@ -47,22 +136,26 @@ def seed_everything(seed: int) -> None:
     torch.set_num_threads(1)
 
 
+class GlobalRNG:
+    """The global generators (``random``, ``numpy.random``, torch's CPU generator) as one saveable state."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The three generators' states."""
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put the three generators back where :meth:`state_dict` found them."""
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
+
 @contextlib.contextmanager
 def env_managers(cfg: Mapping[str, Any]) -> Iterator[tuple]:
     """The collector's and the evaluator's env managers, closed on the way out whatever happens."""
     with make_env_manager(cfg["env"], "collector", seed=cfg["seed"]) as collector_env, \
             make_env_manager(cfg["env"], "evaluator", seed=cfg["seed"]) as evaluator_env:
         yield collector_env, evaluator_env
-
-
-def resume_into(cfg: Mapping[str, Any], policy: Any, ctx: OnlineRLContext, buffer: Any = None) -> Path:
-    """Load ``runs/<exp_name>/ckpt/latest.pth.tar`` into the policy, the context and the buffer."""
-    path = experiment_dir(cfg) / "ckpt" / "latest.pth.tar"
-    if not path.is_file():
-        raise FileNotFoundError(f"cannot resume '{cfg['exp_name']}': no checkpoint at {path}; start without "
-                                f"--resume, or pass the --exp-name of an earlier run")
-    restore(path, policy, ctx, buffer)
-    return path
 
 
 def use_reporting(cfg: Mapping[str, Any], max_env_step: Optional[int], progress: bool) -> None:
@@ -72,3 +165,69 @@ def use_reporting(cfg: Mapping[str, Any], max_env_step: Optional[int], progress:
         task.use(termination_checker(max_env_step=max_env_step))
     if progress:
         task.use(progress_bar(max_env_step))
+
+
+class _Stop:
+    signum: Optional[int] = None
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[_Stop]:
+    """While inside, SIGINT and SIGTERM set ``task.finish`` (the iteration in progress completes, the run ends
+    normally and the checkpoint saver writes ``final``); a second signal raises ``KeyboardInterrupt`` at once.
+    Only in the main thread (elsewhere signals cannot be caught); handlers are restored on the way out."""
+    stop = _Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.signum is not None:
+            raise KeyboardInterrupt
+        stop.signum = signum
+        task.finish = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def train_online(cfg: EasyDict, policy: Any, build: Callable[[Any, Any], None], *, resume: bool,
+                 async_mode: bool, max_env_step: Optional[int], progress: bool, ckpt_freq: int,
+                 ckpt_interval: Optional[float], buffer: Any = None) -> OnlineRLContext:
+    """Run an entry's pipeline: ``build(collector_env, evaluator_env)`` adds its middleware, then come the
+    checkpoint saver, the logger, the budget and the progress bar. The policy, the buffer and the global
+    RNGs are registered with the task, so checkpoints hold them; ``resume`` loads ``latest`` into all of it.
+    """
+    exp_dir = experiment_dir(cfg)
+    meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
+    with env_managers(cfg) as (collector_env, evaluator_env):
+        with task.start(async_mode=async_mode, ctx=OnlineRLContext()):
+            task.register_state("policy", policy)
+            if buffer is not None:
+                task.register_state("buffer", buffer)
+            task.register_state("rng", GlobalRNG())
+            build(collector_env, evaluator_env)
+            task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
+            use_reporting(cfg, max_env_step, progress)
+            if resume:
+                _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
+            with stop_on_signals() as stop:
+                task.run()
+            ctx = task.ctx
+    if stop.signum is not None:
+        raise TrainingInterrupted(stop.signum, ctx, exp_dir / "ckpt")
+    return ctx
+
+
+def _resume(path: Path, policy_name: str) -> None:
+    state = load_checkpoint(path)
+    saved_by = state.get("meta", {}).get("policy")
+    if saved_by != policy_name or "middleware" not in state:
+        raise RunDirError(f"cannot resume from {path} with {policy_name}: it was written by "
+                          f"{saved_by or 'an older version'}; resume it with its own entry, or start a new run")
+    state.pop("meta")
+    task.load_state_dict(state)

@@ -1,9 +1,10 @@
 """Async mode: iterations overlap like items on a conveyor belt, in order, bounded, and stop cleanly."""
+import dataclasses
 import threading
 
 import pytest
 
-from conveyor import OnlineRLContext, task
+from conveyor import Context, OnlineRLContext, task
 
 TIMEOUT = 10
 
@@ -293,3 +294,188 @@ def test_task_ctx_inside_async_middleware_is_the_iteration_context():
         task.use(mw).use(mw)
         task.run(max_step=10)
     assert mismatches == []
+
+
+# --- failures: run() returns promptly with the oldest error, no thread left (issue 7, items 1 and 2) ---------
+
+@pytest.mark.timeout(30)
+def test_cleanup_raising_in_a_cancelled_iteration_neither_hangs_nor_hides_the_first_error():
+    a_in_newer = threading.Event()
+
+    def a(ctx):
+        if ctx.total_step == 1:
+            a_in_newer.set()
+        try:
+            yield
+        finally:
+            if ctx.total_step == 1:  # raises while iteration 1 is being cancelled
+                raise RuntimeError("cleanup failed")
+
+    def b(ctx):
+        if ctx.total_step == 0:
+            assert a_in_newer.wait(TIMEOUT)
+            raise ValueError("diverged")
+
+    with task.start(async_mode=True, max_inflight=3):
+        task.use(a).use(b)
+        with pytest.raises(ValueError, match="diverged") as info:
+            task.run(max_step=100)
+        assert task.ctx.total_step == 0
+    assert any("iteration 1 also raised RuntimeError: cleanup failed" in n for n in info.value.__notes__)
+    assert pipeline_threads() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_generator_that_ignores_its_cancellation_is_reported_and_the_run_still_ends():
+    newer_in = threading.Event()
+
+    def stubborn(ctx):
+        if ctx.total_step == 1:
+            newer_in.set()
+        ignored = False
+        while True:  # yields again when first closed: Python raises RuntimeError from close()
+            try:
+                yield
+                return
+            except GeneratorExit:
+                if ignored:
+                    raise
+                ignored = True
+
+    def learner(ctx):
+        if ctx.total_step == 0:
+            assert newer_in.wait(TIMEOUT)
+            raise ValueError("bad batch")
+
+    with task.start(async_mode=True, max_inflight=2):
+        task.use(stubborn).use(learner)
+        with pytest.raises(ValueError, match="bad batch") as info:
+            task.run()
+    assert any("iteration 1 also raised RuntimeError" in n for n in info.value.__notes__)
+    assert pipeline_threads() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_context_that_cannot_be_created_ends_an_unbounded_run_with_that_error():
+    made = [0]
+
+    def fragile_list():
+        made[0] += 1
+        if made[0] == 4:
+            raise MemoryError("no room for the next context")
+        return []
+
+    @dataclasses.dataclass
+    class FragileContext(Context):
+        items: list = dataclasses.field(default_factory=fragile_list)
+
+    with task.start(async_mode=True, ctx=FragileContext(), max_inflight=2):
+        task.use(lambda ctx: None)
+        with pytest.raises(MemoryError, match="no room"):
+            task.run()  # no max_step: before the fix the workers looped over every index
+        assert task.ctx.total_step <= 3
+    assert pipeline_threads() == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_after_a_failed_run_the_context_is_the_same_in_sync_and_async(async_mode):
+    newer_collected = threading.Event()
+
+    def collector(ctx):
+        ctx.env_step += 1
+        if ctx.total_step == 5:
+            newer_collected.set()
+
+    def learner(ctx):
+        if ctx.total_step == 3:
+            if async_mode:  # iterations 4 and 5 have collected (and are cancelled): their writes do not count
+                assert newer_collected.wait(TIMEOUT)
+            raise ValueError("diverged")
+        ctx.train_iter += 1
+
+    start = OnlineRLContext()
+    with task.start(async_mode=async_mode, ctx=start, max_inflight=3):
+        task.use(collector).use(learner)
+        with pytest.raises(ValueError):
+            task.run(max_step=10)
+        assert task.ctx.total_step == 3  # the completed iterations, never the cancelled ones
+        assert (task.ctx.env_step, task.ctx.train_iter) == (3, 3)  # what iteration 2 left
+        assert start.env_step == 3
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_the_start_ctx_is_the_first_iteration_and_shares_kept_values_in_both_modes(async_mode):
+    start = OnlineRLContext()
+    firsts = []
+
+    def collector(ctx):
+        if ctx.total_step == 0:
+            firsts.append(ctx)
+        ctx.env_step += 2
+
+    with task.start(async_mode=async_mode, ctx=start):
+        task.use(collector)
+        task.run(max_step=5)
+        assert (task.ctx.env_step, task.ctx.total_step) == (10, 5)
+        assert start.env_step == 10 and firsts == [start]
+        task.run(max_step=1)
+        assert (task.ctx.env_step, task.ctx.total_step, start.env_step) == (12, 6, 12)
+
+
+def test_task_ctx_inside_parallel_members_is_the_calling_iteration_context():
+    mismatches, seen = [], []
+    both_in = threading.Barrier(2, timeout=TIMEOUT)  # the members really run on two threads at once
+
+    def member(ctx):
+        both_in.wait()
+        seen.append(ctx.total_step)
+        if task.ctx is not ctx:
+            mismatches.append(ctx.total_step)
+
+    with task.start(async_mode=True, max_inflight=2):
+        task.use(task.parallel(member, member))
+        task.run(max_step=6)
+    assert sorted(seen) == sorted(list(range(6)) * 2) and mismatches == []
+
+
+# --- between_iterations and end_iteration in async mode -----------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_between_iterations_runs_when_no_middleware_is_running_then_the_pipeline_goes_on():
+    tracker = Tracker()
+    seen = []
+
+    def callback():
+        seen.append((tracker.inflight, task.state_dict()["ctx"]["total_step"], threading.current_thread().name))
+
+    def collector(ctx):
+        if ctx.total_step == 3:
+            task.between_iterations(callback)
+
+    with task.start(async_mode=True, max_inflight=3):
+        task.use(tracker).use(collector).use(lambda ctx: None)
+        task.run(max_step=10)
+        assert task.ctx.total_step == 10
+    (inflight, total_step, thread), = seen
+    assert inflight == 0 and total_step >= 4 and thread == threading.current_thread().name
+
+
+def test_once_finish_is_set_iterations_that_have_not_entered_any_middleware_are_not_run():
+    entered, lock = [], threading.Lock()
+
+    def first(ctx):
+        with lock:
+            entered.append(ctx.total_step)
+
+    def stopper(ctx):
+        if ctx.total_step == 2:
+            task.finish = True
+            task.end_iteration()
+
+    with task.start(async_mode=True, max_inflight=3):
+        task.use(first).use(stopper).use(lambda ctx: None)
+        task.run()
+        last = max(entered)
+        assert task.ctx.total_step == last + 1  # every iteration that entered completed; no other counted
+    assert last <= 4 and entered == list(range(last + 1))

@@ -309,16 +309,141 @@ def test_a_separate_task_instance_is_independent_of_the_global_one():
             assert task.middleware == []
 
 
-def test_finish_event_is_emitted_when_run_returns_or_raises():
+def test_finish_event_is_emitted_with_none_or_the_error_that_ended_the_run():
     from conveyor.engine import FINISH_EVENT
     seen = []
     with task.start():
-        task.on(FINISH_EVENT, lambda: seen.append("ok"))
+        task.on(FINISH_EVENT, lambda error: seen.append(error))
         task.use(lambda ctx: None)
         task.run(max_step=2)
     with task.start():
-        task.on(FINISH_EVENT, lambda: seen.append("after error"))
+        task.on(FINISH_EVENT, lambda error: seen.append(error))
         task.use(lambda ctx: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
+        with pytest.raises(ZeroDivisionError) as info:
             task.run(max_step=2)
-    assert seen == ["ok", "after error"]
+    assert seen == [None, info.value]
+
+
+def test_close_event_is_emitted_when_the_start_block_exits_not_when_run_ends():
+    from conveyor.engine import CLOSE_EVENT
+    log = []
+    with task.start():
+        task.on(CLOSE_EVENT, lambda: log.append("close"))
+        task.use(lambda ctx: None)
+        task.run(max_step=1)
+        task.run(max_step=1)
+        assert log == []
+    assert log == ["close"]
+
+
+# --- between_iterations ----------------------------------------------------------------------------------
+
+def test_between_iterations_runs_right_after_the_current_iteration_in_sync_mode():
+    log = []
+
+    def outer(ctx):
+        log.append(("enter", ctx.total_step))
+        if ctx.total_step == 1:
+            task.between_iterations(lambda: log.append(("between", task.ctx.total_step)))
+        yield
+        log.append(("leave", ctx.total_step))
+
+    with task.start():
+        task.use(outer)
+        task.run(max_step=3)
+    assert log == [("enter", 0), ("leave", 0), ("enter", 1), ("leave", 1), ("between", 2), ("enter", 2),
+                   ("leave", 2)]
+
+
+def test_pending_callbacks_run_when_the_run_ends_before_finish_event():
+    from conveyor.engine import FINISH_EVENT
+    log = []
+
+    def stopper(ctx):
+        task.finish = True
+        task.between_iterations(lambda: log.append("callback"))
+
+    with task.start():
+        task.on(FINISH_EVENT, lambda error: log.append("finish"))
+        task.use(stopper)
+        task.run()
+    assert log == ["callback", "finish"]
+
+
+def test_between_iterations_outside_run_calls_at_once_and_rejects_non_callables():
+    log = []
+    with task.start():
+        task.between_iterations(lambda: log.append(1))
+        assert log == [1]
+        with pytest.raises(TypeError, match="callable"):
+            task.between_iterations(42)
+
+
+# --- end_iteration -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_end_iteration_skips_the_rest_of_the_chain_but_runs_backward_parts(async_mode):
+    log, lock = [], threading.Lock()
+
+    def outer(ctx):
+        yield
+        with lock:
+            log.append(("outer back", ctx.total_step))
+
+    def gate(ctx):
+        if ctx.total_step == 1:
+            task.end_iteration()
+
+    def inner(ctx):
+        with lock:
+            log.append(("inner", ctx.total_step))
+
+    with task.start(async_mode=async_mode, ctx=OnlineRLContext()):
+        task.use(outer).use(task.serial(gate, inner)).use(inner)
+        task.run(max_step=3)
+        assert task.ctx.total_step == 3  # an ended iteration is a completed one
+    assert ("inner", 1) not in log and ("outer back", 1) in log
+    assert log.count(("inner", 0)) == 2 and log.count(("inner", 2)) == 2
+
+
+def test_end_iteration_with_finish_ends_the_run_right_there():
+    log = []
+
+    def evaluator(ctx):
+        log.append("evaluate")
+        task.finish = True
+        task.end_iteration()
+
+    with task.start():
+        task.use(evaluator).use(lambda ctx: log.append("train"))
+        task.run()
+        assert task.ctx.total_step == 1
+    assert log == ["evaluate"]
+
+
+def test_end_iteration_outside_run_is_an_error():
+    with task.start():
+        with pytest.raises(RuntimeError, match="while task.run"):
+            task.end_iteration()
+
+
+def test_parallel_gathers_every_member_error_and_closes_the_members_that_suspended():
+    closed = []
+
+    def member(ctx):
+        try:
+            yield
+        finally:
+            closed.append(True)
+
+    def bad(name):
+        def mw(ctx):
+            raise ValueError(name)
+        return mw
+
+    with task.start():
+        task.use(task.parallel(member, bad("first"), bad("second")))
+        with pytest.raises(ValueError, match="first") as info:
+            task.run(max_step=1)
+    assert closed == [True]
+    assert any("also raised ValueError: second" in n for n in info.value.__notes__)

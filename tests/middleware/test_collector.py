@@ -147,3 +147,45 @@ def test_linear_eps_reaches_end_after_decay_steps(cfg):
     ctx.env_step = 1000
     handler(ctx)
     assert ctx.collect_kwargs["eps"] == pytest.approx(0.1)
+
+
+def test_a_restored_step_collector_collects_what_the_original_would_have(cfg, policy, cartpole_envs):
+    ctx = OnlineRLContext()
+    original = StepCollector(cfg, policy.collect_mode, cartpole_envs(4), random_collect_size=10**6)
+    original(ctx)
+    state = original.state_dict()
+    original(ctx)
+    expected = ctx.trajectories
+
+    resumed = StepCollector(cfg, policy.collect_mode, cartpole_envs(4), random_collect_size=10**6)
+    resumed.load_state_dict(state)
+    resumed(ctx)
+    for key in ("obs", "action", "reward", "next_obs", "terminated", "truncated"):
+        assert np.array_equal(ctx.trajectories[key].numpy(), expected[key].numpy()), key
+
+
+def test_a_restored_episode_collector_goes_on_with_the_running_episodes(cfg, policy, cartpole_envs):
+    cfg.policy.collect.n_episode = 2
+    ctx = OnlineRLContext()
+    ctx.collect_kwargs = {"eps": 0.0}
+    original = EpisodeCollector(cfg, policy.collect_mode, cartpole_envs(3))
+    original(ctx)
+    state = original.state_dict()
+    original(ctx)
+    expected = [ep.reward.numpy() for ep in ctx.episodes]
+
+    resumed = EpisodeCollector(cfg, policy.collect_mode, cartpole_envs(3))
+    resumed.load_state_dict(state)
+    resumed(ctx)
+    assert [len(r) for r in expected] == [len(ep.reward) for ep in ctx.episodes]
+    assert all(np.array_equal(a, b.reward.numpy()) for a, b in zip(expected, ctx.episodes))
+
+
+def test_a_collector_saved_before_its_first_call_starts_with_a_reset(cfg, policy, cartpole_envs):
+    collector = StepCollector(cfg, policy.collect_mode, cartpole_envs(2))
+    assert collector.state_dict() == {"env": None}
+    collector.load_state_dict({"env": None})
+    ctx = OnlineRLContext()
+    ctx.collect_kwargs = {"eps": 0.5}
+    collector(ctx)
+    assert ctx.env_step == 16

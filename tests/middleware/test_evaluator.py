@@ -3,7 +3,10 @@ import numpy as np
 import pytest
 
 from conveyor import OnlineRLContext, task
-from conveyor.middleware import evaluate, interaction_evaluator
+from conveyor.envs import SyncEnvManager
+from conveyor.middleware import EvaluationError, evaluate, interaction_evaluator
+
+from .conftest import CrashEveryK
 
 
 class ConstantPolicy:
@@ -67,3 +70,59 @@ def test_evaluator_finishes_the_task_once_the_stop_value_is_reached(cfg, cartpol
         task.run(max_step=10)
         assert task.finish and task.ctx.total_step == 1
         assert task.ctx.last_eval_value >= 1.0
+
+
+def crashing_envs(request, k, episode_len, n=2):
+    env = SyncEnvManager([lambda: CrashEveryK(k, episode_len)] * n, seed=0, max_retry=1)
+    request.addfinalizer(env.close)
+    return env
+
+
+def test_an_env_that_keeps_crashing_mid_episode_ends_the_evaluation_with_a_clear_error(request):
+    env = crashing_envs(request, k=7, episode_len=10)  # no episode ever finishes
+    with pytest.raises(EvaluationError, match=r"gave up after 5 env crashes .*max_crashes=4.*simulated env failure"):
+        evaluate(ConstantPolicy(), env, n_episode=4, seed=0, max_crashes=4)
+
+
+def test_crashes_and_dropped_episodes_are_counted(request):
+    env = crashing_envs(request, k=8, episode_len=5, n=1)  # crashes in the 2nd episode, then every 8 steps
+    result = evaluate(ConstantPolicy(), env, n_episode=3, seed=0)
+    assert len(result["returns"]) == 3
+    assert result["crashes"] >= 1 and result["dropped"] == result["crashes"]
+
+
+def test_evaluator_records_crashes_and_the_evaluated_version(cfg, request):
+    class Versioned(ConstantPolicy):
+        version = 7
+
+        def snapshot(self):
+            return self
+
+    cfg.env.n_evaluator_episode = 3
+    evaluator = interaction_evaluator(cfg, Versioned(), crashing_envs(request, k=8, episode_len=5, n=1))
+    ctx = OnlineRLContext()
+    evaluator(ctx)
+    out = ctx.eval_output
+    assert out["crashes"] >= 1 and out["dropped"] >= 1 and out["weight_version"] == 7
+    assert isinstance(out["snapshot"], Versioned) and out["stop_value_reached"] is False
+
+
+def test_a_restored_evaluator_keeps_its_seed_schedule(cfg, cartpole_envs):
+    class RandomPolicy(ConstantPolicy):
+        def forward(self, obs):
+            return {"action": (obs[:, 2] > 0).astype(np.int64)}
+
+    cfg.policy.eval.evaluator.eval_freq = 1
+    original = interaction_evaluator(cfg, RandomPolicy(), cartpole_envs(2))
+    ctx = OnlineRLContext()
+    original(ctx)
+    state = original.state_dict()
+    ctx.train_iter = 1
+    original(ctx)
+    expected = ctx.eval_output["returns"]
+
+    resumed = interaction_evaluator(cfg, RandomPolicy(), cartpole_envs(2))
+    resumed.load_state_dict(state)
+    resumed(ctx)
+    assert ctx.eval_output["returns"] == expected
+    assert state == {"evaluations": 1, "env_step": 0}

@@ -61,6 +61,20 @@ def test_online_logger_steps_eval_return_at_the_env_step_the_evaluation_was_take
     assert ("eval/return", 100, 7.0) in scalars and ("eval/return_iter", 1, 7.0) in scalars
 
 
+def test_two_runs_in_one_start_block_both_reach_the_event_file(tmp_path):
+    with task.start(ctx=OnlineRLContext()):
+        def step(ctx):
+            ctx.env_step += 100
+            ctx.train_iter += 1
+            ctx.train_output = {"losses/td": float(ctx.total_step)}
+        task.use(step).use(online_logger(str(tmp_path), train_show_freq=1))
+        task.run(max_step=2)
+        task.run(max_step=2)
+    assert [(s, v) for tag, s, v in read_scalars(tmp_path) if tag == "losses/td"] == \
+        [(100, 0.0), (200, 1.0), (300, 2.0), (400, 3.0)]
+    assert len(list(tmp_path.rglob("events.out.tfevents.*"))) == 1
+
+
 def test_online_logger_averages_between_shows(tmp_path):
     pipeline(online_logger(str(tmp_path), train_show_freq=100), iterations=4)
     steps = [step for tag, step, _ in read_scalars(tmp_path) if tag == "losses/td"]
@@ -98,6 +112,9 @@ def test_progress_bar_follows_env_steps_and_eval_return():
         def set_postfix(self, refresh=True, **kw):
             self.postfix = kw
 
+        def refresh(self):
+            pass
+
         def close(self):
             self.closed = True
 
@@ -107,5 +124,7 @@ def test_progress_bar_follows_env_steps_and_eval_return():
             ctx.env_step += 10
             ctx.last_eval_value = 7.0
         task.use(step).use(progress_bar(100, make_bar=lambda **kw: bars.append(FakeBar(**kw)) or bars[-1]))
-        task.run(max_step=3)
+        task.run(max_step=2)
+        task.run(max_step=1)
+        assert not bars[0].closed  # lives as long as the pipeline
     assert bars[0].n == 30 and bars[0].postfix == {"eval_return": "7.0"} and bars[0].closed

@@ -65,7 +65,8 @@ def test_sac_runs_in_the_off_policy_pipeline(tmp_path, envs, async_mode):
     assert ctx.train_iter in ({(12 - 3) * 2, (12 - 2) * 2} if async_mode else {(12 - 3) * 2})
     assert ctx.last_eval_value is not None and np.isfinite(ctx.last_eval_value)
     saved = load_checkpoint(tmp_path / "ckpt" / "latest.pth.tar")
-    assert saved["policy"]["counters"]["train_iter"] >= 4 and "temperature" in saved["policy"]
+    policy_state = saved["objects"]["policy"]
+    assert policy_state["counters"]["train_iter"] >= 4 and "temperature" in policy_state
 
 
 def test_random_warm_up_and_policy_actions_both_stay_inside_pendulums_bounds(tmp_path, envs):

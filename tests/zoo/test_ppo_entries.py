@@ -53,12 +53,13 @@ def test_resume_restores_the_observation_normaliser_and_goes_on(in_tmp):
     entry = load_entry("pendulum/ppo")
     cfg = small("pendulum/ppo")
     first = entry.main(cfg, exp_name="resumed", max_env_step=256, progress=False)
-    saved = load_checkpoint(in_tmp / "runs" / "resumed" / "ckpt" / "latest.pth.tar")["policy"]["obs_normaliser"]
+    latest = in_tmp / "runs" / "resumed" / "ckpt" / "latest.pth.tar"
+    saved = load_checkpoint(latest)["objects"]["policy"]["obs_normaliser"]
     seen = saved["stats"]["count"] + saved["pending"]["count"]
     assert seen == first.env_step  # every collected observation is in the statistics or waiting to join them
     second = entry.main(cfg, exp_name="resumed", max_env_step=512, resume=True, progress=False)
     assert second.env_step >= 512 and second.train_iter > first.train_iter
-    resumed = load_checkpoint(in_tmp / "runs" / "resumed" / "ckpt" / "latest.pth.tar")["policy"]["obs_normaliser"]
+    resumed = load_checkpoint(latest)["objects"]["policy"]["obs_normaliser"]
     assert resumed["stats"]["count"] + resumed["pending"]["count"] == second.env_step
 
 

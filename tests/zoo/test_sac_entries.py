@@ -48,7 +48,7 @@ def test_smoke_run_in_async_mode(in_tmp):
 def test_resume_continues_env_steps_train_iterations_and_the_temperature(in_tmp):
     first = pendulum.main(tiny(pendulum), exp_name="resumed", max_env_step=300, progress=False)
     saved = load_checkpoint(in_tmp / "runs" / "resumed" / "ckpt" / "latest.pth.tar")
-    assert saved["buffer"] is not None and "temperature" in saved["policy"]
+    assert saved["objects"]["buffer"] is not None and "temperature" in saved["objects"]["policy"]
     second = pendulum.main(tiny(pendulum), exp_name="resumed", max_env_step=600, resume=True, progress=False)
     assert 600 <= second.env_step < 600 + 16
     assert second.train_iter > first.train_iter

@@ -39,7 +39,7 @@ main_config = EasyDict(dict(
 
 def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
          max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
-         progress: bool = True) -> OnlineRLContext:
+         progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
     """Train recurrent PPO on masked CartPole; returns the final context."""
     return train_ppo(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
-                     async_mode=async_mode, progress=progress)
+                     async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)

@@ -1,0 +1,38 @@
+"""Helpers for the exact-resume tests: run the CLI, compare checkpoints recursively."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any, List
+
+import numpy as np
+import torch
+
+
+def train(cwd, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``conveyor train ...`` in a subprocess (its own session, stopped if it outlives ``timeout``)."""
+    cmd = [sys.executable, "-m", "conveyor", "train", *args, "--no-progress"]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+
+
+def differences(a: Any, b: Any, path: str = "") -> List[str]:
+    """Where two checkpoints differ (tensors compared with torch.equal), ignoring every ``meta`` entry."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}/{k}: only in one" for k in set(a) ^ set(b) if k != "meta"]
+        for k in a.keys() & b.keys():
+            if k != "meta":
+                out += differences(a[k], b[k], f"{path}/{k}")
+        return out
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: lengths {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return [] if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) else [f"{path}: tensors differ"]
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return [] if a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True) else [f"{path}: arrays differ"]
+    if type(a) is not type(b):
+        return [f"{path}: {type(a).__name__} != {type(b).__name__}"]
+    if isinstance(a, float) and np.isnan(a) and np.isnan(b):
+        return []
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"[:200]]

@@ -1,0 +1,193 @@
+"""Exact resume, the run directory's rules, graceful signals and disk errors, through the CLI and entries."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conveyor.cli import main as cli
+from conveyor.envs import make_env_manager
+from conveyor.middleware import ckpt as ckpt_module
+from conveyor.middleware import evaluate, load_checkpoint
+from conveyor.policy import DQNPolicy
+from conveyor.zoo import load_entry
+
+from .resume_bar import differences, train
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# --- item 11: the resume bar ---------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, n", [("cartpole/dqn", 768), ("cartpole/ppo", 1024), ("pendulum/sac", 1104)])
+def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, entry, n):
+    straight = train(in_tmp, entry, "--seed", "3", "--exp-name", "straight", "--max-env-step", str(2 * n))
+    first = train(in_tmp, entry, "--seed", "3", "--exp-name", "split", "--max-env-step", str(n))
+    second = train(in_tmp, entry, "--exp-name", "split", "--resume", "--max-env-step", str(2 * n))
+    assert straight.returncode == first.returncode == second.returncode == 0, second.stderr
+    a = load_checkpoint(in_tmp / "runs" / "straight" / "ckpt" / "final.pth.tar")
+    b = load_checkpoint(in_tmp / "runs" / "split" / "ckpt" / "final.pth.tar")
+    assert a["ctx"]["env_step"] >= 2 * n and a["ctx"]["train_iter"] > 0
+    assert differences(a, b) == []
+
+
+# --- item 14: the run directory ------------------------------------------------------------------------
+def test_a_new_run_saves_its_resolved_config(in_tmp):
+    from conveyor.zoo._online import prepare
+    dqn = load_entry("cartpole/dqn")
+    cfg = prepare(dqn.main_config, DQNPolicy, exp_name="fresh", seed=7)
+    saved = json.loads((in_tmp / "runs" / "fresh" / "config.json").read_text())
+    assert saved["policy"] == "DQNPolicy" and saved["config"]["seed"] == 7
+    assert saved["config"]["policy"]["model"]["obs_shape"] == cfg.policy.model.obs_shape == 4  # inferred
+
+
+def test_a_new_run_never_reuses_an_existing_run_directory(in_tmp, capsys):
+    (in_tmp / "runs" / "taken").mkdir(parents=True)
+    (in_tmp / "runs" / "taken" / "config.json").write_text("{}")
+    assert cli(["train", "cartpole/dqn", "--exp-name", "taken", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs/taken already holds a run" in err and "--resume" in err
+    assert (in_tmp / "runs" / "taken" / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("name", ["", "../escape", "a/b", ".."])
+def test_exp_names_outside_runs_are_refused(in_tmp, capsys, name):
+    assert cli(["train", "cartpole/dqn", "--exp-name", name, "--no-progress"]) == 2
+    assert "is not a run name" in capsys.readouterr().err
+    assert not (in_tmp / "runs").exists() and not (in_tmp / "escape").exists()
+
+
+def test_resuming_another_algorithms_run_names_both(in_tmp, capsys):
+    run = in_tmp / "runs" / "dqn_run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "latest.pth.tar").write_bytes(b"")
+    (run / "config.json").write_text(json.dumps({"policy": "DQNPolicy", "config": {}}))
+    assert cli(["train", "cartpole/ppo", "--exp-name", "dqn_run", "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "PPOPolicy" in err and "DQNPolicy" in err
+
+
+# --- item 16: disk errors ------------------------------------------------------------------------------
+def test_a_file_where_the_runs_folder_should_be_is_one_line_and_exit_2(in_tmp, capsys):
+    (in_tmp / "runs").write_text("")
+    assert cli(["train", "cartpole/dqn", "--exp-name", "x", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs/x" in err and ("Not a directory" in err or "File exists" in err)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_runs_folder_is_one_line_and_exit_2(in_tmp, capsys):
+    (in_tmp / "runs").mkdir()
+    (in_tmp / "runs").chmod(0o500)
+    try:
+        assert cli(["train", "cartpole/dqn", "--exp-name", "x", "--no-progress"]) == 2
+    finally:
+        (in_tmp / "runs").chmod(0o700)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs/x" in err and "Permission denied" in err
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint_and_exit_2(in_tmp, capsys, monkeypatch):
+    def full(fd, mode):
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt_module.os, "fdopen", full)
+    assert cli(["train", "cartpole/dqn", "--exp-name", "full", "--max-env-step", "64", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "cannot write checkpoint runs/full/ckpt/" in err and "No space left on device" in err
+    assert not [p for p in (in_tmp / "runs" / "full" / "ckpt").iterdir() if p.name.endswith(".tmp")]
+
+
+# --- item 12: the checkpoints hold the weights that were evaluated -------------------------------------
+@pytest.mark.slow
+def test_a_run_stopped_by_its_stop_value_keeps_the_evaluated_weights(in_tmp):
+    dqn = load_entry("cartpole/dqn")
+    cfg = copy.deepcopy(dqn.main_config)
+    cfg.env.update(stop_value=40.0, evaluator_env_num=4, n_evaluator_episode=4)
+    cfg.policy.eval.evaluator.eval_freq = 50
+    ctx = dqn.main(cfg, exp_name="stops", max_env_step=20000, progress=False)
+    assert ctx.last_eval_value >= 40.0 and ctx.env_step < 20000
+    ckpt = in_tmp / "runs" / "stops" / "ckpt"
+    best, final = load_checkpoint(ckpt / "eval_best.pth.tar"), load_checkpoint(ckpt / "final.pth.tar")
+    assert best["eval"]["train_iter"] > 0 and best["eval"]["mean"] == ctx.last_eval_value
+    assert differences(best["policy"]["model"], final["objects"]["policy"]["model"]) == []
+
+    compiled = json.loads((in_tmp / "runs" / "stops" / "config.json").read_text())["config"]
+    policy = DQNPolicy(compiled["policy"])
+    policy.load_state_dict(best["policy"])
+    with make_env_manager(compiled["env"], "evaluator") as env:
+        again = evaluate(policy.eval_mode, env, compiled["env"]["n_evaluator_episode"], seed=best["eval"]["seed"])
+    assert again["returns"] == best["eval"]["returns"]
+
+
+# --- item 13: signals ----------------------------------------------------------------------------------
+CHILD = """
+import sys
+from conveyor.cli import main
+from conveyor.zoo.cartpole import dqn
+dqn.main_config.env.manager = sys.argv[1]
+sys.exit(main(["train", "cartpole/dqn", "--exp-name", "sig", "--no-progress", "--ckpt-interval", "0.2"]))
+"""
+
+
+@pytest.fixture
+def spawn(request):
+    """Start a child in its own session; its whole group is killed after the test, whatever happened."""
+    def start(*args, cwd):
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+        def stop():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+        request.addfinalizer(stop)
+        return proc
+    return start
+
+
+def group_is_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code, manager", [(signal.SIGINT, 130, "sync"), (signal.SIGTERM, 143, "subprocess")])
+def test_a_signal_finishes_the_iteration_writes_final_and_exits_cleanly(in_tmp, spawn, signum, code, manager):
+    proc = spawn(manager, cwd=in_tmp)
+    latest = in_tmp / "runs" / "sig" / "ckpt" / "latest.pth.tar"
+    deadline = time.monotonic() + 120
+    while not latest.exists():  # written on the wall-clock interval once training runs (atomic rename)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signum) if signum == signal.SIGTERM else os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"conveyor: stopped by {signal.Signals(signum).name}"), err
+    final = load_checkpoint(latest.parent / "final.pth.tar")
+    assert differences(final, load_checkpoint(latest)) == []
+    assert final["ctx"]["env_step"] > 0
+    assert "leaked" not in err
+    deadline = time.monotonic() + 10  # helpers (the resource tracker) exit once they read the parent's EOF
+    while not group_is_gone(proc.pid):
+        left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True)
+        assert time.monotonic() < deadline, f"processes left: {left.stdout}"
+        time.sleep(0.05)
