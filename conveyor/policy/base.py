@@ -100,6 +100,7 @@ class Acting:
         self.version = version.number
 
 
+_OWN_EXTRAS = object()  # _publish's default: take the extras from the policy itself
 _SPARE_COPIES = 2  # unpinned old versions kept for reuse, so publishing copies into them instead of allocating
 
 
@@ -294,10 +295,11 @@ class Policy(abc.ABC):
                 newest = self._newest
         return newest
 
-    def _publish(self, number: int) -> int:
+    def _publish(self, number: int, extras: Any = _OWN_EXTRAS) -> int:
         """Copy the weights into a spare (or new) version numbered ``number`` and make it the newest; the caller
-        holds the learn lock, so no gradient step runs during the copy."""
-        extras = self._acting_extras()
+        holds the learn lock, so no gradient step runs during the copy. ``extras`` defaults to this policy's own."""
+        if extras is _OWN_EXTRAS:
+            extras = self._acting_extras()
         with self._versions_lock:
             version = self._spare.pop() if self._spare else None
         if version is None:
@@ -315,6 +317,23 @@ class Policy(abc.ABC):
             if old is not None and old.pins == 0:
                 self._retire(old)
         return number
+
+    def acting_state(self) -> dict[str, Any]:
+        """The newest version as plain data, for a replica that acts elsewhere (a collector process):
+        ``version`` (its number), ``model`` (its weights, copied) and ``extras``. See :meth:`load_acting_state`."""
+        version = self._pin()
+        try:
+            weights = {name: tensor.detach().clone() for name, tensor in version.model.state_dict().items()}
+            return {"version": version.number, "model": weights, "extras": version.extras}
+        finally:
+            self._unpin(version)
+
+    def load_acting_state(self, state: Mapping[str, Any]) -> None:
+        """Publish a version received from another policy's :meth:`acting_state` as this one's newest, under
+        the same number, so an acting replica follows the learner's versions (and records them)."""
+        with self._learn_lock:
+            self.model.load_state_dict(state["model"])
+            self._publish(int(state["version"]), state["extras"])
 
     def _retire(self, version: _Version) -> None:
         if len(self._spare) < _SPARE_COPIES:

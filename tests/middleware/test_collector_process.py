@@ -1,0 +1,102 @@
+"""ProcessCollector: the same collector in a child process, following the learner's weight versions."""
+import os
+import signal
+
+import pytest
+import torch
+
+from conveyor.engine import OnlineRLContext, task
+from conveyor.envs import make_env_manager
+from conveyor.middleware import EPISODE_EVENT, StepCollector
+from conveyor.middleware.collector_process import ProcessCollector, step_collector_builder
+from conveyor.policy import DQNPolicy
+
+
+@pytest.fixture
+def process_collector(request, cfg, policy):
+    def make(build=None):
+        collector = ProcessCollector(build or step_collector_builder(cfg, DQNPolicy), policy)
+        request.addfinalizer(collector.close)
+        return collector
+    return make
+
+
+def greedy_ctx():
+    ctx = OnlineRLContext()
+    ctx.collect_kwargs = {"eps": 0.0}
+    return ctx
+
+
+def test_it_collects_what_the_collector_collects_in_process(cfg, policy, process_collector):
+    remote = process_collector()
+    with make_env_manager(cfg.env, "collector", seed=cfg.seed) as env:
+        local = StepCollector(cfg, policy.collect_mode, env)
+        for _ in range(3):
+            here, there = greedy_ctx(), greedy_ctx()
+            local(here)
+            remote(there)
+            for key in ("obs", "action", "reward", "next_obs", "terminated", "truncated", "valid", "weight_version"):
+                assert torch.equal(here.trajectories[key], there.trajectories[key]), key
+            assert (here.env_step, here.env_episode) == (there.env_step, there.env_episode)
+            assert here.trajectory_end_idx.tolist() == there.trajectory_end_idx.tolist()
+
+
+def test_the_child_acts_on_the_newest_published_version(policy, process_collector):
+    remote = process_collector()
+    ctx = greedy_ctx()
+    remote(ctx)
+    assert set(ctx.trajectories.weight_version.flatten().tolist()) == {policy.version}
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(1.0)
+    newest = policy.publish()
+    ctx = greedy_ctx()
+    remote(ctx)
+    assert set(ctx.trajectories.weight_version.flatten().tolist()) == {newest}
+
+
+def test_counters_add_to_the_parents_and_episode_events_are_emitted_here(process_collector):
+    remote = process_collector()
+    lengths = []
+    with task.start(ctx=OnlineRLContext()):
+        task.on(EPISODE_EVENT, lambda env_index, ret, length: lengths.append(length))
+        ctx = greedy_ctx()
+        ctx.env_step = 1000
+        for _ in range(20):  # CartPole under an untrained greedy policy ends within a few dozen steps
+            remote(ctx)
+    assert ctx.env_step == 1000 + 20 * 16
+    assert ctx.env_episode == len(lengths) > 0
+
+
+def test_a_killed_child_is_a_clear_error_not_a_hang(process_collector):
+    remote = process_collector()
+    os.kill(remote.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"collector process \(pid {remote.pid}\) was killed by SIGKILL"):
+        remote(greedy_ctx())
+
+
+def test_an_error_in_the_child_reaches_the_parent_with_its_traceback(cfg, process_collector):
+    def build():
+        policy = DQNPolicy(cfg.policy)
+
+        def broken(ctx):
+            raise ValueError("env exploded")
+        return broken, policy
+    remote = process_collector(build)
+    with pytest.raises(ValueError, match="env exploded") as info:
+        remote(greedy_ctx())
+    assert "broken" in str(info.value.__cause__)
+
+
+def test_close_stops_and_reaps_the_child(process_collector):
+    remote = process_collector()
+    pid = remote.pid
+    remote.close()
+    assert not os.path.exists(f"/proc/{pid}")
+    with pytest.raises(RuntimeError, match="closed"):
+        remote(greedy_ctx())
+
+
+def test_it_is_refused_a_policy_view():
+    with pytest.raises(TypeError, match="pass the Policy object"):
+        ProcessCollector(lambda: None, object())
