@@ -22,6 +22,9 @@ from typing import Any, Callable, ContextManager, Deque, Dict, Generator, List, 
 __all__ = ["DIRECT", "Middleware", "MiddlewareError", "Suspended", "Timing", "as_middleware", "check_middleware",
            "compose", "enter", "hand_over", "leave", "middleware_name", "note", "onion", "unwind"]
 
+_UNLOCKED = nullcontext()  # reusable: the "lock" of a middleware without one
+
+
 class MiddlewareError(RuntimeError):
     """A middleware was misused: it yielded twice, never yielded, or is a factory passed unbuilt."""
 
@@ -139,7 +142,7 @@ def enter(mw: Middleware, ctx: Any) -> Optional[Suspended]:
     """Run the forward part of ``mw``; return it suspended at its ``yield``, or None for a plain function."""
     start = time.perf_counter()
     try:
-        with mw.lock or nullcontext():
+        with mw.lock or _UNLOCKED:
             out = mw.fn(ctx)
             if isinstance(out, GeneratorType):
                 try:
@@ -170,7 +173,7 @@ def leave(suspended: Suspended, exc: Optional[BaseException] = None, cancel: boo
     start = time.perf_counter()
     result = exc if cancel else None
     try:
-        with mw.lock or nullcontext():
+        with mw.lock or _UNLOCKED:
             if cancel:
                 gen.close()
             elif exc is None:
