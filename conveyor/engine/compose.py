@@ -176,18 +176,18 @@ def leave(suspended: Suspended, exc: Optional[BaseException] = None, cancel: boo
         with mw.lock or _UNLOCKED:
             if cancel:
                 gen.close()
-            elif exc is None:
-                gen.send(None)
             else:
-                gen.throw(exc)
-            if not cancel:
-                gen.close()
+                if exc is None:
+                    gen.send(None)
+                else:
+                    gen.throw(exc)
+                gen.close()  # it yielded again
                 result = MiddlewareError(f"generator middleware '{mw.name}' ({_where(mw.fn)}) yielded more than "
                                          f"once: a middleware yields exactly once, to hand over to the rest of "
                                          f"the chain")
                 result.__context__ = exc
     except StopIteration:
-        pass
+        pass  # the backward part finished, having handled exc if there was one
     except BaseException as raised:
         note(raised, f"in middleware '{mw.name}'")
         result = raised

@@ -99,7 +99,8 @@ class Task:
 
     @property
     def ctx(self) -> Context:
-        """The current context; inside an async pipeline, the context of the calling iteration."""
+        """Inside a middleware, the calling iteration's context (also on a ``parallel`` member's pool thread);
+        elsewhere the next iteration's: ``total_step`` = iterations completed, kept values as they left them."""
         current = getattr(self._local, "ctx", None)
         if current is not None:
             return current
