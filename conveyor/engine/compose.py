@@ -22,6 +22,9 @@ from typing import Any, Callable, ContextManager, Deque, Dict, Generator, List, 
 __all__ = ["DIRECT", "Middleware", "MiddlewareError", "Suspended", "Timing", "as_middleware", "check_middleware",
            "compose", "enter", "hand_over", "leave", "middleware_name", "note", "onion", "unwind"]
 
+_UNLOCKED = nullcontext()  # reusable: the "lock" of a middleware without one
+
+
 class MiddlewareError(RuntimeError):
     """A middleware was misused: it yielded twice, never yielded, or is a factory passed unbuilt."""
 
@@ -139,7 +142,7 @@ def enter(mw: Middleware, ctx: Any) -> Optional[Suspended]:
     """Run the forward part of ``mw``; return it suspended at its ``yield``, or None for a plain function."""
     start = time.perf_counter()
     try:
-        with mw.lock or nullcontext():
+        with mw.lock or _UNLOCKED:
             out = mw.fn(ctx)
             if isinstance(out, GeneratorType):
                 try:
@@ -170,21 +173,21 @@ def leave(suspended: Suspended, exc: Optional[BaseException] = None, cancel: boo
     start = time.perf_counter()
     result = exc if cancel else None
     try:
-        with mw.lock or nullcontext():
+        with mw.lock or _UNLOCKED:
             if cancel:
                 gen.close()
-            elif exc is None:
-                gen.send(None)
             else:
-                gen.throw(exc)
-            if not cancel:
-                gen.close()
+                if exc is None:
+                    gen.send(None)
+                else:
+                    gen.throw(exc)
+                gen.close()  # it yielded again
                 result = MiddlewareError(f"generator middleware '{mw.name}' ({_where(mw.fn)}) yielded more than "
                                          f"once: a middleware yields exactly once, to hand over to the rest of "
                                          f"the chain")
                 result.__context__ = exc
     except StopIteration:
-        pass
+        pass  # the backward part finished, having handled exc if there was one
     except BaseException as raised:
         note(raised, f"in middleware '{mw.name}'")
         result = raised

@@ -22,9 +22,11 @@ __all__ = ["Context", "OnlineRLContext", "OfflineRLContext"]
 class _KeptStore:
     """The values of kept fields, shared by every context of a task's iterations.
 
-    While a run is active (:meth:`begin` .. :meth:`end`) each assignment is journaled with the iteration
-    that made it; :meth:`commit` folds the assignments of completed iterations into ``committed``, and
-    ``end(rollback=True)`` returns the values to it, dropping what failed or cancelled iterations wrote.
+    While a run is active (:meth:`begin` .. :meth:`end`), :meth:`commit` marks what completed iterations
+    wrote as final, and ``end(rollback=True)`` returns the values to it, dropping what a failed or
+    cancelled iteration wrote. With iterations in flight at once (``begin(journal=True)``) each
+    assignment is journaled with the iteration that made it, since newer iterations write before
+    older ones complete; one at a time, a copy of the values at each completion does.
     """
 
     __slots__ = ("values", "journal", "committed", "lock")
@@ -44,28 +46,31 @@ class _KeptStore:
             if self.journal is not None:
                 self.journal.append((step, name, value))
 
-    def begin(self) -> None:
-        """Start journaling: the current values are committed."""
+    def begin(self, journal: bool) -> None:
+        """Start a run: the current values are committed."""
         self.lock = self.lock or threading.Lock()
         with self.lock:
             self.committed = dict(self.values)
-            self.journal = []
+            self.journal = [] if journal else None
 
     def commit(self, step: Optional[int] = None) -> None:
-        """Assignments made by iterations up to ``step`` (every one when None) are final."""
+        """What iterations up to ``step`` (every one when None) wrote is final."""
         with self.lock:  # type: ignore[union-attr]
-            if self.journal is None:
+            if self.journal is None or step is None:
+                self.committed = dict(self.values)
+                if self.journal:
+                    self.journal = []
                 return
             pending = []
             for entry in self.journal:
-                if step is None or entry[0] <= step:
+                if entry[0] <= step:
                     self.committed[entry[1]] = entry[2]
                 else:
                     pending.append(entry)
             self.journal = pending
 
     def end(self, rollback: bool) -> None:
-        """Stop journaling; with ``rollback``, values go back to the committed ones."""
+        """End the run; with ``rollback``, values go back to the committed ones."""
         with self.lock:  # type: ignore[union-attr]
             if rollback:
                 self.values.update(self.committed)

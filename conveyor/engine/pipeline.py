@@ -36,6 +36,8 @@ class _Turnstile:
         self._next = first
 
     def wait(self, i: int) -> None:
+        if self._next >= i:  # _next only grows, so a stale read can only send us to the slow path
+            return
         with self._cond:
             while self._next < i:
                 self._cond.wait()

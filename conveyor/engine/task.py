@@ -99,7 +99,8 @@ class Task:
 
     @property
     def ctx(self) -> Context:
-        """The current context; inside an async pipeline, the context of the calling iteration."""
+        """Inside a middleware, the calling iteration's context (also on a ``parallel`` member's pool thread);
+        elsewhere the next iteration's: ``total_step`` = iterations completed, kept values as they left them."""
         current = getattr(self._local, "ctx", None)
         if current is not None:
             return current
@@ -167,7 +168,7 @@ class Task:
             raise RuntimeError("task.run() with no middleware and no max_step would loop forever: add middleware "
                                "with task.use(...) first")
         store = self._base_ctx._store()
-        store.begin()
+        store.begin(journal=self._async)
         self._last_done = self._base_ctx.total_step - 1
         self._running = True
         error: Optional[BaseException] = None
@@ -180,7 +181,11 @@ class Task:
             error = exc
         store.end(rollback=error is not None)
         if error is not None or self._base_ctx.total_step != self._last_done + 1:
-            self._base_ctx = self._fresh(self._last_done + 1)
+            try:
+                self._base_ctx = self._fresh(self._last_done + 1)
+            except BaseException as exc:  # the context class cannot be renewed: keep the one we have
+                error = _first(error, exc, "creating the next context")
+                self._base_ctx.total_step = self._last_done + 1
         self._pipeline = None
         self._running = False
         error = self._run_pending(error)

@@ -479,3 +479,26 @@ def test_once_finish_is_set_iterations_that_have_not_entered_any_middleware_are_
         last = max(entered)
         assert task.ctx.total_step == last + 1  # every iteration that entered completed; no other counted
     assert last <= 4 and entered == list(range(last + 1))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_a_context_class_that_can_never_be_renewed_still_ends_the_run_cleanly(async_mode):
+    made = [0]
+
+    def only_once():
+        made[0] += 1
+        if made[0] > 1:
+            raise LookupError("no more lists")
+        return []
+
+    @dataclasses.dataclass
+    class BrokenContext(Context):
+        items: list = dataclasses.field(default_factory=only_once)
+
+    with task.start(async_mode=async_mode, ctx=BrokenContext()):
+        task.use(lambda ctx: None)
+        with pytest.raises(LookupError):
+            task.run()
+        assert task.ctx.total_step == 1 and not task.running
+    assert pipeline_threads() == []
