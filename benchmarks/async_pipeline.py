@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import tempfile
@@ -33,7 +34,9 @@ from conveyor.engine import FINISH_EVENT
 BUDGETS = {"cartpole/dqn": 6016, "cartpole/ppo": 16384, "pendulum/sac": 8000}
 """Env steps per run (the issue's figures for cartpole/dqn and pendulum/sac)."""
 
-LEARNERS = ("OffPolicyLearner", "multistep_trainer", "trainer")
+_RUN_IDS = itertools.count()  # every run gets a fresh directory
+
+LEARNERS = ("OffPolicyLearner", "MultistepTrainer", "Trainer")
 
 
 def stage(seconds: float, counter: str):
@@ -71,13 +74,14 @@ def synthetic(args: argparse.Namespace) -> None:
                       "ideal_speedup": round(ideal, 3)}))
 
 
-def zoo_run(name: str, async_mode: bool, budget: int) -> Tuple[float, Dict[str, float]]:
+def zoo_run(name: str, async_mode: bool, budget: int, collector: str = "auto") -> Tuple[float, Dict[str, float]]:
     """Wall seconds of one fixed-budget run of a zoo entry, and its per-middleware total seconds."""
     from conveyor.zoo import load_entry
     entry = load_entry(name)
     cfg = copy.deepcopy(entry.main_config)
-    cfg.exp_name = f"async_bench_{name.replace('/', '_')}_{'async' if async_mode else 'sync'}"
+    cfg.exp_name = f"async_bench_{name.replace('/', '_')}_{'async' if async_mode else 'sync'}_{next(_RUN_IDS)}"
     cfg.env.stop_value = float("inf")  # a fixed budget: never stop early
+    cfg.env.async_collector = collector
     cfg.policy.setdefault("eval", {}).setdefault("evaluator", {})
     cfg.policy.eval.evaluator.eval_freq = 10**9  # one evaluation, at the start
     times: Dict[str, float] = {}
@@ -100,7 +104,7 @@ def zoo(args: argparse.Namespace) -> None:
             for name in entries:
                 budget = BUDGETS.get(name, 8000) // (4 if args.quick else 1)
                 sync_s, times = zoo_run(name, False, budget)
-                async_s, _ = zoo_run(name, True, budget)
+                async_s, _ = zoo_run(name, True, budget, args.async_collector)
                 learn = sum(t for mw, t in times.items() if mw.split("#")[0] in LEARNERS)
                 other = sum(times.values()) - learn
                 ideal = (learn + other) / max(learn, other) if max(learn, other) > 0 else 1.0
@@ -126,6 +130,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a quarter of each budget (synthetic: 30 iterations)")
     parser.add_argument("--synthetic", action="store_true", help="GIL-free sleeping stages instead of the zoo")
     parser.add_argument("--entries", default=",".join(BUDGETS), help="zoo entries, comma separated")
+    parser.add_argument("--async-collector", default="auto", choices=("auto", "process", "thread"),
+                        help="env.async_collector of the async runs")
     parser.add_argument("--collect-ms", type=float, default=20.0)
     parser.add_argument("--learn-ms", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=100)

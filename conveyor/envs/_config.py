@@ -24,6 +24,10 @@ ENV_SCHEMA: dict[str, Option] = {
                                   check=positive),
     "stop_value": Option(None, "stop training once the mean evaluation return reaches this (None: never)",
                          type=float),
+    "async_collector": Option("auto", "where async mode runs the collection middleware: 'process' (a child process, "
+                                      "so it overlaps the learner; pays when a call steps the envs many times), "
+                                      "'thread' (this process, sharing its GIL), or 'auto' ('process' from 16 "
+                                      "lock-steps per call)", choices=("auto", "process", "thread")),
     "manager": Option("sync", "'sync' steps envs in this process (cheap envs); 'subprocess' in worker processes",
                       choices=("sync", "subprocess")),
     "num_workers": Option(None, "worker processes for manager='subprocess' (None: min(env num, CPUs))", type=int,

@@ -1,52 +1,59 @@
-"""A collector in a child process, so that in async mode collection really overlaps training.
+"""Collection in a child process, so that in async mode it really overlaps training.
 
 Two Python threads share one GIL, and torch hands it over around every operator: a collector thread and a
 learner thread running small networks at the same time slow each other down instead of overlapping
-(docs/engine.md, "When async pays"). :class:`ProcessCollector` runs the same collector middleware (e.g.
-:class:`~conveyor.middleware.StepCollector` over its own env manager) in a child process, with a replica
-of the policy that acts on the learner's published versions: the parent only sends a request, waits on a
-pipe with the GIL released, and puts the answer into the context.
+(docs/engine.md, "When async pays"). :class:`ProcessCollector` runs the collection middleware (e.g. a
+:class:`~conveyor.middleware.StepCollector` over its own env manager, then an n-step enhancer or an
+advantage estimator) in a child process, with a replica of the policy that acts on the learner's
+published versions: the parent only sends a request, waits on a pipe with the GIL released, and puts the
+answer into the context.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import pickle
 import signal
 import weakref
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
-from typing import Any, Callable, List, Optional, Tuple
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import cloudpickle
+import torch
 import treetensor.torch as ttorch
 
 from conveyor.data.batch import to_numpy, to_tensor
-from conveyor.engine import OnlineRLContext, task
+from conveyor.engine import OnlineRLContext, compose, task
 from conveyor.envs._subprocess import _describe_exit, _pack_exception, _send_quietly, _unpack_exception
 from conveyor.middleware.collector import EPISODE_EVENT
 
-__all__ = ["ProcessCollector", "step_collector_builder"]
+__all__ = ["ProcessCollector", "collection_builder"]
 
-Builder = Callable[[], Tuple[Callable[[OnlineRLContext], Any], Any]]
+Chain = Sequence[Callable[[OnlineRLContext], Any]]
+Builder = Callable[[], Tuple[Chain, Any, Callable[[], None]]]
 
-_OUTPUTS = ("trajectories", "trajectory_end_idx", "episodes")
+_OUTPUTS = ("trajectories", "trajectory_end_idx", "episodes", "train_data")
+_ALIGN = 64
 _POLL_S = 0.5  # how often a waiting parent checks that the child is still alive
 _CLOSE_TIMEOUT_S = 5.0
 
 
-def step_collector_builder(cfg: Any, policy_cls: type, random_collect_size: int = 0) -> Builder:
-    """A builder for :class:`ProcessCollector`: in the child, a ``policy_cls`` replica and a
-    :class:`~conveyor.middleware.StepCollector` over the collector env manager of ``cfg.env``."""
-    def build() -> Tuple[Callable[[OnlineRLContext], Any], Any]:
+def collection_builder(cfg: Any, policy_cls: type, collection: Callable[[Any, Any, Any], Chain]) -> Builder:
+    """A builder for :class:`ProcessCollector`: in the child, a ``policy_cls`` replica, the collector env
+    manager of ``cfg.env`` and ``collection(cfg, policy, env)``, the chain to run there."""
+    def build() -> Tuple[Chain, Any, Callable[[], None]]:
         from conveyor.envs import make_env_manager
-        from conveyor.middleware.collector import StepCollector
         policy = policy_cls(cfg.policy)
         env = make_env_manager(cfg.env, "collector", seed=cfg.seed)
-        return StepCollector(cfg, policy.collect_mode, env, random_collect_size=random_collect_size), policy
+        return collection(cfg, policy, env), policy, env.close
     return build
 
 
-def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes) -> None:
-    """The child: build the collector, then answer the parent's requests until it says close or goes away."""
+def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes, weights_name: str,
+           layout: List[Tuple[tuple, torch.dtype]]) -> None:
+    """The child: build the chain, then answer the parent's requests until it says close or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM go to the parent, which closes us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent_end is not None:
@@ -54,9 +61,13 @@ def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes) -> N
     events: List[tuple] = []
     task.off(EPISODE_EVENT)  # a forked child holds copies of the parent's handlers: collect events for the parent
     task.on(EPISODE_EVENT, lambda *args: events.append(args))
-    collector = None
+    chain: Chain = []
+    close: Optional[Callable[[], None]] = None
+    weights = _SharedWeights(layout, weights_name)
+    acting_version: Optional[int] = None
     try:
-        collector, policy = cloudpickle.loads(blob)()
+        chain, policy, close = cloudpickle.loads(blob)()
+        run = compose(*chain)
         conn.send_bytes(pickle.dumps(("ok", None)))
         while True:
             command, arg = pickle.loads(conn.recv_bytes())
@@ -64,20 +75,25 @@ def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes) -> N
                 return
             try:
                 if command == "collect":
-                    env_step, collect_kwargs, acting = arg
-                    if acting is not None:
-                        policy.load_acting_state(acting)
+                    env_step, collect_kwargs, (version, extras) = arg
+                    if version != acting_version:
+                        policy.load_acting_state({"version": version, "tensors": weights.tensors, "extras": extras})
+                        acting_version = version
                     ctx = OnlineRLContext()
                     ctx.env_step, ctx.collect_kwargs = env_step, collect_kwargs
                     events.clear()
-                    collector(ctx)
+                    for _ in run(ctx):
+                        pass
                     counters = {"env_step": ctx.env_step - env_step, "env_episode": ctx.env_episode}
                     outputs = {name: _portable(getattr(ctx, name)) for name in _OUTPUTS}
                     reply: Any = (counters, outputs, list(events))
                 elif command == "state_dict":
-                    reply = collector.state_dict()
+                    reply = [mw.state_dict() if _stateful(mw) else None for mw in chain]
                 elif command == "load_state_dict":
-                    reply = collector.load_state_dict(arg)
+                    for mw, state in zip(chain, arg, strict=True):
+                        if state is not None:
+                            mw.load_state_dict(state)
+                    reply = None
                 else:
                     raise ValueError(f"unknown request {command!r}")
             except Exception as exc:
@@ -89,10 +105,14 @@ def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes) -> N
     except BaseException as exc:
         _send_quietly(conn, ("error", _pack_exception(exc)))
     finally:
-        env = getattr(collector, "_env", None)
-        if env is not None:
-            env.close()
+        if close is not None:
+            close()
+        weights.close(unlink=False)
         conn.close()
+
+
+def _stateful(mw: Any) -> bool:
+    return callable(getattr(mw, "state_dict", None)) and callable(getattr(mw, "load_state_dict", None))
 
 
 def _portable(value: Any) -> Any:
@@ -108,37 +128,67 @@ def _restore(value: Any) -> Any:
     return to_tensor(value) if isinstance(value, dict) else value
 
 
-class _Child:
-    """The process and the parent's end of its pipe (kept apart from the collector for ``weakref.finalize``)."""
+class _SharedWeights:
+    """The acting weights in one shared-memory block, as tensors laid out like the model's. The parent writes a
+    version into it just before a request and the child reads it while answering, never both at once, so no
+    weights are pickled (torch tensors pickle about 20x slower than they copy)."""
 
-    def __init__(self, proc: Any, conn: Connection) -> None:
-        self.proc, self.conn = proc, conn
+    def __init__(self, layout: List[Tuple[tuple, torch.dtype]], name: Optional[str] = None) -> None:
+        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout]
+        offsets = [sum(-(-n // _ALIGN) * _ALIGN for n in sizes[:k]) for k in range(len(sizes))]
+        total = (offsets[-1] + sizes[-1]) if sizes else 1
+        self.layout = layout
+        self.shm = SharedMemory(name=name, create=name is None, size=max(total, 1) if name is None else 0)
+        self.tensors = [torch.frombuffer(self.shm.buf, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+                        for (shape, dtype), offset in zip(layout, offsets)]
+
+    def close(self, unlink: bool) -> None:
+        """Drop the tensors, unmap the block, and (its creator) free it."""
+        self.tensors = []
+        self.shm.close()
+        if unlink:
+            self.shm.unlink()
+
+
+class _Child:
+    """The process, the parent's end of its pipe and the shared weights (kept apart from the collector for
+    ``weakref.finalize``)."""
+
+    def __init__(self, weights: _SharedWeights) -> None:
+        self.weights = weights
+        self.proc: Any = None
+        self.conn: Optional[Connection] = None
 
     def close(self) -> None:
-        """Ask the child to stop; kill it if it does not within a few seconds."""
-        _send_quietly(self.conn, ("close", None))
-        self.proc.join(_CLOSE_TIMEOUT_S)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
+        """Ask the child to stop; kill it if it does not within a few seconds; free the shared weights."""
+        if self.conn is not None:
+            _send_quietly(self.conn, ("close", None))
+        if self.proc is not None:
+            self.proc.join(_CLOSE_TIMEOUT_S)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        if self.conn is not None:
+            self.conn.close()
+        self.weights.close(unlink=True)
 
 
 class ProcessCollector:
-    """Runs a collector middleware in a child process; acts like the collector it runs.
+    """Runs collection middleware in a child process; acts like that chain run here.
 
-    ``build`` (sent with cloudpickle, so a closure works) makes ``(collector, policy)`` in the child;
-    :func:`step_collector_builder` makes one for a :class:`~conveyor.middleware.StepCollector`. Before a
-    call, the newest version of ``policy`` (the learner's) is sent when it changed since the last call
-    (``policy.acting_state()``), and the child's replica acts on it under the same number, so collected
-    rows record the version that produced them. Episode events of the child are emitted here. A child
-    that dies ends the run with an error saying how it ended; ``close()`` (or leaving a ``with`` block)
-    stops it. ``state_dict()`` / ``load_state_dict()`` are the child collector's (env states, current
-    observations), so checkpoints and resume work as with the collector in-process.
+    ``build`` (sent with cloudpickle, so a closure works) makes ``(chain, policy, close)`` in the child:
+    the middleware to run there in order (a collector first), the policy replica they act with, and what
+    releases their envs; :func:`collection_builder` makes one. Before a call, the newest version of ``policy`` (the learner's)
+    is copied into shared memory (``policy.acting_state(out=...)``) and the child's replica, when the
+    number changed, acts on it under the same number, so collected rows record the version that produced them. Episode events
+    of the child are emitted here. A child that dies ends the run with an error saying how it ended;
+    ``close()`` (or leaving a ``with`` block) stops it. ``state_dict()`` / ``load_state_dict()`` gather
+    the chain's (env states, current observations, carried n-step rows), so checkpoints and resume work
+    as with the chain in-process.
 
     Reads ctx: ``env_step``, ``collect_kwargs``.
-    Writes ctx: what the collector writes: ``trajectories``, ``trajectory_end_idx``, ``episodes``,
-    ``env_step``, ``env_episode``.
+    Writes ctx: what the chain writes of ``trajectories``, ``trajectory_end_idx``, ``episodes``,
+    ``train_data``, and the ``env_step`` / ``env_episode`` it adds.
     """
 
     def __init__(self, build: Builder, policy: Any, *, start_method: Optional[str] = None) -> None:
@@ -146,17 +196,20 @@ class ProcessCollector:
             raise TypeError(f"ProcessCollector needs the learner's policy (with acting_state()), got {policy!r}: "
                             f"pass the Policy object, not one of its views")
         self._policy = policy
-        self._sent: Optional[int] = None
-        context = mp.get_context(start_method)
-        parent_end, child_end = context.Pipe(duplex=True)
-        inherited = parent_end if context.get_start_method() == "fork" else None
-        proc = context.Process(target=_serve, args=(child_end, inherited, cloudpickle.dumps(build)), daemon=True,
-                               name="conveyor-collector")
-        proc.start()
-        child_end.close()
-        self._child = _Child(proc, parent_end)
+        layout = [(tuple(t.shape), t.dtype) for t in policy.acting_state()["tensors"]]
+        resource_tracker.ensure_running()  # one tracker for parent and child, so the child's exit frees nothing
+        self._child = _Child(_SharedWeights(layout))
         self._finalizer = weakref.finalize(self, self._child.close)
         try:
+            context = mp.get_context(start_method)
+            parent_end, child_end = context.Pipe(duplex=True)
+            inherited = parent_end if context.get_start_method() == "fork" else None
+            self._child.proc = context.Process(
+                target=_serve, args=(child_end, inherited, cloudpickle.dumps(build), self._child.weights.shm.name,
+                                     layout), daemon=True, name="conveyor-collector")
+            self._child.proc.start()
+            self._child.conn = parent_end
+            child_end.close()
             self._request(None)
         except BaseException:
             self.close()
@@ -171,11 +224,10 @@ class ProcessCollector:
         return self._child.proc.pid
 
     def __call__(self, ctx: OnlineRLContext) -> None:
-        acting = None
-        if self._policy.version != self._sent:
-            acting = self._policy.acting_state()
-            self._sent = acting["version"]
-        counters, outputs, events = self._request(("collect", (ctx.env_step, dict(ctx.collect_kwargs), acting)))
+        self._check_open()
+        acting = self._policy.acting_state(out=self._child.weights.tensors)  # the child reads them while answering
+        version = (acting["version"], acting["extras"])
+        counters, outputs, events = self._request(("collect", (ctx.env_step, dict(ctx.collect_kwargs), version)))
         for name, value in outputs.items():
             setattr(ctx, name, _restore(value))
         for name, delta in counters.items():
@@ -183,12 +235,12 @@ class ProcessCollector:
         for args in events:
             task.emit(EPISODE_EVENT, *args)
 
-    def state_dict(self) -> Any:
-        """The child collector's state (see the collector's own ``state_dict``)."""
+    def state_dict(self) -> List[Any]:
+        """The state of each middleware of the child's chain (None for those without state)."""
         return self._request(("state_dict", None))
 
-    def load_state_dict(self, state: Any) -> None:
-        """Restore the child collector's state."""
+    def load_state_dict(self, state: List[Any]) -> None:
+        """Restore the child chain's state from :meth:`state_dict`."""
         self._request(("load_state_dict", state))
 
     def close(self) -> None:
@@ -201,10 +253,13 @@ class ProcessCollector:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _request(self, message: Optional[tuple]) -> Any:
-        """Send ``message`` (None: only wait for the child's first answer) and return the child's reply."""
+    def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("ProcessCollector is closed: build a new one")
+
+    def _request(self, message: Optional[tuple]) -> Any:
+        """Send ``message`` (None: only wait for the child's first answer) and return the child's reply."""
+        self._check_open()
         conn, proc = self._child.conn, self._child.proc
         try:
             if message is not None:

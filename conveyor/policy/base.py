@@ -318,21 +318,27 @@ class Policy(abc.ABC):
                 self._retire(old)
         return number
 
-    def acting_state(self) -> dict[str, Any]:
-        """The newest version as plain data, for a replica that acts elsewhere (a collector process):
-        ``version`` (its number), ``model`` (its weights, copied) and ``extras``. See :meth:`load_acting_state`."""
+    def acting_state(self, out: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
+        """The newest version as plain data, for a replica of this policy that acts elsewhere (a collector
+        process): ``version`` (its number), ``tensors`` (the model's parameters then buffers, in module order)
+        and ``extras``. The tensors are copied into ``out`` when given (e.g. shared memory), else cloned."""
         version = self._pin()
         try:
-            weights = {name: tensor.detach().clone() for name, tensor in version.model.state_dict().items()}
-            return {"version": version.number, "model": weights, "extras": version.extras}
+            if out is None:
+                tensors = [t.detach().clone() for t in version.tensors]
+            else:
+                with torch.no_grad():
+                    torch._foreach_copy_(list(out), version.tensors)
+                tensors = list(out)
+            return {"version": version.number, "tensors": tensors, "extras": version.extras}
         finally:
             self._unpin(version)
 
     def load_acting_state(self, state: Mapping[str, Any]) -> None:
         """Publish a version received from another policy's :meth:`acting_state` as this one's newest, under
         the same number, so an acting replica follows the learner's versions (and records them)."""
-        with self._learn_lock:
-            self.model.load_state_dict(state["model"])
+        with self._learn_lock, torch.no_grad():
+            torch._foreach_copy_([*self.model.parameters(), *self.model.buffers()], list(state["tensors"]))
             self._publish(int(state["version"]), state["extras"])
 
     def _retire(self, version: _Version) -> None:

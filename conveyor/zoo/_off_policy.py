@@ -1,7 +1,7 @@
 """The off-policy pipeline DQN and SAC zoo entries share: explore, collect, n-step, replay, learn, evaluate, save."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Type
+from typing import Any, List, Mapping, Optional, Type
 
 from conveyor.data import DequeBuffer
 from conveyor.engine import OnlineRLContext, task
@@ -30,16 +30,25 @@ def train_off_policy(main_config: Mapping[str, Any], policy_cls: Type[Any], cfg:
     buffer_ = DequeBuffer(replay.size, prioritized=replay.prioritized, alpha=replay.alpha, beta=replay.beta,
                           beta_end=replay.beta_end, beta_anneal_steps=replay.beta_anneal_steps, seed=cfg.seed)
 
-    def build(collector_env: Any, evaluator_env: Any) -> None:
+    def build(collection: List[Any], evaluator_env: Any) -> None:
         task.use(interaction_evaluator(cfg, policy.eval_mode, evaluator_env))
         if "eps" in cfg.policy.other:
             task.use(eps_greedy_handler(cfg))
-        task.use(StepCollector(cfg, policy.collect_mode, collector_env,
-                               random_collect_size=cfg.policy.collect.get("random_collect_size", 0)))
-        if cfg.policy.nstep > 1:
-            task.use(nstep_reward_enhancer(cfg))
+        for mw in collection:
+            task.use(mw)
         task.use(data_pusher(cfg, buffer_))
         task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer_))  # policy and buffer lock internally
 
-    return train_online(cfg, policy, build, buffer=buffer_, resume=resume, async_mode=async_mode,
-                        max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
+    return train_online(cfg, policy, off_policy_collection, build, buffer=buffer_, resume=resume,
+                        async_mode=async_mode, max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq,
+                        ckpt_interval=ckpt_interval)
+
+
+def off_policy_collection(cfg: Any, policy: Any, env: Any) -> List[Any]:
+    """A StepCollector (random actions for the first ``policy.collect.random_collect_size`` env steps), then
+    the n-step enhancer when ``policy.nstep > 1``; run in a collector process in async mode."""
+    stage = [StepCollector(cfg, policy.collect_mode, env,
+                           random_collect_size=cfg.policy.collect.get("random_collect_size", 0))]
+    if cfg.policy.nstep > 1:
+        stage.append(nstep_reward_enhancer(cfg))
+    return stage

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import random
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Type
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Type
 
 import numpy as np
 import torch
@@ -27,9 +28,10 @@ from conveyor.engine import OnlineRLContext, task
 from conveyor.envs import make_env_manager
 from conveyor.middleware import (CheckpointError, CkptSaver, load_checkpoint, online_logger, progress_bar,
                                  termination_checker)
+from conveyor.middleware.collector_process import ProcessCollector, collection_builder
 from conveyor.schema import ConfigError
 
-__all__ = ["prepare", "experiment_dir", "seed_everything", "env_managers", "use_reporting", "train_online",
+__all__ = ["prepare", "experiment_dir", "seed_everything", "collection_and_evaluator_env", "use_reporting", "train_online",
            "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
 
 RUNS = Path("runs")
@@ -150,12 +152,41 @@ class GlobalRNG:
         torch.set_rng_state(state["torch"])
 
 
+Collection = Callable[[Any, Any, Any], List[Any]]
+"""``collection(cfg, policy, collector_env)``: an entry's collection middleware, a collector first."""
+
+
 @contextlib.contextmanager
-def env_managers(cfg: Mapping[str, Any]) -> Iterator[tuple]:
-    """The collector's and the evaluator's env managers, closed on the way out whatever happens."""
-    with make_env_manager(cfg["env"], "collector", seed=cfg["seed"]) as collector_env, \
-            make_env_manager(cfg["env"], "evaluator", seed=cfg["seed"]) as evaluator_env:
-        yield collector_env, evaluator_env
+def collection_and_evaluator_env(cfg: Mapping[str, Any], policy: Any, collection: Collection, *,
+                                 async_mode: bool) -> Iterator[tuple]:
+    """The entry's collection middleware and the evaluator's env manager, closed on the way out.
+
+    The middleware of ``collection`` run here, over the collector env manager; in async mode with
+    ``env.async_collector`` 'process' (or 'auto' and enough steps per call) one ProcessCollector runs them
+    in a child process instead: two threads of one process share a GIL and slow each other down, so only
+    collection in its own process overlaps the learner (docs/engine.md).
+    """
+    with contextlib.ExitStack() as resources:
+        if async_mode and _collect_in_process(cfg):
+            build = collection_builder(cfg, type(policy), collection)
+            stage = [resources.enter_context(ProcessCollector(build, policy))]
+        else:
+            collector_env = resources.enter_context(make_env_manager(cfg["env"], "collector", seed=cfg["seed"]))
+            stage = collection(cfg, policy, collector_env)
+        evaluator_env = resources.enter_context(make_env_manager(cfg["env"], "evaluator", seed=cfg["seed"]))
+        yield stage, evaluator_env
+
+
+PROCESS_MIN_STEPS = 16
+"""``env.async_collector='auto'`` collects in a child process from this many lock-steps per call: below it the
+round trip costs about as much as the collection it moves (benchmarks/async_pipeline.py, docs/engine.md)."""
+
+
+def _collect_in_process(cfg: Mapping[str, Any]) -> bool:
+    choice = cfg["env"]["async_collector"]
+    if choice != "auto":
+        return choice == "process"
+    return math.ceil(cfg["policy"]["collect"]["n_sample"] / cfg["env"]["collector_env_num"]) >= PROCESS_MIN_STEPS
 
 
 def use_reporting(cfg: Mapping[str, Any], max_env_step: Optional[int], progress: bool) -> None:
@@ -195,22 +226,23 @@ def stop_on_signals() -> Iterator[_Stop]:
             signal.signal(s, old)
 
 
-def train_online(cfg: EasyDict, policy: Any, build: Callable[[Any, Any], None], *, resume: bool,
-                 async_mode: bool, max_env_step: Optional[int], progress: bool, ckpt_freq: int,
+def train_online(cfg: EasyDict, policy: Any, collection: Collection, build: Callable[[List[Any], Any], None], *,
+                 resume: bool, async_mode: bool, max_env_step: Optional[int], progress: bool, ckpt_freq: int,
                  ckpt_interval: Optional[float], buffer: Any = None) -> OnlineRLContext:
-    """Run an entry's pipeline: ``build(collector_env, evaluator_env)`` adds its middleware, then come the
+    """Run an entry's pipeline: ``build(stage, evaluator_env)`` adds its middleware, with ``stage`` the
+    collection middleware of :func:`collection_and_evaluator_env` in its place, then come the
     checkpoint saver, the logger, the budget and the progress bar. The policy, the buffer and the global
     RNGs are registered with the task, so checkpoints hold them; ``resume`` loads ``latest`` into all of it.
     """
     exp_dir = experiment_dir(cfg)
     meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
-    with env_managers(cfg) as (collector_env, evaluator_env):
+    with collection_and_evaluator_env(cfg, policy, collection, async_mode=async_mode) as (stage, evaluator_env):
         with task.start(async_mode=async_mode, ctx=OnlineRLContext()):
             task.register_state("policy", policy)
             if buffer is not None:
                 task.register_state("buffer", buffer)
             task.register_state("rng", GlobalRNG())
-            build(collector_env, evaluator_env)
+            build(stage, evaluator_env)
             task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
             use_reporting(cfg, max_env_step, progress)
             if resume:

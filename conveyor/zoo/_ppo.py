@@ -2,7 +2,7 @@
 several epochs of minibatches on it, evaluate, checkpoint."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 from conveyor.engine import OnlineRLContext, task
 from conveyor.middleware import StepCollector, gae_estimator, interaction_evaluator, multistep_trainer
@@ -27,11 +27,17 @@ def train_ppo(main_config: Mapping[str, Any], cfg: Optional[Mapping[str, Any]] =
     seed_everything(cfg.seed)
     policy = PPOPolicy(cfg.policy)
 
-    def build(collector_env: Any, evaluator_env: Any) -> None:
+    def build(collection: List[Any], evaluator_env: Any) -> None:
         task.use(interaction_evaluator(cfg, policy.eval_mode, evaluator_env))
-        task.use(StepCollector(cfg, policy.collect_mode, collector_env))
-        task.use(gae_estimator(cfg, policy.collect_mode))
+        for mw in collection:
+            task.use(mw)
         task.use(multistep_trainer(cfg, policy.learn_mode))  # the policy locks its updates against checkpoints
 
-    return train_online(cfg, policy, build, resume=resume, async_mode=async_mode, max_env_step=max_env_step,
-                        progress=progress, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
+    return train_online(cfg, policy, ppo_collection, build, resume=resume, async_mode=async_mode,
+                        max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
+
+
+def ppo_collection(cfg: Any, policy: Any, env: Any) -> List[Any]:
+    """A StepCollector, then GAE advantages by the same version of the policy; run in a collector process in
+    async mode."""
+    return [StepCollector(cfg, policy.collect_mode, env), gae_estimator(cfg, policy.collect_mode)]

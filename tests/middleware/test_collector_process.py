@@ -8,17 +8,21 @@ import torch
 from conveyor.engine import OnlineRLContext, task
 from conveyor.envs import make_env_manager
 from conveyor.middleware import EPISODE_EVENT, StepCollector
-from conveyor.middleware.collector_process import ProcessCollector, step_collector_builder
+from conveyor.middleware.collector_process import ProcessCollector, collection_builder
 from conveyor.policy import DQNPolicy
 
 
 @pytest.fixture
 def process_collector(request, cfg, policy):
     def make(build=None):
-        collector = ProcessCollector(build or step_collector_builder(cfg, DQNPolicy), policy)
+        collector = ProcessCollector(build or collection_builder(cfg, DQNPolicy, one_collector), policy)
         request.addfinalizer(collector.close)
         return collector
     return make
+
+
+def one_collector(cfg, policy, env):
+    return [StepCollector(cfg, policy.collect_mode, env)]
 
 
 def greedy_ctx():
@@ -81,7 +85,7 @@ def test_an_error_in_the_child_reaches_the_parent_with_its_traceback(cfg, proces
 
         def broken(ctx):
             raise ValueError("env exploded")
-        return broken, policy
+        return [broken], policy, lambda: None
     remote = process_collector(build)
     with pytest.raises(ValueError, match="env exploded") as info:
         remote(greedy_ctx())
