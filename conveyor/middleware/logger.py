@@ -2,7 +2,9 @@
 
 Their files and bars live as long as the pipeline: they flush when a run ends (``FINISH_EVENT``) and
 close when the ``with task.start():`` block exits (``CLOSE_EVENT``), so a second ``run()`` in the same
-block goes on writing to them.
+block goes on writing to them. Evaluations reach them through ``EVAL_EVENT`` as they happen, at the env
+step they were taken at: also the one that reached the stop value and ended its iteration before the
+logger's turn.
 """
 from __future__ import annotations
 
@@ -14,13 +16,21 @@ import numpy as np
 
 from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OnlineRLContext, task
 from conveyor.middleware.collector import EPISODE_EVENT
+from conveyor.middleware.evaluator import EVAL_EVENT
 
 __all__ = ["online_logger", "wandb_online_logger", "progress_bar"]
 
 
+def eval_scalars(result: Dict[str, Any]) -> Dict[str, float]:
+    """The scalars of one evaluation (an ``EVAL_EVENT`` result): mean and std of the return, and the env
+    crashes and episodes dropped for them."""
+    return {"eval/return": float(result["mean"]), "eval/return_std": float(result["std"]),
+            "eval/crashes": float(result.get("crashes", 0)), "eval/dropped": float(result.get("dropped", 0))}
+
+
 class _Scalars:
-    """Turns what an iteration left in the context into scalars: eval return, mean losses, throughput,
-    training episode returns and per-middleware time from ``task.stats()``."""
+    """Turns what an iteration left in the context into scalars: mean losses, throughput, training
+    episode returns and per-middleware time from ``task.stats()``."""
 
     def __init__(self, train_show_freq: int) -> None:
         if not isinstance(train_show_freq, int) or train_show_freq <= 0:
@@ -37,8 +47,6 @@ class _Scalars:
 
     def __call__(self, ctx: OnlineRLContext) -> Dict[str, float]:
         scalars: Dict[str, float] = {}
-        if ctx.eval_value is not None:
-            scalars["eval/return"] = float(ctx.eval_value)
         output = ctx.train_output
         if isinstance(output, dict):
             output = [output]
@@ -75,32 +83,33 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
     """Writes scalars to TensorBoard under ``logdir`` (tensorboardX), indexed by env step
     (and also by train iteration with ``record_train_iter``).
 
-    Logged: ``eval/return`` after each evaluation, at the env step the evaluation was taken at; every
-    ``train_show_freq`` train iterations the mean of the policy's metrics (``losses/...``,
-    ``charts/...``), ``charts/episode_return`` of training episodes, ``charts/env_steps_per_s`` and
-    ``time/<middleware>_ms`` from ``task.stats()``.
+    Logged: after each evaluation (``EVAL_EVENT``), at the env step it was taken at, ``eval/return``,
+    ``eval/return_std``, ``eval/crashes`` and ``eval/dropped``; every ``train_show_freq`` train iterations
+    the mean of the policy's metrics (``losses/...``, ``charts/...``), ``charts/episode_return`` of
+    training episodes, ``charts/env_steps_per_s`` and ``time/<middleware>_ms`` from ``task.stats()``.
 
-    Reads ctx: ``eval_value``, ``eval_output``, ``train_output``, ``env_step``, ``train_iter``.
+    Reads ctx: ``train_output``, ``env_step``, ``train_iter``.
     """
     from tensorboardX import SummaryWriter
 
     writer = SummaryWriter(logdir)
     scalars_of = _Scalars(train_show_freq)
+
+    def write(scalars: Dict[str, float], env_step: int, train_iter: int) -> None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, env_step)
+            if record_train_iter:
+                writer.add_scalar(f"{key}_iter", value, train_iter)
+        if scalars:
+            writer.flush()
+
+    task.on(EVAL_EVENT, lambda result: write(eval_scalars(result), result["env_step"], result["train_iter"]))
     task.on(FINISH_EVENT, lambda error: writer.flush())
     task.once(CLOSE_EVENT, writer.close)
 
     def _log(ctx: OnlineRLContext):
         yield
-        scalars = scalars_of(ctx)
-        taken_at = ctx.eval_output if isinstance(ctx.eval_output, dict) else {}
-        for key, value in scalars.items():
-            at_eval = key == "eval/return"  # the evaluator may run before this iteration's collection
-            writer.add_scalar(key, value, taken_at.get("env_step", ctx.env_step) if at_eval else ctx.env_step)
-            if record_train_iter:
-                writer.add_scalar(f"{key}_iter", value,
-                                  taken_at.get("train_iter", ctx.train_iter) if at_eval else ctx.train_iter)
-        if scalars:
-            writer.flush()
+        write(scalars_of(ctx), ctx.env_step, ctx.train_iter)
 
     return _log
 
@@ -109,7 +118,7 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
                         **init_kwargs: Any):
     """Like :func:`online_logger`, to Weights & Biases (``pip install wandb``); metrics are stepped by env step.
 
-    Reads ctx: ``eval_value``, ``train_output``, ``env_step``, ``train_iter``.
+    Reads ctx: ``train_output``, ``env_step``, ``train_iter``.
     """
     try:
         import wandb
@@ -118,6 +127,8 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
 
     run = wandb.init(project=project, config=config, **init_kwargs)
     scalars_of = _Scalars(train_show_freq)
+    task.on(EVAL_EVENT, lambda result: run.log({**eval_scalars(result), "train_iter": result["train_iter"]},
+                                               step=result["env_step"]))
     task.once(CLOSE_EVENT, run.finish)
 
     def _log(ctx: OnlineRLContext):
@@ -131,13 +142,25 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
 
 def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
                  make_bar: Optional[Callable[..., Any]] = None):
-    """A terminal progress bar of env steps with the latest eval return and env steps/s (tqdm).
+    """A terminal progress bar of env steps with the latest eval return (and its env crashes and dropped
+    episodes, when there were any) and env steps/s (tqdm).
 
-    Reads ctx: ``env_step``, ``last_eval_value``.
+    Reads ctx: ``env_step``.
     """
     if make_bar is None:
         from tqdm import tqdm as make_bar
     bar = make_bar(total=total_env_step, desc=desc, unit="step", dynamic_ncols=True)
+    crashes = [0, 0]  # env crashes and dropped episodes over all evaluations
+
+    def on_eval(result: Dict[str, Any]) -> None:
+        crashes[0] += result.get("crashes", 0)
+        crashes[1] += result.get("dropped", 0)
+        postfix = {"eval_return": f"{result['mean']:.1f}"}
+        if crashes[0]:
+            postfix.update(eval_crashes=crashes[0], eval_dropped=crashes[1])
+        bar.set_postfix(refresh=False, **postfix)
+
+    task.on(EVAL_EVENT, on_eval)
     task.on(FINISH_EVENT, lambda error: bar.refresh())
     task.once(CLOSE_EVENT, bar.close)
     shown = [0]
@@ -146,7 +169,5 @@ def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
         yield
         bar.update(ctx.env_step - shown[0])
         shown[0] = ctx.env_step
-        if ctx.last_eval_value is not None:
-            bar.set_postfix(eval_return=f"{ctx.last_eval_value:.1f}", refresh=False)
 
     return _progress

@@ -7,7 +7,7 @@ import torch
 
 from conveyor.engine import OnlineRLContext, task
 from conveyor.envs import make_env_manager
-from conveyor.middleware import EPISODE_EVENT, StepCollector
+from conveyor.middleware import EPISODE_EVENT, StepCollector, nstep_reward_enhancer
 from conveyor.middleware.collector_process import ProcessCollector, collection_builder
 from conveyor.policy import DQNPolicy
 
@@ -104,3 +104,37 @@ def test_close_stops_and_reaps_the_child(process_collector):
 def test_it_is_refused_a_policy_view():
     with pytest.raises(TypeError, match="pass the Policy object"):
         ProcessCollector(lambda: None, object())
+
+
+def collect_then_nstep(cfg, policy, env):
+    return [StepCollector(cfg, policy.collect_mode, env), nstep_reward_enhancer(cfg)]
+
+
+def test_a_chain_runs_in_the_child_as_it_runs_here(cfg, policy, process_collector):
+    cfg.policy.nstep = 3
+    remote = process_collector(collection_builder(cfg, DQNPolicy, collect_then_nstep))
+    with make_env_manager(cfg.env, "collector", seed=cfg.seed) as env:
+        local = collect_then_nstep(cfg, policy, env)
+        for _ in range(4):
+            here, there = greedy_ctx(), greedy_ctx()
+            for mw in local:
+                mw(here)
+            remote(there)
+            for key in ("obs", "reward", "discount", "next_obs", "terminated"):
+                assert torch.equal(here.trajectories[key], there.trajectories[key]), key
+
+
+def test_its_state_resumes_the_child_chain_where_it_stopped(cfg, policy, process_collector):
+    cfg.policy.nstep = 3
+    build = collection_builder(cfg, DQNPolicy, collect_then_nstep)
+    first = process_collector(build)
+    for _ in range(3):
+        first(greedy_ctx())
+    state = first.state_dict()
+    second = process_collector(build)
+    second.load_state_dict(state)
+    a, b = greedy_ctx(), greedy_ctx()
+    first(a)
+    second(b)
+    for key in ("obs", "reward", "discount", "next_obs"):
+        assert torch.equal(a.trajectories[key], b.trajectories[key]), key

@@ -109,3 +109,14 @@ def test_recurrent_ppo_learns_masked_cartpole(in_tmp):
     ctx = load_entry(name).main(reaching(name, 300.0, 2048), exp_name="learns", seed=0, max_env_step=40000,
                                 progress=False)
     assert ctx.last_eval_value >= 300, ctx.last_eval_value
+
+
+def test_an_async_run_collecting_in_a_process_checkpoints_and_resumes(in_tmp):
+    entry = load_entry("pendulum/ppo")  # its observation statistics travel to the collector process with the weights
+    cfg = small("pendulum/ppo")
+    cfg.env.async_collector = "process"
+    first = entry.main(cfg, exp_name="async", max_env_step=256, async_mode=True, progress=False)
+    state = load_checkpoint(in_tmp / "runs" / "async" / "ckpt" / "latest.pth.tar")
+    assert any(isinstance(v, list) for v in state["middleware"].values())  # the child chain's state was saved
+    second = entry.main(cfg, exp_name="async", max_env_step=512, resume=True, async_mode=True, progress=False)
+    assert second.env_step >= 512 and second.train_iter > first.train_iter
