@@ -9,7 +9,7 @@ authenticated message, and :func:`~conveyor.engine.parallel.frame.open_frame` ha
 What round-trips, exactly (type, value, dtype, byte order, shape):
 
 - ``None``, ``bool``, ``int`` (any size), ``float`` (NaN, inf and -0.0 too), ``str``, ``bytes``, ``bytearray``;
-- ``dict`` (any hashable supported keys, order kept), ``list``, ``tuple``, nested to any depth up to 256;
+- ``dict`` (any hashable supported keys, order kept), ``list``, ``tuple``, nested up to 64 deep;
 - numpy arrays of every dtype except ``object`` (bool, big-endian, structured, datetime, 0-d, empty,
   non-contiguous, Fortran order kept) and numpy scalars (``np.float32(1)`` comes back as one);
 - torch tensors (any dtype, bool and bfloat16 too). What does not travel: the device (a CUDA tensor is
@@ -42,7 +42,7 @@ __all__ = ["Codec", "DecodeError", "PickleCodec", "decode", "encode", "register"
 
 Frame = Union[bytes, bytearray, memoryview]
 
-MAX_DEPTH = 256
+MAX_DEPTH = 64
 
 # Header tags. A JSON object in the header is always one of these single-key nodes; lists are lists and
 # JSON scalars are themselves, so a user's dict can never be mistaken for a tag.
