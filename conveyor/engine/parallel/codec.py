@@ -32,6 +32,7 @@ Decoded arrays and tensors are always writable. They share memory with the frame
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import pickle
@@ -48,6 +49,9 @@ MAX_DEPTH = 64
 # JSON scalars are themselves, so a user's dict can never be mistaken for a tag.
 _TUPLE, _STR_DICT, _DICT, _BYTES, _BYTEARRAY = "t", "D", "d", "b", "B"
 _NDARRAY, _NPSCALAR, _TENSOR, _TREE, _CUSTOM, _PICKLE = "n", "s", "T", "tt", "x", "p"
+# built once: json.dumps with options builds an encoder per call. No circular check: the tree is made here.
+_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+_JSON_DECODER = json.JSONDecoder()
 
 
 class DecodeError(ValueError):
@@ -99,7 +103,7 @@ class Codec:
         except _Unsupported as e:
             where = "payload" + "".join(reversed(e.path))
             raise TypeError(f"cannot encode {e.what} at {where}: {e.fix}").with_traceback(None) from None
-        header = json.dumps(tree, separators=(",", ":")).encode()
+        header = _JSON_ENCODER.encode(tree).encode()
         return [header, *buffers]
 
     def _node(self, obj: Any, buffers: List[Frame], depth: int) -> Any:
@@ -163,7 +167,7 @@ class Codec:
         if not frames:
             raise DecodeError("no frames to decode: a payload has at least its header frame")
         try:
-            tree = json.loads(bytes(frames[0]))
+            tree = _JSON_DECODER.decode(str(frames[0], "utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise DecodeError(f"payload header is not valid JSON: {e}") from None
         try:
@@ -244,13 +248,13 @@ def _array_node(np: Any, a: Any, buffers: List[Frame]) -> List[Any]:
     order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     flat = (a.T if order == "F" else np.ascontiguousarray(a)).reshape(-1)
     buffers.append(memoryview(flat.view(np.uint8)) if flat.dtype.itemsize else b"")
-    return [np.lib.format.dtype_to_descr(a.dtype), list(a.shape), order, len(buffers)]
+    return [_descr(a.dtype), list(a.shape), order, len(buffers)]
 
 
 def _array(body: List[Any], frames: List[Frame], copy: bool) -> Any:
     np = importlib.import_module("numpy")
     descr, shape, order, index = body
-    dtype = np.lib.format.descr_to_dtype(_tuples(descr))
+    dtype = _dtype(descr) if type(descr) is str else np.lib.format.descr_to_dtype(_tuples(descr))
     if dtype.hasobject:
         raise DecodeError("malformed payload: an array of dtype object cannot come without pickle")
     count = 1
@@ -261,6 +265,16 @@ def _array(body: List[Any], frames: List[Frame], copy: bool) -> Any:
     raw = _raw(frames, index, count * dtype.itemsize, copy)
     flat = np.frombuffer(raw, dtype=dtype, count=count) if count and dtype.itemsize else np.empty(count, dtype)
     return flat.reshape(shape[::-1]).T if order == "F" else flat.reshape(shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _descr(dtype: Any) -> Any:
+    return importlib.import_module("numpy").lib.format.dtype_to_descr(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype(descr: str) -> Any:
+    return importlib.import_module("numpy").lib.format.descr_to_dtype(descr)
 
 
 def _tuples(descr: Any) -> Any:

@@ -85,7 +85,7 @@ def seal(secret: bytes, topic: str, seq: int, sender: str, payload: Sequence[Buf
     """One message carrying ``payload`` (a list of byte buffers), tagged with HMAC-SHA256 of ``secret``.
 
     With ``max_size``, a message that the receiver would refuse raises :class:`OversizeError` here instead.
-    The buffers are copied once, into the message; the caller may reuse them afterwards.
+    The buffers are copied into the message; the caller may reuse them afterwards.
     """
     _check_secret(secret)
     topic_b, sender_b = topic.encode(), sender.encode()
@@ -104,11 +104,8 @@ def seal(secret: bytes, topic: str, seq: int, sender: str, payload: Sequence[Buf
     if max_size is not None and size > max_size:
         raise OversizeError(f"message on topic {topic!r} is {size} bytes, over the limit of {max_size}; "
                             f"raise max_size on every node or send less at once")
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    for p in parts:
-        mac.update(p)
-    parts.append(mac.digest())
-    return b"".join(parts)
+    body = b"".join(parts)  # measured faster than feeding the HMAC part by part, even with the tag's concatenation
+    return body + hmac.digest(secret, body, hashlib.sha256)
 
 
 def open_frame(secret: bytes, data: Buffer, max_size: int) -> Frame:
