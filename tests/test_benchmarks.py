@@ -20,6 +20,7 @@ CASES = {
     "replay_buffer": (["--quick"], {"capacity"}),
     "sac_learn_step": (["--quick"], {"rows", "geomean_speedup"}),
     "learning_curve": (["cartpole/dqn", "--quick"], {"entry", "final_returns", "mean_final_return"}),
+    "transport": (["--quick"], {"ratio_1k", "ratio_64k", "ratio_1m"}),
 }
 
 

@@ -1,0 +1,18 @@
+"""The message layer of multi-process and multi-node runs: payload codec and authenticated frames.
+
+Not imported by :mod:`conveyor.engine`, and importing it loads no numpy, torch or pynng either: the codec
+imports numpy / torch / treetensor only when it decodes one of their values.
+
+- :mod:`~conveyor.engine.parallel.codec`: ``encode(obj) -> [header, *buffers]``, ``decode(frames)``,
+  ``register``, ``Codec``, ``PickleCodec`` (opt-in), ``DecodeError``.
+- :mod:`~conveyor.engine.parallel.frame`: ``seal(secret, topic, seq, sender, frames) -> bytes``,
+  ``open_frame(secret, data, max_size) -> Frame``, ``RejectedMessage`` / ``AuthError`` / ``OversizeError`` /
+  ``MalformedFrame``, ``load_secret``, ``generate_secret``.
+"""
+from conveyor.engine.parallel.codec import Codec, DecodeError, PickleCodec, decode, encode, register
+from conveyor.engine.parallel.frame import (AuthError, Frame, MalformedFrame, OversizeError, RejectedMessage, SecretError,
+                                            generate_secret, load_secret, open_frame, seal)
+
+__all__ = ["AuthError", "Codec", "DecodeError", "Frame", "MalformedFrame", "OversizeError", "PickleCodec",
+           "RejectedMessage", "SecretError", "decode", "encode", "generate_secret", "load_secret", "open_frame",
+           "register", "seal"]
