@@ -2,6 +2,7 @@
 from conveyor.middleware.advantage import gae_estimator, generalized_advantage
 from conveyor.middleware.ckpt import CheckpointError, CkptSaver, load_checkpoint, restore, save_checkpoint
 from conveyor.middleware.collector import EPISODE_EVENT, EpisodeCollector, StepCollector, eps_greedy_handler
+from conveyor.middleware.collector_process import ProcessCollector, collection_builder
 from conveyor.middleware.enhancer import NStepEnhancer, nstep_returns, nstep_reward_enhancer
 from conveyor.middleware.evaluator import (EVAL_EVENT, EvaluationError, InteractionEvaluator, evaluate,
                                           interaction_evaluator)
@@ -11,8 +12,8 @@ from conveyor.middleware.termination import termination_checker
 from conveyor.middleware.trainer import MultistepTrainer, Trainer, multistep_trainer, trainer
 
 __all__ = ["CheckpointError", "CkptSaver", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
-           "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "StepCollector", "Trainer",
-           "data_pusher", "eps_greedy_handler", "evaluate", "gae_estimator", "generalized_advantage",
+           "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "ProcessCollector", "StepCollector", "Trainer",
+           "collection_builder", "data_pusher", "eps_greedy_handler", "evaluate", "gae_estimator", "generalized_advantage",
            "interaction_evaluator", "load_checkpoint", "multistep_trainer", "nstep_returns", "nstep_reward_enhancer",
            "online_logger", "progress_bar", "restore", "save_checkpoint", "termination_checker", "trainer",
            "wandb_online_logger"]
