@@ -255,9 +255,34 @@ class Router:
         self._lost_callbacks.append(fn)
 
     def subscribers(self, topic: str) -> List[str]:
-        """Ids of the live peers subscribed to ``topic``."""
+        """Ids of the live peers subscribed to ``topic`` that :meth:`publish` can reach now."""
         with self._lock:
-            return sorted(p.node_id for p in self._peers.values() if p.alive and topic in p.topics)
+            return sorted(link.peer_id for link in self._subscribed_links(topic))
+
+    def _subscribed_links(self, topic: str) -> List[_Link]:
+        links = []
+        for peer in self._peers.values():
+            link = self._links.get(peer.address)
+            if peer.alive and topic in peer.topics and link is not None and link.hello_sent:
+                link.peer_id = peer.node_id
+                links.append(link)
+        return links
+
+    def wait_for_subscribers(self, topic: str, n: int, timeout: float) -> List[str]:
+        """Block until ``n`` live peers subscribed to ``topic`` can be reached; returns their ids, or raises
+        ``TimeoutError``. Publish after this when the first messages matter."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                found = sorted(link.peer_id for link in self._subscribed_links(topic))
+                left = deadline - time.monotonic()
+                if len(found) >= n or left <= 0 or self._closing:
+                    break
+                self._changed.wait(left)
+        if len(found) < n:
+            raise TimeoutError(f"router {self.node_id!r}: {len(found)} of {n} peers subscribed to {topic!r} after "
+                               f"{timeout}s (subscribed: {found}; live peers: {self.peers()})")
+        return found
 
     def publish(self, topic: str, payload: Any) -> int:
         """Send ``payload`` to every live peer subscribed to ``topic``; returns how many it was handed to.
@@ -270,9 +295,7 @@ class Router:
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"router {self.node_id!r} is closed")
-            links = [self._links[p.address] for p in self._peers.values()
-                     if p.alive and topic in p.topics and p.address in self._links]
-            links = [link for link in links if link.hello_sent]
+            links = self._subscribed_links(topic)
             if not links:
                 return 0
             send_lock = self._send_locks.setdefault(topic, threading.Lock())
