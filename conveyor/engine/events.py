@@ -70,6 +70,11 @@ class EventBus:
         with self._lock:
             return [fn for fn, _ in self._handlers.get(name, [])]
 
+    def names(self) -> List[str]:
+        """The event names that have handlers."""
+        with self._lock:
+            return [name for name, handlers in self._handlers.items() if handlers]
+
     def clear(self) -> None:
         """Remove every handler."""
         with self._lock:

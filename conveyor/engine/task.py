@@ -39,6 +39,8 @@ class Task:
         self._shared_lock = threading.RLock()
         self._local = threading.local()
         self._between_lock = threading.Lock()
+        self._router: Any = None
+        self._routed: set = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -436,28 +438,68 @@ class Task:
             return self._executor
 
     # --- events ------------------------------------------------------------------------------------
+    @property
+    def router(self) -> Any:
+        """The router given to :meth:`attach_router`, or None in a single-process run."""
+        return self._router
+
+    def attach_router(self, router: Any) -> None:
+        """Make events cross processes through ``router`` (a ``conveyor.engine.parallel.Router``).
+
+        From then on :meth:`emit` also publishes to the nodes that listen to the event (``only_local``
+        keeps it here, ``only_remote`` skips this node's handlers), and :meth:`on` / :meth:`once` /
+        :meth:`wait_for` subscribe this node to it; remote events run the handlers on the router's
+        receive thread. :data:`FINISH_EVENT` and :data:`CLOSE_EVENT` stay local. The router outlives
+        ``task.start()`` blocks; :meth:`detach_router` undoes this (the router's subscriptions stay).
+        """
+        if not (callable(getattr(router, "publish", None)) and callable(getattr(router, "on", None))):
+            raise TypeError(f"task.attach_router({router!r}): needs a router with publish() and on()")
+        if self._router is not None and self._router is not router:
+            raise RuntimeError("task.attach_router(): a router is already attached; detach_router() first")
+        self._router = router
+        for name in self._events.names():
+            self._route(name)
+
+    def detach_router(self) -> None:
+        """Stop sending events to other nodes and delivering theirs."""
+        self._router, self._routed = None, set()
+
+    def _route(self, name: str) -> None:
+        """Deliver ``name`` from other nodes to this node's handlers (subscribing once per name)."""
+        router = self._router
+        if router is None or name in self._routed or name in (FINISH_EVENT, CLOSE_EVENT):
+            return
+        self._routed.add(name)
+        router.on(name, lambda args: self._router is router and self._events.emit(name, *args))
+
     def on(self, name: str, fn: Callable[..., Any]) -> None:
-        """Call ``fn(*args)`` whenever ``name`` is emitted."""
+        """Call ``fn(*args)`` whenever ``name`` is emitted (on any node, once a router is attached)."""
         self._events.on(name, fn)
+        self._route(name)
 
     def once(self, name: str, fn: Callable[..., Any]) -> None:
         """Call ``fn(*args)`` the next time ``name`` is emitted."""
         self._events.once(name, fn)
+        self._route(name)
 
     def off(self, name: str, fn: Optional[Callable[..., Any]] = None) -> None:
         """Unsubscribe ``fn`` (or every handler) from ``name``."""
         self._events.off(name, fn)
 
     def emit(self, name: str, *args: Any, only_local: bool = False, only_remote: bool = False) -> None:
-        """Emit an event. ``only_remote`` skips local handlers (remote delivery comes with the multi-node
-        mode); ``only_local`` will keep it from being sent to other nodes."""
+        """Emit an event: to this node's handlers unless ``only_remote``, and, with a router attached, to
+        the other nodes listening to ``name`` unless ``only_local`` (``args`` must then be encodable)."""
         if only_local and only_remote:
             raise ValueError("task.emit(): only_local and only_remote cannot both be True")
+        if self._router is not None and not only_local and name not in (FINISH_EVENT, CLOSE_EVENT):
+            self._router.publish(name, args)
         if not only_remote:
             self._events.emit(name, *args)
 
     def wait_for(self, name: str, timeout: Optional[float] = None) -> tuple:
-        """Block until ``name`` is emitted and return its args; ``TimeoutError`` after ``timeout`` seconds."""
+        """Block until ``name`` is emitted (here or, with a router, on another node) and return its args;
+        ``TimeoutError`` after ``timeout`` seconds."""
+        self._route(name)
         return self._events.wait_for(name, timeout)
 
     # --- profiling ---------------------------------------------------------------------------------

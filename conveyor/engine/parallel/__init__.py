@@ -8,6 +8,8 @@ imports numpy / torch / treetensor only when it decodes one of their values.
 - :mod:`~conveyor.engine.parallel.frame`: ``seal(secret, topic, seq, sender, frames) -> bytes``,
   ``open_frame(secret, data, max_size) -> Frame``, ``RejectedMessage`` / ``AuthError`` / ``OversizeError`` /
   ``MalformedFrame``, ``load_secret``, ``generate_secret``.
+- :mod:`~conveyor.engine.parallel.router`: ``Router`` (topics between nodes over pynng). Imported on first
+  use of ``Router``, so the names above stay free of pynng.
 """
 from conveyor.engine.parallel.codec import Codec, DecodeError, PickleCodec, decode, encode, register
 from conveyor.engine.parallel.frame import (AuthError, Frame, MalformedFrame, OversizeError, RejectedMessage, SecretError,
@@ -15,4 +17,11 @@ from conveyor.engine.parallel.frame import (AuthError, Frame, MalformedFrame, Ov
 
 __all__ = ["AuthError", "Codec", "DecodeError", "Frame", "MalformedFrame", "OversizeError", "PickleCodec",
            "RejectedMessage", "SecretError", "decode", "encode", "generate_secret", "load_secret", "open_frame",
-           "register", "seal"]
+           "register", "seal"]  # Router is not here: a star import must not load pynng
+
+
+def __getattr__(name: str):
+    if name == "Router":
+        from conveyor.engine.parallel.router import Router
+        return Router
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

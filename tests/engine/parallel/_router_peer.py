@@ -1,0 +1,19 @@
+"""A router in its own process, for the router tests: echoes "ping" payloads back on "pong".
+
+    python _router_peer.py NODE_ID LISTEN [PEER ...]   (the secret, hex, in $CONVEYOR_TEST_SECRET)
+
+Prints its address once it has handshaken with every PEER, then runs until its stdin closes.
+"""
+import os
+import sys
+
+from conveyor.engine.parallel.router import Router
+
+node_id, listen, peers = sys.argv[1], sys.argv[2], sys.argv[3:]
+router = Router(node_id, bytes.fromhex(os.environ["CONVEYOR_TEST_SECRET"]), listen=listen, peers=peers,
+                heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
+router.on("ping", lambda payload: router.publish("pong", {"from": node_id, "echo": payload}))
+router.wait_for_peers(len(peers), timeout=20)
+print(router.address, flush=True)
+sys.stdin.read()
+router.close()

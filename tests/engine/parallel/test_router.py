@@ -1,0 +1,227 @@
+"""The router: topic delivery to subscribers only, authentication, sequence counting, membership, binding."""
+import errno
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pynng
+import pytest
+
+from conveyor.engine import Task
+from conveyor.engine.parallel import encode, generate_secret, seal
+from conveyor.engine.parallel.router import Router
+
+SECRET = generate_secret()
+WAIT = 10  # seconds: the bound on every wait below; a healthy run takes milliseconds
+FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
+PEER_SCRIPT = Path(__file__).with_name("_router_peer.py")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def make_router():
+    made = []
+
+    def make(node_id, secret=SECRET, **kwargs):
+        router = Router(node_id, secret, **{**FAST, **kwargs})
+        made.append(router)
+        return router
+
+    yield make
+    for router in made:
+        router.close()
+
+
+@pytest.fixture
+def spawn_peer(tmp_path):
+    """Start ``_router_peer.py`` in its own session; kill its process group at the end."""
+    procs = []
+
+    def spawn(node_id, listen, *peers):
+        env = {**os.environ, "CONVEYOR_TEST_SECRET": SECRET.hex(), "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), node_id, listen, *peers], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        procs.append(proc)
+        ready, _, _ = select.select([proc.stdout], [], [], WAIT * 2)
+        assert ready, f"peer {node_id} did not start within {WAIT * 2}s"
+        address = proc.stdout.readline().decode().strip()
+        assert address, f"peer {node_id} exited with {proc.wait(timeout=WAIT)}"
+        return proc, address
+
+    yield spawn
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=WAIT)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # nothing of its group is left
+
+
+def collect(router, topic):
+    got = queue.Queue()
+    router.on(topic, got.put)
+    return got
+
+
+def raw_sender(address):
+    """A bare pynng socket dialing a router's inbox, for sending hand-made messages."""
+    return pynng.Push0(dial=address, send_timeout=WAIT * 1000)
+
+
+def test_a_message_reaches_only_the_peers_subscribed_to_its_topic(make_router):
+    hub = make_router("hub", listen="tcp://127.0.0.1:0")
+    wants = make_router("wants", peers=[hub.address])
+    other = make_router("other", peers=[hub.address])
+    got = collect(wants, "x")
+    other_got = collect(other, "y")
+    hub.wait_for_peers(2, WAIT)
+    assert hub.wait_for_subscribers("x", 1, WAIT) == ["wants"]
+    assert hub.publish("x", {"n": 1}) == 1
+    assert got.get(timeout=WAIT) == {"n": 1}
+    assert hub.publish("y", [2]) == 1  # ordered behind nothing "other" could have received on "x"
+    assert other_got.get(timeout=WAIT) == [2]
+    assert other.stats()["received"] == 1 and wants.stats()["received"] == 1
+    assert hub.stats()["sent"] == 2
+
+
+def test_the_handshake_makes_every_node_know_the_live_peers(make_router):
+    a = make_router("a", listen="tcp://127.0.0.1:0")
+    b = make_router("b", peers=[a.address])
+    c = make_router("c", peers=[a.address, b.address])
+    assert a.wait_for_peers(2, WAIT) == ["b", "c"]
+    assert b.wait_for_peers(2, WAIT) == ["a", "c"]
+    assert c.wait_for_peers(2, WAIT) == ["a", "b"]
+    assert c.stats()["peers"] == ["a", "b"]
+
+
+def test_waiting_for_a_peer_that_never_answers_names_the_address(make_router, tmp_path):
+    absent = f"ipc://{tmp_path}/absent.ipc"
+    lonely = make_router("lonely", peers=[absent])
+    with pytest.raises(TimeoutError, match="absent.ipc"):
+        lonely.wait_for_peers(1, timeout=0.2)
+
+
+def test_three_routers_in_two_processes_exchange_messages(make_router, spawn_peer):
+    hub = make_router("hub", listen="tcp://127.0.0.1:0")
+    side = make_router("side", peers=[hub.address])
+    pongs = collect(hub, "pong")
+    side_pongs = collect(side, "pong")
+    proc, address = spawn_peer("far", "tcp://127.0.0.1:0", hub.address, side.address)
+    assert hub.wait_for_peers(2, WAIT) == ["far", "side"]
+    hub.wait_for_subscribers("ping", 1, WAIT)
+    side.wait_for_subscribers("ping", 1, WAIT)
+    assert hub.publish("ping", {"i": 1}) == 1
+    assert pongs.get(timeout=WAIT) == {"from": "far", "echo": {"i": 1}}
+    assert side_pongs.get(timeout=WAIT) == {"from": "far", "echo": {"i": 1}}
+    assert side.publish("ping", b"\x00" * 100_000) == 1
+    assert len(pongs.get(timeout=WAIT)["echo"]) == 100_000
+
+
+def test_forged_corrupted_and_oversize_messages_are_dropped_and_counted(make_router, tmp_path):
+    receiver = make_router("receiver", listen=f"ipc://{tmp_path}/receiver.ipc", max_message_size=1 << 16)
+    sender = make_router("sender", peers=[receiver.address])
+    got = collect(receiver, "x")
+    sender.wait_for_subscribers("x", 1, WAIT)
+    good = seal(SECRET, "x", 0, "raw", encode("good"))
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0x01
+    with raw_sender(receiver.address) as raw:
+        raw.send(seal(generate_secret(), "x", 0, "forger", encode("forged")))
+        raw.send(bytes(flipped))
+        raw.send(seal(SECRET, "x", 1, "raw", encode(b"\x00" * (1 << 16))))  # over max, under nng's 2x cut-off
+        assert sender.publish("x", "from the sender") == 1  # good traffic still flows
+        raw.send(seal(SECRET, "x", 2, "raw", encode("after")))  # same link: the bad ones were handled first
+        assert {got.get(timeout=WAIT), got.get(timeout=WAIT)} == {"from the sender", "after"}
+    stats = receiver.stats()
+    assert (stats["rejected_auth"], stats["rejected_size"], stats["received"]) == (2, 1, 2)
+
+
+def test_gaps_count_as_lost_and_repeats_are_dropped_as_duplicated(make_router):
+    receiver = make_router("receiver")
+    got = collect(receiver, "x")
+    with raw_sender(receiver.address) as raw:
+        for seq in (0, 1, 3, 3, 2, 4, 5):
+            raw.send(seal(SECRET, "x", seq, "injector", encode(seq)))
+        assert [got.get(timeout=WAIT) for _ in range(5)] == [0, 1, 3, 4, 5]
+    stats = receiver.stats()
+    assert (stats["received"], stats["lost"], stats["duplicated"]) == (5, 1, 2)
+
+
+def test_a_killed_peer_is_declared_dead_within_the_timeout(make_router, spawn_peer):
+    hub = make_router("hub", listen="tcp://127.0.0.1:0", peer_timeout_s=0.5)
+    lost = queue.Queue()
+    hub.on_peer_lost(lost.put)
+    proc, _ = spawn_peer("victim", "tcp://127.0.0.1:0", hub.address)
+    hub.wait_for_peers(1, WAIT)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert lost.get(timeout=0.5 + 2) == "victim"  # peer_timeout_s, plus slack for a loaded machine
+    assert hub.stats()["peers"] == [] and hub.stats()["peers_lost"] == 1
+    assert hub.publish("ping", 1) == 0
+
+
+def test_a_closed_peer_is_dropped_at_once(make_router):
+    a = make_router("a", peer_timeout_s=60)
+    b = make_router("b", peers=[a.address])
+    a.wait_for_peers(1, WAIT)
+    lost = queue.Queue()
+    a.on_peer_lost(lost.put)
+    b.close()
+    assert lost.get(timeout=WAIT) == "b"
+
+
+def test_a_port_in_use_is_an_immediate_error_naming_the_address(make_router):
+    first = make_router("first", listen="tcp://127.0.0.1:0")
+    with pytest.raises(OSError, match="already in use") as info:
+        make_router("second", listen=first.address)
+    assert info.value.errno == errno.EADDRINUSE and first.address in str(info.value)
+
+
+def test_a_non_loopback_address_without_a_secret_is_refused():
+    with pytest.raises(ValueError, match="without a secret"):
+        Router("open", None, listen="tcp://0.0.0.0:0")
+    with pytest.raises(ValueError, match="without a secret"):
+        Router("open", None, peers=["tcp://192.0.2.1:5555"])  # refused before any dial
+
+
+def test_without_a_secret_routers_on_loopback_share_a_generated_one(make_router):
+    a = make_router("a", None, listen="tcp://127.0.0.1:0")
+    b = make_router("b", a.secret, peers=[a.address])  # as a local launcher hands it to its children
+    assert a.local_only and not b.local_only
+    assert b.wait_for_peers(1, WAIT) == ["a"]
+
+
+def test_close_leaves_no_thread_and_no_ipc_file(tmp_path):
+    before = set(threading.enumerate())
+    a = Router("a", SECRET, listen=f"ipc://{tmp_path}/a.ipc", **FAST)
+    b = Router("b", SECRET, peers=[a.address], **FAST)
+    own_dir = Path(b.address[len("ipc://"):]).parent
+    b.wait_for_peers(1, WAIT)
+    b.close()
+    a.close()
+    assert set(threading.enumerate()) == before
+    assert list(tmp_path.iterdir()) == [] and not own_dir.exists()
+
+
+def test_task_events_cross_nodes_through_an_attached_router(make_router):
+    here, there = Task(), Task()
+    a = make_router("a")
+    b = make_router("b", peers=[a.address])
+    here.attach_router(a)
+    there.attach_router(b)
+    heard, local = queue.Queue(), []
+    there.on("trained", lambda *args: heard.put(args))
+    here.on("trained", lambda *args: local.append(args))
+    a.wait_for_subscribers("trained", 1, WAIT)
+    here.emit("trained", 3, {"loss": 0.5}, only_local=True)
+    here.emit("trained", 4, {"loss": 0.25})
+    assert heard.get(timeout=WAIT) == (4, {"loss": 0.25})
+    assert local == [(3, {"loss": 0.5}), (4, {"loss": 0.25})]
+    here.emit("trained", 5, None, only_remote=True)
+    assert heard.get(timeout=WAIT) == (5, None) and len(local) == 2
