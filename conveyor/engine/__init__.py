@@ -1,6 +1,7 @@
 """The pipeline runtime: a task runs middleware over dataclass contexts. It knows nothing of RL.
 
-Importing it loads no torch, gymnasium or pynng, so it stays a fast, general runtime.
+Importing it loads no torch, gymnasium or pynng, so it stays a fast, general runtime; ``Parallel`` (the
+multi-process runner, :mod:`conveyor.engine.parallel.runner`) is imported on first use.
 """
 from conveyor.engine.compose import Middleware, MiddlewareError, compose
 from conveyor.engine.context import Context, OfflineRLContext, OnlineRLContext
@@ -8,4 +9,11 @@ from conveyor.engine.events import EventBus
 from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Task, task
 
 __all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Task",
-           "compose", "task"]
+           "compose", "task"]  # and Parallel, imported on first use (see __getattr__)
+
+
+def __getattr__(name: str):
+    if name == "Parallel":  # the multi-process runner: loaded only when asked for
+        from conveyor.engine.parallel.runner import Parallel
+        return Parallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

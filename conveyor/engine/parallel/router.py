@@ -194,6 +194,11 @@ class Router:
         for url in peers:
             self.connect(url)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called."""
+        return self._closing
+
     def __repr__(self) -> str:
         return f"<Router {self.node_id!r} at {self.address}, peers {self.peers()}>"
 

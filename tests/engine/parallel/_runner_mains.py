@@ -1,0 +1,51 @@
+"""Worker mains for the runner tests (module-level, so they reach the workers by reference)."""
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+from conveyor.engine import task
+
+WAIT = 20  # seconds: the bound on every wait in a worker; a healthy run takes well under one
+
+
+def exchange(out_dir, topology):
+    """Say hello on "hello" to the workers that listen, write what arrived in ``out_dir/<node>.json``.
+
+    Star: the hub hears every leaf, a leaf hears the hub. Mesh: everyone hears everyone."""
+    router = task.router
+    me, n = router.node_id, router.n_workers
+    senders = [i for i in range(n) if i != me] if me == 0 or topology == "mesh" else [0]
+    got, lock, all_in = [], threading.Lock(), threading.Event()
+
+    def heard(sender, text):
+        with lock:
+            got.append([sender, text])
+            if len(got) == len(senders):
+                all_in.set()
+
+    task.on("hello", heard)
+    router.wait_for_subscribers("hello", len(senders), timeout=WAIT)
+    task.emit("hello", me, f"hello from {me}", only_remote=True)
+    assert all_in.wait(WAIT), f"node {me} heard {got} of {senders} within {WAIT}s"
+    Path(out_dir, f"{me}.json").write_text(json.dumps(sorted(got)))
+    return me
+
+
+def fail_on(node_id, message):
+    if task.router.node_id == node_id:
+        raise ValueError(message)
+    threading.Event().wait(60)  # the runner stops this worker when the other one fails
+
+
+def ready_then_wait(out_dir):
+    """Write a ready file, say so on stdout, then wait to be stopped."""
+    Path(out_dir, f"ready-{task.router.node_id}").write_text(str(os.getpid()))
+    print(f"ready {task.router.node_id} {os.getpid()}", flush=True)
+    threading.Event().wait(60)
+
+
+def whoami(x):
+    return {"node_id": task.router.node_id, "n_workers": task.router.n_workers, "is_active": task.router.is_active,
+            "x": x, "pid": os.getpid()}
