@@ -33,19 +33,27 @@ def exchange(out_dir, topology):
     return me
 
 
-def fail_on(node_id, message):
-    if task.router.node_id == node_id:
+def fail_on(out_dir, node_id, message):
+    """Every worker writes ``pid-<node>``; ``node_id`` raises once the others have (they said "up")."""
+    router = task.router
+    Path(out_dir, f"pid-{router.node_id}").write_text(str(os.getpid()))
+    if router.node_id == node_id:
+        for _ in range(router.n_workers - 1):
+            task.wait_for("up", timeout=WAIT)
         raise ValueError(message)
+    router.wait_for_subscribers("up", 1, timeout=WAIT)
+    task.emit("up", only_remote=True)
     threading.Event().wait(60)  # the runner stops this worker when the other one fails
 
 
 def ready_then_wait(out_dir):
     """Write a ready file, say so on stdout, then wait to be stopped."""
     Path(out_dir, f"ready-{task.router.node_id}").write_text(str(os.getpid()))
-    print(f"ready {task.router.node_id} {os.getpid()}", flush=True)
+    os.write(sys.stdout.fileno(), f"ready {task.router.node_id} {os.getpid()}\n".encode())  # one write: lines stay whole
     threading.Event().wait(60)
 
 
 def whoami(x):
     return {"node_id": task.router.node_id, "n_workers": task.router.n_workers, "is_active": task.router.is_active,
-            "x": x, "pid": os.getpid()}
+            "x": x, "pid": os.getpid(), "cmdline": Path("/proc/self/cmdline").read_bytes(),
+            "environ": Path("/proc/self/environ").read_bytes()}

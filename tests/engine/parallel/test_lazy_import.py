@@ -32,3 +32,9 @@ def test_an_array_payload_loads_numpy_on_decoding_only():
             "f = open_frame(b's' * 32, sys.stdin.buffer.read(), 1 << 20); before = 'numpy' in sys.modules; "
             "obs = decode(f.payload)['obs']; print(before, type(obs).__name__, obs.dtype.str, obs.tolist())")
     assert run(code, stdin=data) == "False ndarray >i2 [[0, 1, 2], [3, 4, 5]]"
+
+
+def test_parallel_is_reached_from_the_engine_without_loading_pynng_until_a_worker_needs_it():
+    code = ("import sys, conveyor.engine; from conveyor.engine import Parallel; "
+            "print(Parallel.__name__, [m for m in ('pynng', 'numpy', 'torch') if m in sys.modules])")
+    assert run(code) == "Parallel []"

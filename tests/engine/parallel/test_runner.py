@@ -1,0 +1,118 @@
+"""Parallel.runner: workers exchange events, a failing worker fails the job, signals stop every worker."""
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.engine import Parallel
+from conveyor.engine.parallel.runner import RemoteTraceback
+from tests.engine.parallel import _runner_mains as mains
+
+WAIT = 20  # seconds: the bound on every wait below; a healthy run takes a second or two
+FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
+LAUNCHER = Path(__file__).with_name("_runner_launcher.py")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def runner(n, **kwargs):
+    return Parallel.runner(n, ready_timeout_s=WAIT, router_options=FAST, **kwargs)
+
+
+def assert_gone(pid):
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("protocol, topology, n", [("ipc", "star", 2), ("ipc", "mesh", 3), ("tcp", "mesh", 2),
+                                                   ("tcp", "star", 3)])
+def test_workers_exchange_events_through_task_emit_and_on(tmp_path, protocol, topology, n):
+    assert runner(n, topology=topology, protocol=protocol)(mains.exchange, str(tmp_path), topology) == list(range(n))
+    heard = {i: json.loads((tmp_path / f"{i}.json").read_text()) for i in range(n)}
+    for i in range(n):
+        senders = [j for j in range(n) if j != i] if i == 0 or topology == "mesh" else [0]
+        assert heard[i] == [[j, f"hello from {j}"] for j in senders]
+
+
+def test_each_worker_knows_its_node_id_and_gets_the_secret_neither_by_env_nor_by_command_line():
+    secret = b"runner-test-secret-" + os.urandom(16).hex().encode()
+    got = runner(2, secret=secret)(mains.whoami, 7)
+    assert [(r["node_id"], r["n_workers"], r["is_active"], r["x"]) for r in got] == [(0, 2, True, 7), (1, 2, True, 7)]
+    assert len({r["pid"] for r in got} | {os.getpid()}) == 3
+    for r in got:
+        for leak in (secret, secret.hex().encode()):
+            assert leak not in r["cmdline"] and leak not in r["environ"]
+
+
+def test_one_worker_alone_runs_main_in_this_process_without_a_router():
+    [got] = Parallel.runner(1, topology="alone")(mains.whoami, 1)
+    assert (got["pid"], got["node_id"], got["n_workers"], got["is_active"]) == (os.getpid(), 0, 1, False)
+
+
+def test_a_worker_that_raises_makes_the_runner_raise_its_error_and_leaves_no_worker(tmp_path):
+    with pytest.raises(ValueError, match="boom from worker 1") as info:
+        runner(2)(mains.fail_on, str(tmp_path), 1, "boom from worker 1")
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "in fail_on" in info.value.__cause__.tb and "boom from worker 1" in info.value.__cause__.tb
+    assert any("worker 1" in n for n in info.value.__notes__)
+    for pid_file in ("pid-0", "pid-1"):
+        assert_gone(int((tmp_path / pid_file).read_text()))
+
+
+def test_a_misspelt_topology_is_refused_with_the_closest_name():
+    with pytest.raises(ValueError, match="did you mean 'mesh'"):
+        Parallel.runner(2, topology="mesj")
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """Start ``_runner_launcher.py`` in its own session; kill its process group at the end."""
+    procs = []
+
+    def start(n, ipc_dir):
+        proc = subprocess.Popen([sys.executable, str(LAUNCHER), str(tmp_path), str(ipc_dir), str(n)],
+                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=WAIT)
+
+
+def read_ready_lines(proc, n):
+    """The workers' pids, from the "ready NODE PID" lines they print once their ready file is written."""
+    fd, text, deadline = proc.stdout.fileno(), b"", time.monotonic() + WAIT
+    while text.count(b"\n") < n:
+        readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 4096) if readable else b""
+        assert chunk, f"{n} workers not ready within {WAIT}s (got {text!r}; launcher exit code {proc.poll()})"
+        text += chunk
+    return [int(line.split()[2]) for line in text.decode().splitlines()]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
+def test_a_signal_to_the_launcher_stops_every_worker_and_removes_the_ipc_files(tmp_path, launcher, signum, code):
+    ipc_dir = tmp_path / "ipc"
+    ipc_dir.mkdir()
+    proc = launcher(3, ipc_dir)
+    pids = read_ready_lines(proc, 3)
+    assert sorted(p.name for p in tmp_path.glob("ready-*")) == ["ready-0", "ready-1", "ready-2"]
+    assert len(list(ipc_dir.iterdir())) == 3
+    proc.send_signal(signum)  # the launcher only, as `kill PID` would
+    assert proc.wait(timeout=WAIT) == code  # SIGINT: KeyboardInterrupt re-raised, Python then dies by SIGINT
+    for pid in pids:
+        assert_gone(pid)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of its process group is left
+    assert list(ipc_dir.iterdir()) == []
