@@ -15,6 +15,7 @@ import pytest
 from conveyor.engine import Task
 from conveyor.engine.parallel import encode, generate_secret, seal
 from conveyor.engine.parallel.router import Router
+from tests.engine.parallel._groups import kill_group
 
 SECRET = generate_secret()
 WAIT = 10  # seconds: the bound on every wait below; a healthy run takes milliseconds
@@ -55,13 +56,7 @@ def spawn_peer(tmp_path):
 
     yield spawn
     for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=WAIT)
-        with pytest.raises(ProcessLookupError):
-            os.killpg(proc.pid, 0)  # nothing of its group is left
+        kill_group(proc, WAIT)
 
 
 def collect(router, topic):

@@ -13,6 +13,7 @@ import pytest
 from conveyor.engine import Parallel
 from conveyor.engine.parallel.runner import RemoteTraceback
 from tests.engine.parallel import _runner_mains as mains
+from tests.engine.parallel._groups import kill_group
 
 WAIT = 20  # seconds: the bound on every wait below; a healthy run takes a second or two
 FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
@@ -83,11 +84,7 @@ def launcher(tmp_path):
 
     yield start
     for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=WAIT)
+        kill_group(proc, WAIT)
 
 
 def read_ready_lines(proc, n):
