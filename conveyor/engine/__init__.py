@@ -6,9 +6,9 @@ multi-process runner, :mod:`conveyor.engine.parallel.runner`) is imported on fir
 from conveyor.engine.compose import Middleware, MiddlewareError, compose
 from conveyor.engine.context import Context, OfflineRLContext, OnlineRLContext
 from conveyor.engine.events import EventBus
-from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Task, task
+from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Role, Task, task
 
-__all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Task",
+__all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Role", "Task",
            "compose", "task"]  # and Parallel, imported on first use (see __getattr__)
 
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import enum
+import fnmatch
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, Iterator, List, Optional, Set, Union
 
 from conveyor.engine.compose import (Middleware, Suspended, check_middleware, compose, enter, hand_over, note, onion,
                                      unwind)
@@ -13,7 +15,7 @@ from conveyor.engine.context import Context
 from conveyor.engine.events import EventBus
 from conveyor.engine.pipeline import AsyncPipeline
 
-__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Task", "task"]
+__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Role", "Task", "task"]
 
 FINISH_EVENT = "finish"
 """Emitted locally when :meth:`Task.run` ends, with one argument: the exception that ended it, or None."""
@@ -22,6 +24,18 @@ CLOSE_EVENT = "close"
 """Emitted locally, no args, when the ``with task.start():`` block exits: close files and bars here."""
 
 LockArg = Union[bool, ContextManager]
+
+
+class Role(str, enum.Enum):
+    """What a process does in a multi-process run (``task.role.LEARNER`` ...); see :meth:`Task.add_role`."""
+
+    LEARNER = "learner"
+    COLLECTOR = "collector"
+    EVALUATOR = "evaluator"
+
+
+def void(ctx: Any) -> None:
+    """The no-op middleware (:meth:`Task.void`)."""
 
 
 class Task:
@@ -58,6 +72,8 @@ class Task:
         self._last_done = -1
         self._between: List[Callable[[], None]] = []
         self._objects: Dict[str, Any] = {}
+        self._roles: Set[Role] = set()
+        self._role_bound = False
         self.finish = False
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -120,17 +136,73 @@ class Task:
         mode = "async" if self._async else "sync"
         return f"<Task {mode}{' running' if self._running else ''}: {chain}>"
 
+    # --- roles and labels ---------------------------------------------------------------------------
+    role = Role
+    """The roles: ``task.role.LEARNER``, ``task.role.COLLECTOR``, ``task.role.EVALUATOR``."""
+
+    def add_role(self, role: Role) -> "Task":
+        """Give this process ``role`` (a :class:`Role`); it then has only the roles added. Roles are cleared when
+        the ``with task.start():`` block exits. Add them before any ``task.use(..., role=...)``."""
+        if not isinstance(role, Role):
+            raise TypeError(f"task.add_role({role!r}): needs one of {', '.join('task.role.' + r.name for r in Role)}")
+        if self._role_bound and role not in self._roles:
+            raise RuntimeError(f"task.add_role({role}): middleware were already added with task.use(..., role=...), "
+                               f"and which of them run was decided then; add roles first")
+        self._roles.add(role)
+        return self
+
+    def has_role(self, role: Role) -> bool:
+        """Whether this process has ``role``: True for every role when none was added (one process runs everything)."""
+        if not isinstance(role, Role):
+            raise TypeError(f"task.has_role({role!r}): needs one of {', '.join('task.role.' + r.name for r in Role)}")
+        return not self._roles or role in self._roles
+
+    @property
+    def roles(self) -> FrozenSet[Role]:
+        """The roles added (empty: this process has every role)."""
+        return frozenset(self._roles)
+
+    @property
+    def labels(self) -> Set[str]:
+        """This worker's labels (``Parallel.runner(labels=...)``); empty without a router that has labels."""
+        return set(getattr(self._router, "labels", None) or ())
+
+    def match_labels(self, patterns: Union[str, Iterable[str]]) -> bool:
+        """Whether any label matches any of ``patterns`` (fnmatch-style, case-sensitive: ``"gpu*"``, ``"node[12]"``)."""
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        patterns = list(patterns)
+        for pattern in patterns:
+            if not isinstance(pattern, str):
+                raise TypeError(f"task.match_labels({patterns!r}): patterns must be strings, got {pattern!r}")
+        return any(fnmatch.fnmatchcase(label, pattern) for label in self.labels for pattern in patterns)
+
+    @staticmethod
+    def void() -> Callable[[Any], None]:
+        """A middleware that does nothing (for a slot that is empty on some nodes)."""
+        return void
+
     # --- building the chain ------------------------------------------------------------------------
-    def use(self, fn: Callable[[Any], Any], lock: LockArg = False) -> "Task":
+    def use(self, fn: Callable[[Any], Any], lock: LockArg = False, role: Optional[Role] = None) -> "Task":
         """Append a middleware (a callable taking ``ctx``) to the chain; returns the task for chaining.
 
         ``lock=True`` keeps it from running at the same time as other ``lock=True`` middleware; a lock
         object (e.g. ``threading.Lock()``) may be given instead to share it with chosen middleware.
+        ``role``: the middleware belongs to that role and is left out of the chain (a no-op) in a process
+        that lacks it (:meth:`has_role`), so one ``main()`` serves every node.
         """
         if not self._started:
             raise RuntimeError("task.use() must be called inside `with task.start():`")
         if self._running:
             raise RuntimeError(f"cannot add middleware {fn!r} while the task is running")
+        if role is not None:
+            if not isinstance(role, Role):
+                raise TypeError(f"task.use(..., role={role!r}): needs one of "
+                                f"{', '.join('task.role.' + r.name for r in Role)}")
+            self._role_bound = True
+            if not self.has_role(role):
+                check_middleware(fn)
+                return self
         self._middleware.append(self._record(fn, lock))
         return self
 
