@@ -4,6 +4,7 @@ from conveyor.middleware.ckpt import CheckpointError, CkptSaver, load_checkpoint
 from conveyor.middleware.collector import EPISODE_EVENT, EpisodeCollector, StepCollector, eps_greedy_handler
 from conveyor.middleware.collector_process import ProcessCollector, collection_builder
 from conveyor.middleware.enhancer import NStepEnhancer, nstep_returns, nstep_reward_enhancer
+from conveyor.middleware.exchanger import ContextExchanger, ModelExchanger
 from conveyor.middleware.evaluator import (EVAL_EVENT, EvaluationError, InteractionEvaluator, evaluate,
                                           interaction_evaluator)
 from conveyor.middleware.learner import OffPolicyLearner, data_pusher
@@ -11,7 +12,7 @@ from conveyor.middleware.logger import online_logger, progress_bar, wandb_online
 from conveyor.middleware.termination import termination_checker
 from conveyor.middleware.trainer import MultistepTrainer, Trainer, multistep_trainer, trainer
 
-__all__ = ["CheckpointError", "CkptSaver", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
+__all__ = ["CheckpointError", "CkptSaver", "ContextExchanger", "ModelExchanger", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
            "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "ProcessCollector", "StepCollector", "Trainer",
            "collection_builder", "data_pusher", "eps_greedy_handler", "evaluate", "gae_estimator", "generalized_advantage",
            "interaction_evaluator", "load_checkpoint", "multistep_trainer", "nstep_returns", "nstep_reward_enhancer",

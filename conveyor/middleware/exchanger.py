@@ -1,0 +1,297 @@
+"""Exchangers: what learner, collector and evaluator processes send each other in a multi-process run.
+
+Both run where ``task.router`` is an active router (a :class:`~conveyor.engine.Parallel` worker) and do
+nothing otherwise, so a single-process ``main()`` may keep them in its chain. Which side a process plays
+comes from its roles (:meth:`conveyor.engine.Task.add_role`): a process with ``task.role.LEARNER`` is a
+learner; any other is a collector or an evaluator. In a multi-process run the roles must have been added
+before an exchanger is made.
+
+Messages go by topic to the processes that subscribed to them only (collected data to learners, never to
+evaluators or other collectors) through the router's codec: numpy arrays, torch tensors and treetensor
+trees travel as raw bytes, nothing is unpickled. Every wait is bounded by ``timeout_s`` and ends in a
+``TimeoutError`` that names what was awaited and the live peers.
+
+Place them first in the chain, ``ModelExchanger`` before ``ContextExchanger``: on a collector the weights
+are loaded, then the learner's ``train_iter`` read, before collecting; on the learner ``train_iter`` is
+sent, then the new weights, after training (so a collector that has a version also knows its iteration).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from conveyor.engine import OnlineRLContext, task
+
+__all__ = ["ContextExchanger", "ModelExchanger", "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC",
+           "MODEL_REQUEST_TOPIC"]
+
+DATA_TOPIC = "conveyor.exchange.data"
+"""Collectors -> learners: ``{"trajectories", "episodes", "env_step", "env_episode"}`` (increments)."""
+TRAIN_ITER_TOPIC = "conveyor.exchange.train_iter"
+"""Learners -> collectors and evaluators: ``{"train_iter": int}``."""
+MODEL_TOPIC = "conveyor.exchange.model"
+"""Learner -> the others: ``policy.acting_state()`` (``version``, ``tensors``, ``extras``)."""
+MODEL_REQUEST_TOPIC = "conveyor.exchange.model_request"
+"""A receiver -> learners: ``{"node": id}``, asking for the newest version (a late joiner's first one)."""
+
+_RETRY_S = 0.25  # a receiver waiting for weights repeats its request this often (a request can pass its subscription)
+
+
+def _active_router() -> Any:
+    router = task.router
+    if router is None or not getattr(router, "is_active", True):
+        return None
+    return router
+
+
+def _side(router: Any, name: str, learner_topic: str, learner_fn: Callable[[Any], Any], other_topic: str,
+          other_fn: Callable[[Any], Any]) -> tuple:
+    """``(is_learner, is_collector)`` from this process's roles; subscribes ``learner_fn`` or ``other_fn``."""
+    if router is None:
+        return False, False
+    if not task.roles:
+        raise RuntimeError(f"{name} in a multi-process run needs this process's role: call "
+                           f"task.add_role(task.role.LEARNER) (or COLLECTOR / EVALUATOR) before making it")
+    learner = task.has_role(task.role.LEARNER)
+    if learner:
+        router.on(learner_topic, learner_fn)
+    else:
+        router.on(other_topic, other_fn)
+    return learner, not learner and task.has_role(task.role.COLLECTOR)
+
+
+def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout_s: float, what: str, router: Any,
+          poke: Optional[Callable[[], None]] = None) -> None:
+    """Wait on ``cond`` (held by the caller) until ``ready()``; ``poke()`` every ``_RETRY_S``; TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            peers = router.peers() if callable(getattr(router, "peers", None)) else "?"
+            raise TimeoutError(f"node {getattr(router, 'node_id', '?')}: no {what} within {timeout_s}s (live peers: "
+                               f"{peers}); is the learner running and its exchanger in the chain? Raise timeout_s "
+                               f"if it is just slow")
+        if poke is not None:
+            cond.release()
+            try:
+                poke()
+            finally:
+                cond.acquire()
+        cond.wait(min(left, _RETRY_S) if poke is not None else left)
+
+
+def _merge_trajectories(batches: List[Any]) -> Any:
+    if len(batches) <= 1:
+        return batches[0] if batches else None
+    import treetensor.torch as ttorch
+    try:
+        return ttorch.cat(batches, dim=0)
+    except Exception as e:
+        raise ValueError(f"ContextExchanger: trajectories from several collectors do not concatenate along their "
+                         f"first dim ({type(e).__name__}: {e}); give every collector the same env count") from None
+
+
+class ContextExchanger:
+    """Collectors send what they collected to learners; learners send ``train_iter`` back.
+
+    Reads ctx (collector, after the collector ran): ``trajectories``, ``episodes``, ``env_step``,
+    ``env_episode``. Writes ctx (collector, before): ``train_iter`` (the newest a learner sent).
+    Writes ctx (learner, before): ``trajectories`` (received ones concatenated on their first dim),
+    ``episodes`` (lists joined), ``env_step`` / ``env_episode`` (+ the collectors' increments).
+    Reads ctx (learner, after): ``train_iter``.
+
+    A learner waits at most ``timeout_s`` for the first batch of an iteration; a collector waits at most
+    ``timeout_s`` for a learner to subscribe before sending.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"ContextExchanger(timeout_s={timeout_s!r}): must be a number of seconds > 0")
+        self.timeout_s = float(timeout_s)
+        self._router = _active_router()
+        self._cond = threading.Condition()
+        self._inbox: List[Dict[str, Any]] = []
+        self._train_iter: Optional[int] = None
+        self._learner, self._collector = _side(self._router, "ContextExchanger", DATA_TOPIC, self._got_data,
+                                               TRAIN_ITER_TOPIC, self._got_train_iter)
+
+    def __repr__(self) -> str:
+        side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
+            else "evaluator"
+        return f"ContextExchanger({side}, timeout_s={self.timeout_s})"
+
+    def _got_data(self, payload: Dict[str, Any]) -> None:
+        with self._cond:
+            self._inbox.append(payload)
+            self._cond.notify_all()
+
+    def _got_train_iter(self, payload: Dict[str, Any]) -> None:
+        with self._cond:
+            self._train_iter = max(self._train_iter or 0, int(payload["train_iter"]))
+
+    def __call__(self, ctx: OnlineRLContext) -> Iterator[None]:
+        if self._router is None:
+            yield
+        elif self._learner:
+            self._receive(ctx)
+            yield
+            self._router.publish(TRAIN_ITER_TOPIC, {"train_iter": int(ctx.train_iter)})
+        else:
+            with self._cond:
+                if self._train_iter is not None and self._train_iter > ctx.train_iter:
+                    ctx.train_iter = self._train_iter
+            env_step, env_episode = ctx.env_step, ctx.env_episode
+            yield
+            if self._collector and (ctx.trajectories is not None or ctx.episodes is not None):
+                self._send({"trajectories": ctx.trajectories, "episodes": ctx.episodes,
+                            "env_step": int(ctx.env_step - env_step), "env_episode": int(ctx.env_episode - env_episode)})
+
+    def _receive(self, ctx: OnlineRLContext) -> None:
+        with self._cond:
+            _wait(self._cond, lambda: bool(self._inbox), self.timeout_s, f"collected data on {DATA_TOPIC!r}",
+                  self._router)
+            got, self._inbox = self._inbox, []
+        ctx.env_step += sum(p["env_step"] for p in got)
+        ctx.env_episode += sum(p["env_episode"] for p in got)
+        ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
+        episodes = [ep for p in got if p["episodes"] is not None for ep in p["episodes"]]
+        ctx.episodes = episodes or None
+
+    def _send(self, payload: Dict[str, Any]) -> None:
+        if self._router.publish(DATA_TOPIC, payload) == 0:  # no learner has subscribed yet, or it was lost
+            self._router.wait_for_subscribers(DATA_TOPIC, 1, timeout=self.timeout_s)
+            if self._router.publish(DATA_TOPIC, payload) == 0:
+                raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
+                                   f"to (live peers: {self._router.peers()})")
+
+
+class _ModelVersions:
+    """A bare ``nn.Module`` seen as a versioned policy: one version per learner iteration."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.version = model, 0
+        self._lock = threading.Lock()
+
+    def _tensors(self) -> List[Any]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def publish(self) -> int:
+        self.version += 1
+        return self.version
+
+    def acting_state(self) -> Dict[str, Any]:
+        with self._lock:
+            return {"version": self.version, "tensors": [t.detach().clone() for t in self._tensors()], "extras": None}
+
+    def load_acting_state(self, state: Dict[str, Any]) -> None:
+        import torch
+        with self._lock, torch.no_grad():
+            for mine, theirs in zip(self._tensors(), state["tensors"]):
+                mine.copy_(theirs)
+            self.version = int(state["version"])
+
+
+class ModelExchanger:
+    """The learner sends its newest weights; collectors and evaluators act on the newest they received.
+
+    ``model_or_policy``: a policy (``version``, ``acting_state()``, ``load_acting_state()``, as
+    :class:`conveyor.policy.Policy`) or a bare ``torch.nn.Module`` (then the learner numbers a new version
+    after each of its iterations).
+
+    Learner: after each iteration (after the trainer published), sends ``acting_state()`` when its
+    version is newer than the last sent; it answers a request (a late joiner's) with the newest at once,
+    from the router's receive thread. Receiver: before each iteration, loads the newest version received
+    (``load_acting_state``, under the learner's number, so collected rows record it). The first iteration
+    waits for a version (asking for one). ``max_staleness`` (collectors only): one version serves at most
+    ``max_staleness + 1`` collect iterations, so no batch is collected on weights more than
+    ``max_staleness`` versions older than what the learner has made of the earlier ones; the next waits for
+    a newer version (``0``: every batch on fresh weights, on-policy). ``None``: never waits after the
+    first. Every wait is bounded by ``timeout_s``.
+
+    Reads / writes ctx: nothing; it reads and writes the policy's weights.
+    """
+
+    def __init__(self, model_or_policy: Any, max_staleness: Optional[int] = None, timeout_s: float = 60.0) -> None:
+        if all(callable(getattr(model_or_policy, m, None)) for m in ("acting_state", "load_acting_state")):
+            self.policy = model_or_policy
+            self._bare = False
+        elif callable(getattr(model_or_policy, "parameters", None)) and callable(getattr(model_or_policy, "buffers", None)):
+            self.policy, self._bare = _ModelVersions(model_or_policy), True
+        else:
+            raise TypeError(f"ModelExchanger({model_or_policy!r}): needs a policy with acting_state() and "
+                            f"load_acting_state(), or a torch.nn.Module")
+        if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
+                                          or max_staleness < 0):
+            raise ValueError(f"ModelExchanger(max_staleness={max_staleness!r}): must be an int >= 0, or None")
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"ModelExchanger(timeout_s={timeout_s!r}): must be a number of seconds > 0")
+        self.max_staleness, self.timeout_s = max_staleness, float(timeout_s)
+        self._router = _active_router()
+        self._cond = threading.Condition()
+        self._newest: Optional[Dict[str, Any]] = None  # receiver: the newest version received, not yet loaded
+        self._heard = -1  # receiver: the newest version number heard of
+        self._loaded: Optional[int] = None
+        self._uses = 0
+        self._sent = -1
+        self._send_lock = threading.Lock()
+        self._learner, self._collector = _side(self._router, "ModelExchanger", MODEL_REQUEST_TOPIC,
+                                               lambda payload: self._send(force=True), MODEL_TOPIC, self._got_model)
+
+    def __repr__(self) -> str:
+        side = "inactive" if self._router is None else "learner" if self._learner else "receiver"
+        return f"ModelExchanger({side}, max_staleness={self.max_staleness}, timeout_s={self.timeout_s})"
+
+    @property
+    def loaded_version(self) -> Optional[int]:
+        """Receiver: the version number acted on now (None before the first)."""
+        return self._loaded
+
+    # --- learner -------------------------------------------------------------------------------------
+    def _send(self, force: bool = False) -> None:
+        with self._send_lock:  # the loop thread and the receive thread (answering a request)
+            state = self.policy.acting_state()
+            if force or state["version"] > self._sent:
+                self._router.publish(MODEL_TOPIC, state)
+                self._sent = max(self._sent, state["version"])
+
+    # --- receiver ------------------------------------------------------------------------------------
+    def _got_model(self, state: Dict[str, Any]) -> None:
+        version = int(state["version"])
+        with self._cond:
+            if version > self._heard:
+                self._heard, self._newest = version, state
+                self._cond.notify_all()
+
+    def _request(self) -> None:
+        self._router.publish(MODEL_REQUEST_TOPIC, {"node": str(self._router.node_id)})
+
+    def _await_version(self, newer_than: int, what: str) -> None:
+        with self._cond:
+            _wait(self._cond, lambda: self._heard > newer_than, self.timeout_s, what, self._router, poke=self._request)
+
+    def _load_newest(self) -> None:
+        with self._cond:
+            state, self._newest = self._newest, None
+        if state is not None and (self._loaded is None or int(state["version"]) > self._loaded):
+            self.policy.load_acting_state(state)
+            self._loaded, self._uses = int(state["version"]), 0
+
+    def __call__(self, ctx: Any) -> Iterator[None]:
+        if self._router is None:
+            yield
+        elif self._learner:
+            yield
+            if self._bare:
+                self.policy.publish()
+            self._send()
+        else:
+            if self._loaded is None:
+                self._await_version(-1, f"weights on {MODEL_TOPIC!r} (the first version)")
+            self._load_newest()
+            if self._collector and self.max_staleness is not None and self._uses > self.max_staleness:
+                self._await_version(self._loaded, f"weights newer than version {self._loaded} (max_staleness="
+                                                  f"{self.max_staleness} and it served {self._uses} batches)")
+                self._load_newest()
+            self._uses += 1
+            yield

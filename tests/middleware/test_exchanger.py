@@ -1,0 +1,152 @@
+"""Exchangers: collected data to learners, train_iter and versioned weights back, over real worker processes."""
+import threading
+
+import pytest
+import torch
+
+from conveyor.engine import OnlineRLContext, Parallel, task
+from conveyor.middleware.exchanger import DATA_TOPIC, ContextExchanger, ModelExchanger
+from tests.middleware import _exchanger_mains as mains
+
+WAIT = 20
+FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
+
+
+def runner(n):
+    return Parallel.runner(n, protocol="ipc", ready_timeout_s=WAIT, router_options=FAST)
+
+
+def test_collectors_feed_the_learner_and_follow_its_versions():
+    batches, max_staleness = 3, 0  # one multi-process run (each worker imports torch: seconds); None is unit-tested
+    learner, *collectors = runner(3)(mains.learn_and_collect, batches, max_staleness)
+    rows = mains.ROWS * batches * 2
+    assert (learner["env_step"], learner["env_episode"]) == (rows, batches * 2)
+    assert sum(s["rows"] for s in learner["seen"]) == rows
+    assert set().union(*(s["senders"] for s in learner["seen"])) == {1.0, 2.0}
+    assert [s["env_step"] for s in learner["seen"]] == sorted(s["env_step"] for s in learner["seen"])
+    for c in collectors:
+        versions = [s["version"] for s in c["seen"]]
+        assert len(versions) == batches and (c["env_step"], c["env_episode"]) == (mains.ROWS * batches, batches)
+        assert versions == sorted(versions)
+        for s in c["seen"]:  # train_iter is sent before the weights: a collector on version v knows iteration >= v
+            assert s["train_iter"] >= s["version"]
+        assert len(set(versions)) == batches  # max_staleness=0: each batch on fresh weights
+    assert all(s["lag"] <= 1 for s in learner["seen"])
+
+
+def test_a_late_joiner_gets_the_newest_version():
+    assert runner(2)(mains.late_joiner, 3) == [3, [3, 3, 3.0]]
+
+
+class _Router:
+    """An in-process stand-in for task.router that nobody answers."""
+
+    is_active, node_id = True, 5
+
+    def __init__(self):
+        self.handlers, self.sent = {}, []
+
+    def on(self, topic, fn):
+        self.handlers.setdefault(topic, []).append(fn)
+
+    def publish(self, topic, payload):
+        self.sent.append((topic, payload))
+        return 0
+
+    def peers(self):
+        return []
+
+    def wait_for_subscribers(self, topic, n, timeout):
+        raise TimeoutError(f"0 of {n} peers subscribed to {topic!r}")
+
+
+@pytest.fixture
+def fake_router():
+    router = _Router()
+    task.attach_router(router)
+    yield router
+    task.detach_router()
+
+
+def test_without_a_router_both_exchangers_pass_ctx_through_untouched():
+    policy = mains.FakePolicy()
+    with task.start(ctx=OnlineRLContext()):
+        task.use(ModelExchanger(policy, max_staleness=0)).use(ContextExchanger())
+        task.use(lambda ctx: setattr(ctx, "env_step", ctx.env_step + 1))
+        task.run(max_step=3)
+        assert task.ctx.env_step == 3 and task.ctx.trajectories is None and policy.version == 0
+
+
+def test_a_learner_hearing_no_collector_stops_with_a_clear_timeout(fake_router):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        task.use(ContextExchanger(timeout_s=0.2))
+        with pytest.raises(TimeoutError, match="no collected data on 'conveyor.exchange.data' within 0.2s"):
+            task.run(max_step=1)
+    assert DATA_TOPIC in fake_router.handlers
+
+
+def test_a_collector_with_no_weights_asks_again_then_stops_with_a_clear_timeout(fake_router):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        task.use(ModelExchanger(torch.nn.Linear(2, 1), timeout_s=0.6))
+        with pytest.raises(TimeoutError, match="no weights .* \\(the first version\\) within 0.6s"):
+            task.run(max_step=1)
+    requests = [t for t, _ in fake_router.sent if t == "conveyor.exchange.model_request"]
+    assert len(requests) >= 2  # a request can pass its own subscription: it is repeated while waiting
+
+
+def test_a_learner_merges_what_several_collectors_sent(fake_router):
+    import treetensor.torch as ttorch
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=1)
+        got = []
+        task.use(exchanger).use(lambda ctx: got.append((ctx.trajectories, ctx.episodes, ctx.env_step, ctx.env_episode)))
+        for k in (1, 2):
+            [handler] = fake_router.handlers[DATA_TOPIC]
+            handler({"trajectories": ttorch.Tensor({"obs": torch.full((2, 3), float(k))}), "episodes": [k],
+                     "env_step": 2, "env_episode": 1})
+        task.run(max_step=1)
+    [(trajectories, episodes, env_step, env_episode)] = got
+    assert trajectories.obs.shape == (4, 3) and episodes == [1, 2] and (env_step, env_episode) == (4, 2)
+    assert fake_router.sent == [("conveyor.exchange.train_iter", {"train_iter": 0})]
+
+
+def test_a_bare_model_follows_the_versions_it_receives(fake_router):
+    model = torch.nn.Linear(2, 1)
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.EVALUATOR)
+        exchanger = ModelExchanger(model, max_staleness=0, timeout_s=1)
+        [handler] = fake_router.handlers["conveyor.exchange.model"]
+        handler({"version": 4, "tensors": [torch.ones(1, 2), torch.ones(1)], "extras": None})
+        task.use(exchanger)
+        task.run(max_step=2)  # an evaluator never waits for newer weights
+    assert exchanger.loaded_version == 4 and model.weight.sum().item() == 2.0
+
+
+def test_exchangers_need_roles_in_a_multi_process_run_and_check_arguments(fake_router):
+    with task.start():
+        with pytest.raises(RuntimeError, match="task.add_role"):
+            ContextExchanger()
+        with pytest.raises(TypeError, match="acting_state"):
+            ModelExchanger(object())
+        with pytest.raises(ValueError, match="max_staleness"):
+            ModelExchanger(torch.nn.Linear(1, 1), max_staleness=-1)
+
+
+def test_a_collector_reuses_a_version_up_to_max_staleness_then_waits_for_a_newer_one(fake_router):
+    policy = mains.FakePolicy()
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ModelExchanger(policy, max_staleness=1, timeout_s=0.3)
+        [handler] = fake_router.handlers["conveyor.exchange.model"]
+        handler({"version": 1, "tensors": [torch.ones(1, 2), torch.ones(1)], "extras": {}})
+        used = []
+        task.use(exchanger).use(lambda ctx: used.append(policy.version))
+        task.run(max_step=2)
+        with pytest.raises(TimeoutError, match="newer than version 1 \\(max_staleness=1 and it served 2 batches\\)"):
+            task.run(max_step=1)
+        handler({"version": 2, "tensors": [torch.ones(1, 2), torch.ones(1)], "extras": {}})
+        task.run(max_step=1)
+    assert used == [1, 1, 2]
