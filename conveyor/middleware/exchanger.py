@@ -200,8 +200,8 @@ class ModelExchanger:
     after each of its iterations).
 
     Learner: after each iteration (after the trainer published), sends ``acting_state()`` when its
-    version is newer than the last sent; it answers a request (a late joiner's) with the newest at once,
-    from the router's receive thread. Receiver: before each iteration, loads the newest version received
+    version is newer than the last sent; it answers a request (a late joiner's) at once, from the router's
+    receive thread, with the last version it sent (the current one before the first). Receiver: before each iteration, loads the newest version received
     (``load_acting_state``, under the learner's number, so collected rows record it). The first iteration
     waits for a version (asking for one). ``max_staleness`` (collectors only): one version serves at most
     ``max_staleness + 1`` collect iterations, so no batch is collected on weights more than
@@ -234,9 +234,10 @@ class ModelExchanger:
         self._loaded: Optional[int] = None
         self._uses = 0
         self._sent = -1
+        self._last: Optional[Dict[str, Any]] = None  # learner: the last version sent
         self._send_lock = threading.Lock()
         self._learner, self._collector = _side(self._router, "ModelExchanger", MODEL_REQUEST_TOPIC,
-                                               lambda payload: self._send(force=True), MODEL_TOPIC, self._got_model)
+                                               self._answer, MODEL_TOPIC, self._got_model)
 
     def __repr__(self) -> str:
         side = "inactive" if self._router is None else "learner" if self._learner else "receiver"
@@ -248,12 +249,22 @@ class ModelExchanger:
         return self._loaded
 
     # --- learner -------------------------------------------------------------------------------------
-    def _send(self, force: bool = False) -> None:
-        with self._send_lock:  # the loop thread and the receive thread (answering a request)
+    def _send(self) -> None:
+        """After an iteration: send the newest version if it is new (train_iter went out just before)."""
+        with self._send_lock:
             state = self.policy.acting_state()
-            if force or state["version"] > self._sent:
+            if state["version"] > self._sent:
                 self._router.publish(MODEL_TOPIC, state)
-                self._sent = max(self._sent, state["version"])
+                self._sent, self._last = state["version"], state
+
+    def _answer(self, payload: Any) -> None:
+        """A request (on the receive thread): re-send the last version the loop sent, not one a trainer may have
+        published mid-iteration, so a version never arrives before the ``train_iter`` that goes with it."""
+        with self._send_lock:
+            if self._last is None:
+                self._last = self.policy.acting_state()
+                self._sent = self._last["version"]
+            self._router.publish(MODEL_TOPIC, self._last)
 
     # --- receiver ------------------------------------------------------------------------------------
     def _got_model(self, state: Dict[str, Any]) -> None:

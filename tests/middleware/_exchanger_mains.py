@@ -37,7 +37,7 @@ class FakePolicy:
         self.version, self.extras = state["version"], state["extras"]
 
     def weight(self):
-        return float(self.model.weight[0, 0])
+        return float(self.model.weight.detach()[0, 0])
 
 
 def learn_and_collect(batches_per_collector, max_staleness):
@@ -60,8 +60,8 @@ def learn_and_collect(batches_per_collector, max_staleness):
 
         def learn(ctx):
             obs, versions = ctx.trajectories.obs, ctx.trajectories.weight_version
-            seen.append({"senders": sorted(set(obs[:, 0].tolist())), "rows": len(obs),
-                         "lag": int(policy.version - versions.min()), "env_step": ctx.env_step})
+            batches = [[int(obs[i, 0]), int(versions[i])] for i in range(0, len(obs), ROWS)]  # (sender, version)
+            seen.append({"batches": batches, "rows": len(obs), "env_step": ctx.env_step, "version": policy.version})
             policy.train_step()
             ctx.train_iter += 1
             if ctx.env_step == ROWS * batches_per_collector * n_collectors:
