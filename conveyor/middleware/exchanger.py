@@ -54,6 +54,10 @@ def _side(router: Any, name: str, learner_topic: str, learner_fn: Callable[[Any]
         raise RuntimeError(f"{name} in a multi-process run needs this process's role: call "
                            f"task.add_role(task.role.LEARNER) (or COLLECTOR / EVALUATOR) before making it")
     learner = task.has_role(task.role.LEARNER)
+    if learner and task.has_role(task.role.COLLECTOR):
+        raise RuntimeError(f"{name}: this process has both the LEARNER and the COLLECTOR role; in a multi-process "
+                           f"run a learner takes its data from collector processes (its own collector would "
+                           f"overwrite what they sent): give collecting to other workers, or run one process")
     if learner:
         router.on(learner_topic, learner_fn)
     else:

@@ -74,23 +74,24 @@ def learn_and_collect(batches_per_collector, max_staleness):
 
 
 def late_joiner(versions):
-    """Node 0 (learner) reaches ``versions`` before node 1 makes its exchanger; node 1 must get the newest."""
+    """Node 0 (learner) reaches ``versions`` before the others (a collector, then evaluators) make their
+    exchangers; each must get the newest."""
     router = task.router
-    policy = FakePolicy()
+    policy, others = FakePolicy(), router.n_workers - 1
     with task.start(ctx=OnlineRLContext()):
         if router.node_id == 0:
             task.add_role(task.role.LEARNER)
-            exchanger = ModelExchanger(policy, timeout_s=WAIT)
-            task.use(exchanger)
+            task.use(ModelExchanger(policy, timeout_s=WAIT))
             task.use(lambda ctx: policy.train_step())
             task.run(max_step=versions)  # sent to nobody: no one listens yet
-            router.wait_for_subscribers("at_newest", 1, timeout=WAIT)
+            router.wait_for_subscribers("at_newest", others, timeout=WAIT)
             task.emit("at_newest", only_remote=True)
-            task.wait_for("loaded", timeout=WAIT)
+            for _ in range(others):
+                task.wait_for("loaded", timeout=WAIT)
             return policy.version
-        task.add_role(task.role.COLLECTOR)
+        task.add_role(task.role.COLLECTOR if router.node_id == 1 else task.role.EVALUATOR)
         task.wait_for("at_newest", timeout=WAIT)  # subscribes; the learner waits for that before emitting
-        exchanger = ModelExchanger(policy, timeout_s=WAIT)
+        exchanger = ModelExchanger(policy, max_staleness=0, timeout_s=WAIT)
         task.use(exchanger)
         task.run(max_step=1)
         router.wait_for_subscribers("loaded", 1, timeout=WAIT)

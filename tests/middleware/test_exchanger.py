@@ -35,8 +35,8 @@ def test_collectors_feed_the_learner_and_follow_its_versions():
         assert len(set(versions)) == batches  # max_staleness=0: each batch on fresh weights
 
 
-def test_a_late_joiner_gets_the_newest_version():
-    assert runner(2)(mains.late_joiner, 3) == [3, [3, 3, 3.0]]
+def test_late_joiners_a_collector_and_an_evaluator_get_the_newest_version():
+    assert runner(3)(mains.late_joiner, 3) == [3, [3, 3, 3.0], [3, 3, 3.0]]
 
 
 class _Router:
@@ -130,6 +130,9 @@ def test_exchangers_need_roles_in_a_multi_process_run_and_check_arguments(fake_r
     with task.start():
         with pytest.raises(RuntimeError, match="task.add_role"):
             ContextExchanger()
+        task.add_role(task.role.LEARNER).add_role(task.role.COLLECTOR)
+        with pytest.raises(RuntimeError, match="both the LEARNER and the COLLECTOR role"):
+            ModelExchanger(torch.nn.Linear(1, 1))
         with pytest.raises(TypeError, match="acting_state"):
             ModelExchanger(object())
         with pytest.raises(ValueError, match="max_staleness"):
