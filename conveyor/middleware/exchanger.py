@@ -22,6 +22,8 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from conveyor.engine import OnlineRLContext, task
+from conveyor.engine.parallel import codec
+from conveyor.policy.normaliser import FrozenNormaliser
 
 __all__ = ["ContextExchanger", "ModelExchanger", "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC",
            "MODEL_REQUEST_TOPIC"]
@@ -34,6 +36,11 @@ MODEL_TOPIC = "conveyor.exchange.model"
 """Learner -> the others: ``policy.acting_state()`` (``version``, ``tensors``, ``extras``)."""
 MODEL_REQUEST_TOPIC = "conveyor.exchange.model_request"
 """A receiver -> learners: ``{"node": id}``, asking for the newest version (a late joiner's first one)."""
+
+# A version's extras travel with its weights: PPO's are its frozen observation statistics (tensors or trees
+# of them; they arrive on the CPU).
+codec.register(FrozenNormaliser, "conveyor.FrozenNormaliser",
+               lambda n: {"mean": n.mean, "inv_std": n.inv_std, "clip": n.clip}, lambda d: FrozenNormaliser(**d))
 
 _RETRY_S = 0.25  # a receiver waiting for weights repeats its request this often (a request can pass its subscription)
 

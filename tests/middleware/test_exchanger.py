@@ -1,6 +1,7 @@
 """Exchangers: collected data to learners, train_iter and versioned weights back, over real worker processes."""
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,3 +155,36 @@ def test_a_collector_reuses_a_version_up_to_max_staleness_then_waits_for_a_newer
         handler({"version": 2, "tensors": [torch.ones(1, 2), torch.ones(1)], "extras": {}})
         task.run(max_step=1)
     assert used == [1, 1, 2]
+
+
+@pytest.mark.parametrize("make", ["dqn", "ppo_obs_norm"])
+def test_a_real_policys_version_crosses_the_codec_and_loads_under_its_number(fake_router, make):
+    from conveyor.engine.parallel import codec
+    from conveyor.policy import DQNPolicy, PPOPolicy
+
+    def policy():
+        if make == "dqn":
+            return DQNPolicy({"model": {"obs_shape": 2, "action_shape": 2, "hidden_sizes": [8]}}, seed=0)
+        return PPOPolicy({"model": {"obs_shape": 2, "action_shape": 2, "hidden_sizes": [8], "obs_norm": True}}, seed=0)
+
+    learner, replica = policy(), policy()
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(1.0)
+    learner.publish()
+    with task.start():
+        task.add_role(task.role.LEARNER)
+        ModelExchanger(learner)
+        [answer] = fake_router.handlers["conveyor.exchange.model_request"]
+        answer({"node": "1"})
+    [(topic, state)] = fake_router.sent
+    state = codec.decode([bytes(f) for f in codec.encode(state)])  # what a receiver gets: plain data, no pickle
+    replica.load_acting_state(state)
+    assert topic == "conveyor.exchange.model" and replica.version == learner.version == 1
+    for mine, theirs in zip(replica.model.state_dict().values(), learner.model.state_dict().values()):
+        assert torch.equal(mine, theirs)
+    obs = np.array([[0.5, -2.0]], dtype=np.float32)
+    mine, theirs = replica.eval_mode.forward(obs), learner.eval_mode.forward(obs)
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
+    if make == "ppo_obs_norm":
+        assert type(state["extras"]).__name__ == "FrozenNormaliser"
