@@ -1,4 +1,6 @@
 """Worker mains for the exchanger tests (module-level, so they reach the workers by reference)."""
+import threading
+
 import torch
 import treetensor.torch as ttorch
 
@@ -84,10 +86,12 @@ def late_joiner(versions):
             task.use(ModelExchanger(policy, timeout_s=WAIT))
             task.use(lambda ctx: policy.train_step())
             task.run(max_step=versions)  # sent to nobody: no one listens yet
+            loaded = threading.Semaphore(0)
+            task.on("loaded", loaded.release)  # before "at_newest": no "loaded" can be missed
             router.wait_for_subscribers("at_newest", others, timeout=WAIT)
             task.emit("at_newest", only_remote=True)
             for _ in range(others):
-                task.wait_for("loaded", timeout=WAIT)
+                assert loaded.acquire(timeout=WAIT), f"not every late joiner loaded a version within {WAIT}s"
             return policy.version
         task.add_role(task.role.COLLECTOR if router.node_id == 1 else task.role.EVALUATOR)
         task.wait_for("at_newest", timeout=WAIT)  # subscribes; the learner waits for that before emitting
