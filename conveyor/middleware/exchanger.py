@@ -72,8 +72,8 @@ def _side(router: Any, name: str, learner_topic: str, learner_fn: Callable[[Any]
     return learner, not learner and task.has_role(task.role.COLLECTOR)
 
 
-def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout_s: float, what: str, router: Any,
-          poke: Optional[Callable[[], None]] = None) -> None:
+def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout_s: float, what: str, sender: str,
+          router: Any, poke: Optional[Callable[[], None]] = None) -> None:
     """Wait on ``cond`` (held by the caller) until ``ready()``; ``poke()`` every ``_RETRY_S``; TimeoutError."""
     deadline = time.monotonic() + timeout_s
     while not ready():
@@ -81,8 +81,8 @@ def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout_s: float
         if left <= 0:
             peers = router.peers() if callable(getattr(router, "peers", None)) else "?"
             raise TimeoutError(f"node {getattr(router, 'node_id', '?')}: no {what} within {timeout_s}s (live peers: "
-                               f"{peers}); is the learner running and its exchanger in the chain? Raise timeout_s "
-                               f"if it is just slow")
+                               f"{peers}); is a {sender} running, with this exchanger in its chain? Raise "
+                               f"timeout_s if it is just slow")
         if poke is not None:
             cond.release()
             try:
@@ -161,7 +161,7 @@ class ContextExchanger:
     def _receive(self, ctx: OnlineRLContext) -> None:
         with self._cond:
             _wait(self._cond, lambda: bool(self._inbox), self.timeout_s, f"collected data on {DATA_TOPIC!r}",
-                  self._router)
+                  "collector", self._router)
             got, self._inbox = self._inbox, []
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
@@ -290,7 +290,8 @@ class ModelExchanger:
 
     def _await_version(self, newer_than: int, what: str) -> None:
         with self._cond:
-            _wait(self._cond, lambda: self._heard > newer_than, self.timeout_s, what, self._router, poke=self._request)
+            _wait(self._cond, lambda: self._heard > newer_than, self.timeout_s, what, "learner", self._router,
+                  poke=self._request)
 
     def _load_newest(self) -> None:
         with self._cond:
