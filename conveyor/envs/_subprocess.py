@@ -6,6 +6,7 @@ an episode ended, an env crashed or an env returned a non-empty info dict.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -71,6 +72,27 @@ class _WorkerLost(Exception):
     """A worker process died or stopped answering."""
 
 
+def start_child(proc: Any) -> None:
+    """Start a worker process so that, if forked, it never finalizes what it inherited: garbage of the
+    parent's (a socket of a library whose threads a fork does not copy, such as nng) would abort the
+    child if its collector ran there. The parent's objects are frozen out of the garbage collector while
+    it forks; the child calls :func:`child_started` first thing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.freeze()
+    try:
+        proc.start()
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+def child_started() -> None:
+    """In a worker started by :func:`start_child`: collect garbage again, leaving what was inherited alone."""
+    gc.enable()
+
+
 def _pack_exception(exc: BaseException) -> tuple[bytes | None, str, str]:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
@@ -91,6 +113,7 @@ def _unpack_exception(packed: tuple[bytes | None, str, str]) -> BaseException:
 def _worker(conn: Connection, parent_end: Connection | None, fns_blob: bytes, first_index: int, max_retry: int,
             env_id: str | None) -> None:
     """A worker process: builds its envs, then steps them on command, writing results into shared memory."""
+    child_started()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C goes to the parent, which closes its workers
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does SIGTERM sent to the whole process group
     if parent_end is not None:
@@ -293,7 +316,7 @@ class SubprocessEnvManager(EnvManager):
         proc = self._ctx.Process(target=_worker, name=f"conveyor-env-worker-{w}", daemon=True,
                                  args=(child_end, inherited, self._blobs[w], self._bounds[w][0], self._max_retry,
                                        self._given_env_id))
-        proc.start()
+        start_child(proc)
         child_end.close()
         self._res.procs[w] = proc
         self._res.conns[w] = parent_end

@@ -26,7 +26,8 @@ import treetensor.torch as ttorch
 
 from conveyor.data.batch import to_numpy, to_tensor
 from conveyor.engine import OnlineRLContext, compose, task
-from conveyor.envs._subprocess import _describe_exit, _pack_exception, _send_quietly, _unpack_exception
+from conveyor.envs._subprocess import (_describe_exit, _pack_exception, _send_quietly, _unpack_exception,
+                                      child_started, start_child)
 from conveyor.middleware.collector import EPISODE_EVENT
 
 __all__ = ["ProcessCollector", "collection_builder"]
@@ -54,6 +55,7 @@ def collection_builder(cfg: Any, policy_cls: type, collection: Callable[[Any, An
 def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes, weights_name: str,
            layout: List[Tuple[tuple, torch.dtype]]) -> None:
     """The child: build the chain, then answer the parent's requests until it says close or goes away."""
+    child_started()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM go to the parent, which closes us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent_end is not None:
@@ -207,7 +209,7 @@ class ProcessCollector:
             self._child.proc = context.Process(
                 target=_serve, args=(child_end, inherited, cloudpickle.dumps(build), self._child.weights.shm.name,
                                      layout), daemon=True, name="conveyor-collector")
-            self._child.proc.start()
+            start_child(self._child.proc)
             self._child.conn = parent_end
             child_end.close()
             self._request(None)

@@ -138,3 +138,29 @@ def test_its_state_resumes_the_child_chain_where_it_stopped(cfg, policy, process
     second(b)
     for key in ("obs", "reward", "discount", "next_obs"):
         assert torch.equal(a.trajectories[key], b.trajectories[key]), key
+
+
+def test_the_child_never_finalizes_garbage_it_inherited(cfg, policy, process_collector, tmp_path):
+    pynng = pytest.importorskip("pynng")
+    import gc
+
+    class Cycle:
+        pass
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        garbage = Cycle()
+        garbage.self, garbage.socket = garbage, pynng.Pair0(listen=f"ipc://{tmp_path}/inherited.ipc")
+        del garbage  # unreachable, not yet collected: closing this nng socket in a forked child aborts it
+
+        def build():
+            gc.collect()  # what any allocation in the child may trigger
+            replica, env = DQNPolicy(cfg.policy), make_env_manager(cfg.env, "collector", seed=0)
+            return one_collector(cfg, replica, env), replica, env.close
+        remote = process_collector(build)
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()  # the parent closes the socket, as it should
+    remote(greedy_ctx())
