@@ -37,7 +37,7 @@ import importlib
 import json
 import pickle
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Tuple, Union
 
 __all__ = ["Codec", "DecodeError", "PickleCodec", "decode", "encode", "register"]
 
@@ -257,14 +257,20 @@ def _array(body: List[Any], frames: List[Frame], copy: bool) -> Any:
     dtype = _dtype(descr) if type(descr) is str else np.lib.format.descr_to_dtype(_tuples(descr))
     if dtype.hasobject:
         raise DecodeError("malformed payload: an array of dtype object cannot come without pickle")
-    count = 1
-    for n in shape:
-        if type(n) is not int or n < 0:
-            raise DecodeError(f"malformed payload: bad array shape {shape!r}")
-        count *= n
+    count = _element_count(shape, "array")
     raw = _raw(frames, index, count * dtype.itemsize, copy)
     flat = np.frombuffer(raw, dtype=dtype, count=count) if count and dtype.itemsize else np.empty(count, dtype)
     return flat.reshape(shape[::-1]).T if order == "F" else flat.reshape(shape)
+
+
+def _element_count(shape: Any, what: str) -> int:
+    """The number of elements of a received shape, refusing anything but non-negative ints."""
+    count = 1
+    for n in shape:
+        if type(n) is not int or n < 0:
+            raise DecodeError(f"malformed payload: bad {what} shape {shape!r}")
+        count *= n
+    return count
 
 
 @functools.lru_cache(maxsize=256)
@@ -301,11 +307,7 @@ def _tensor(body: List[Any], frames: List[Frame], copy: bool) -> Any:
     dtype = getattr(torch, name, None) if type(name) is str else None
     if not isinstance(dtype, torch.dtype):
         raise DecodeError(f"malformed payload: {name!r} is not a torch dtype")
-    count = 1
-    for n in shape:
-        if type(n) is not int or n < 0:
-            raise DecodeError(f"malformed payload: bad tensor shape {shape!r}")
-        count *= n
+    count = _element_count(shape, "tensor")
     raw = _raw(frames, index, count * dtype.itemsize, copy)
     if not count:
         return torch.empty(shape, dtype=dtype)
