@@ -198,6 +198,7 @@ class ProcessCollector:
             raise TypeError(f"ProcessCollector needs the learner's policy (with acting_state()), got {policy!r}: "
                             f"pass the Policy object, not one of its views")
         self._policy = policy
+        self._sent: Optional[int] = None
         layout = [(tuple(t.shape), t.dtype) for t in policy.acting_state()["tensors"]]
         resource_tracker.ensure_running()  # one tracker for parent and child, so the child's exit frees nothing
         self._child = _Child(_SharedWeights(layout))
@@ -227,8 +228,11 @@ class ProcessCollector:
 
     def __call__(self, ctx: OnlineRLContext) -> None:
         self._check_open()
-        acting = self._policy.acting_state(out=self._child.weights.tensors)  # the child reads them while answering
-        version = (acting["version"], acting["extras"])
+        version: Tuple[int, Any] = (self._sent, None)  # the child already holds this one
+        if self._policy.version != self._sent:  # a new one: into shared memory, which the child reads on this call
+            acting = self._policy.acting_state(out=self._child.weights.tensors)
+            version = (acting["version"], acting["extras"])
+            self._sent = acting["version"]
         counters, outputs, events = self._request(("collect", (ctx.env_step, dict(ctx.collect_kwargs), version)))
         for name, value in outputs.items():
             setattr(ctx, name, _restore(value))
