@@ -128,6 +128,9 @@ class Context:
     ...     batch: list = dataclasses.field(default_factory=list)
     ...     def __post_init__(self):
     ...         self.keep("step_count")
+
+    Attributes:
+        total_step: Index of this iteration: the number of iterations completed before it.
     """
 
     total_step: int = 0
@@ -248,7 +251,29 @@ class Context:
 
 @dataclass
 class OnlineRLContext(Context):
-    """Context of online RL pipelines: collection, training and evaluation on live envs."""
+    """Context of online RL pipelines: collection, training and evaluation on live envs.
+
+    Attributes:
+        env_step: Env steps collected so far over all collector envs (a resumed run counts those before it).
+        env_episode: Training episodes finished so far.
+        train_iter: Gradient steps taken so far.
+        train_data: This iteration's training batch (e.g. from ``gae_estimator``), for the trainers.
+        train_output: The learner's metrics of this iteration: a list of per-step metric dicts.
+        collect_kwargs: Keyword arguments for ``collect_mode.forward`` (e.g. ``eps`` from ``eps_greedy_handler``).
+        obs: The current observation, for pipelines that act one step at a time (the built-in collectors do not use it).
+        action: The action chosen for ``obs``, for such pipelines.
+        inference_output: The policy's full output for ``obs``, for such pipelines.
+        trajectories: Transitions collected this iteration: a batch ``[T, N]`` (step, env) from ``StepCollector``,
+            flat ``[B]`` after the n-step enhancer; ``None`` once ``data_pusher`` has pushed them.
+        episodes: Whole episodes collected this iteration (``EpisodeCollector``): a list of batches, one per episode.
+        trajectory_end_idx: Flat indices of the transitions of ``trajectories`` that end an episode.
+        eval_value: Mean return of the evaluation made in this iteration (``None`` if none was).
+        eval_output: That evaluation's details: ``returns``, ``lengths``, ``mean``, ``std``, ``env_step``,
+            ``train_iter``, ``weight_version``, ``crashes``, ``dropped``, ...
+        last_eval_iter: ``train_iter`` at the last evaluation (``None`` before the first).
+        last_eval_value: Mean return of the last evaluation.
+        last_save_iter: ``train_iter`` at the last periodic checkpoint of ``CkptSaver``.
+    """
 
     env_step: int = 0
     env_episode: int = 0
@@ -274,7 +299,19 @@ class OnlineRLContext(Context):
 
 @dataclass
 class OfflineRLContext(Context):
-    """Context of offline RL pipelines: training on a fixed dataset, evaluation on live envs."""
+    """Context of offline RL pipelines: training on a fixed dataset, evaluation on live envs.
+
+    Attributes:
+        train_epoch: Passes over the dataset completed so far.
+        train_iter: Gradient steps taken so far.
+        train_data: This iteration's training batch, drawn from the dataset.
+        train_output: The learner's metrics of this iteration: a list of per-step metric dicts.
+        eval_value: Mean return of the evaluation made in this iteration (``None`` if none was).
+        eval_output: That evaluation's details (as in ``OnlineRLContext``).
+        last_eval_iter: ``train_iter`` at the last evaluation (``None`` before the first).
+        last_eval_value: Mean return of the last evaluation.
+        last_save_iter: ``train_iter`` at the last periodic checkpoint of ``CkptSaver``.
+    """
 
     train_epoch: int = 0
     train_iter: int = 0
