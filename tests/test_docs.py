@@ -91,3 +91,23 @@ def test_docstring_roles_become_code():
     assert docs.rst_to_markdown("see :class:`~conveyor.engine.Task` and ``ctx.keep``") == \
         "see `Task` and `ctx.keep`"
     assert re.fullmatch(r"[^:]*", docs.on_page_content(":class:<code>Task</code>"))
+
+
+def test_di_engine_page_names_only_config_keys_that_exist():
+    keys = {key for key, *_ in docs.config_rows(ENV_SCHEMA, prefix="env.")}
+    for cls in docs.policy_classes():
+        keys |= {key for key, *_ in docs.config_rows(cls.config_schema(), prefix="policy.")}
+    page = (ROOT / "docs" / "di-engine.md").read_text()
+    renames = [line.split(" | ")[1] for line in page.splitlines() if line.startswith("| `policy.")]
+    named = {path for cell in renames for path in re.findall(r"`((?:policy|env)\.[\w.]+)`", cell)}
+    assert named and named <= keys, sorted(named - keys)
+
+
+def test_api_reference_shows_rst_docstrings_as_markdown():
+    pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location("griffe_rst", ROOT / "docs" / "hooks" / "griffe_rst.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "Use it like this::\n\n    task.run()\n\nThen :meth:`Task.stop`.\n\n>>> 1 + 1\n2"
+    assert module.rst_docstring(text) == ("Use it like this:\n\n```python\ntask.run()\n```\n\nThen `Task.stop`.\n\n"
+                                          "```pycon\n>>> 1 + 1\n2\n```")
