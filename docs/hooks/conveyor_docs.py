@@ -334,10 +334,3 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
 
     return MARKER.sub(replace, markdown)
 
-
-_ROLE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj):(<code>.*?</code>)")
-
-
-def on_page_content(html: str, **kwargs: Any) -> str:
-    """MkDocs event: docstrings' reStructuredText roles (:class:`X`) shown as plain code in the API pages."""
-    return _ROLE.sub(r"\1", html)
