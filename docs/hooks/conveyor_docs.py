@@ -124,7 +124,7 @@ def _declared_in_source(factory: Callable) -> Optional[Tuple[tuple, tuple]]:
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "declares":
             try:
                 found = {kw.arg: tuple(ast.literal_eval(kw.value)) for kw in node.keywords}
-            except ValueError:
+            except (ValueError, TypeError, SyntaxError):  # not literals: nothing to read without running it
                 return None
             return found.get("reads", ()), found.get("writes", ())
     return None
