@@ -45,23 +45,21 @@ def test_middleware_table_has_a_row_per_public_name():
     assert names == list(conveyor.middleware.__all__)
 
 
-def test_declarations_are_found_on_middleware_classes_and_inside_factories():
+def test_declarations_are_read_from_middleware_classes_and_factories():
     @declares(reads=("env_step",), writes=("train_data",))
     class Fetcher:
         def __call__(self, ctx):
             pass
 
-    def factory(scale):
-        @declares(reads=("trajectories",), writes=("trajectories",))
-        def _scale(ctx):
-            pass
-        return _scale
+    @declares(reads=("trajectories",), writes=("trajectories",))
+    def scaler(scale):
+        return lambda ctx: None
 
     def undeclared(ctx):
         pass
 
     assert docs.declaration(Fetcher) == (("env_step",), ("train_data",))
-    assert docs.declaration(factory) == (("trajectories",), ("trajectories",))
+    assert docs.declaration(scaler) == (("trajectories",), ("trajectories",))
     assert docs.declaration(undeclared) is None
 
 

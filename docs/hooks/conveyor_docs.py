@@ -20,10 +20,8 @@ import importlib
 import inspect
 import pkgutil
 import re
-import textwrap
-import typing
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+)(?: ([A-Za-z_.]+))? -->$", re.MULTILINE)
@@ -114,38 +112,10 @@ def context_table(name: str) -> str:
 
 
 # --- middleware declarations -----------------------------------------------------------------------
-def _declared_in_source(factory: Callable) -> Optional[Tuple[tuple, tuple]]:
-    """What a factory's inner middleware declares with ``@declares(reads=..., writes=...)``, read from its source."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(factory)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "declares":
-            try:
-                found = {kw.arg: tuple(ast.literal_eval(kw.value)) for kw in node.keywords}
-            except (ValueError, TypeError, SyntaxError):  # not literals: nothing to read without running it
-                return None
-            return found.get("reads", ()), found.get("writes", ())
-    return None
-
-
 def declaration(obj: Any) -> Optional[Tuple[tuple, tuple]]:
-    """``(reads, writes)`` a middleware declares (``conveyor.engine.declares``), or ``None``.
-
-    Looked up on the object itself, then on the class a factory is annotated to return, then on the
-    ``@declares`` of the middleware a factory defines inside its body.
-    """
+    """``(reads, writes)`` that ``conveyor.engine.declares`` set on a middleware, its class or its factory; or ``None``."""
     if hasattr(obj, "reads") or hasattr(obj, "writes"):
         return tuple(getattr(obj, "reads", ())), tuple(getattr(obj, "writes", ()))
-    if inspect.isfunction(obj):
-        try:
-            product = typing.get_type_hints(obj).get("return")
-        except Exception:  # an annotation that does not resolve says nothing about declarations
-            product = None
-        if inspect.isclass(product) and (hasattr(product, "reads") or hasattr(product, "writes")):
-            return tuple(getattr(product, "reads", ())), tuple(getattr(product, "writes", ()))
-        return _declared_in_source(obj)
     return None
 
 
