@@ -45,7 +45,7 @@ def test_middleware_table_has_a_row_per_public_name():
     assert names == list(conveyor.middleware.__all__)
 
 
-def test_declarations_are_read_from_middleware_classes_and_factories():
+def test_declarations_are_read_from_middleware_classes_factories_and_the_classes_factories_return():
     @declares(reads=("env_step",), writes=("train_data",))
     class Fetcher:
         def __call__(self, ctx):
@@ -55,11 +55,15 @@ def test_declarations_are_read_from_middleware_classes_and_factories():
     def scaler(scale):
         return lambda ctx: None
 
+    def fetcher(cfg) -> Fetcher:
+        return Fetcher()
+
     def undeclared(ctx):
         pass
 
     assert docs.declaration(Fetcher) == (("env_step",), ("train_data",))
     assert docs.declaration(scaler) == (("trajectories",), ("trajectories",))
+    assert docs.declaration(fetcher) == (("env_step",), ("train_data",))
     assert docs.declaration(undeclared) is None
 
 

@@ -20,6 +20,7 @@ import importlib
 import inspect
 import pkgutil
 import re
+import typing
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -113,9 +114,17 @@ def context_table(name: str) -> str:
 
 # --- middleware declarations -----------------------------------------------------------------------
 def declaration(obj: Any) -> Optional[Tuple[tuple, tuple]]:
-    """``(reads, writes)`` that ``conveyor.engine.declares`` set on a middleware, its class or its factory; or ``None``."""
+    """``(reads, writes)`` that ``conveyor.engine.declares`` set on a middleware, its class or its factory, or on
+    the class a factory is annotated to return (``interaction_evaluator -> InteractionEvaluator``); or ``None``."""
     if hasattr(obj, "reads") or hasattr(obj, "writes"):
         return tuple(getattr(obj, "reads", ())), tuple(getattr(obj, "writes", ()))
+    if inspect.isfunction(obj):
+        try:
+            product = typing.get_type_hints(obj).get("return")
+        except Exception:  # an annotation that does not resolve here says nothing about declarations
+            return None
+        if inspect.isclass(product):
+            return declaration(product)
     return None
 
 
