@@ -127,16 +127,16 @@ def _cells(row: Row) -> Tuple[str, str, str]:
     if f is None:
         return "(undeclared)", "(undeclared)", role
 
-    def names(fields: Tuple[str, ...]) -> str:
-        return ", ".join(n + ("?" if n in f.optional else "") for n in fields)
+    def cell(forward: Tuple[str, ...], backward: Tuple[str, ...], mark: Tuple[str, ...] = ()) -> str:
+        def names(fields: Tuple[str, ...]) -> str:
+            return ", ".join(n + ("?" if n in mark else "") for n in fields)
 
-    def cell(forward: Tuple[str, ...], backward: Tuple[str, ...]) -> str:
         parts = [names(forward)] if forward else []
         if backward:
             parts.append(f"after: {names(backward)}")
         return "; ".join(parts) or "-"
 
-    return cell(f.reads, f.backward_reads), cell(f.writes, f.backward_writes), role
+    return cell(f.reads, f.backward_reads, f.optional), cell(f.writes, f.backward_writes), role
 
 
 def _sources(writer: Row, active: List[Row], reader: int, kept: set) -> str:

@@ -246,7 +246,7 @@ class Task:
         run ends, pending :meth:`between_iterations` callbacks run, then :data:`FINISH_EVENT` is emitted with
         the error or None.
         """
-        self._prepare_run("run", max_step)
+        max_step = self._prepare_run("run", max_step)
         for _ in self._loop(max_step):
             pass
 
@@ -263,11 +263,12 @@ class Task:
         if self._async:
             raise RuntimeError("task.iterate() steps a sync pipeline; in async mode iterations overlap, so use "
                                "task.run(), or task.start(async_mode=False)")
-        self._prepare_run("iterate", max_step)
+        max_step = self._prepare_run("iterate", max_step)
         return self._logs(self._loop(max_step))
 
-    def _prepare_run(self, what: str, max_step: int) -> None:
-        """The checks before a run starts, done at the call (also for :meth:`iterate`, whose loop starts later)."""
+    def _prepare_run(self, what: str, max_step: int) -> int:
+        """The checks before a run starts, done at the call (also for :meth:`iterate`, whose loop starts later);
+        returns how many iterations to run (fewer under :meth:`inspecting`)."""
         if not self._started:
             raise RuntimeError(f"task.{what}() must be called inside `with task.start():`")
         if self._running or self._iteration is not None:
@@ -278,11 +279,15 @@ class Task:
             raise RuntimeError(f"task.{what}() with no middleware and no max_step would loop forever: add middleware "
                                "with task.use(...) first")
         table = self.describe()
-        if self._inspection is not None:
-            self._inspection.table = table
-            raise _Described()
+        inspection = self._inspection
+        if inspection is not None:
+            if inspection.table is None:
+                inspection.table = table
+            if inspection.iterations == 0:
+                raise _Described()
         if table.problems:
             raise PipelineError(f"the pipeline's order does not fit its declared fields: {'; '.join(table.problems)}")
+        return max_step if inspection is None else min(max_step, inspection.iterations)
 
     def _loop(self, max_step: int) -> Generator[Context, None, None]:
         """The one run loop of :meth:`run` and :meth:`iterate`: yields each completed iteration's context (sync
@@ -291,7 +296,8 @@ class Task:
             raise RuntimeError("task.iterate(): a run is already in progress")
         store = self._base_ctx._store()
         store.begin(journal=self._async)
-        self._last_done = self._base_ctx.total_step - 1
+        first = self._base_ctx.total_step
+        self._last_done = first - 1
         self._running = True
         error: Optional[BaseException] = None
         try:
@@ -304,6 +310,8 @@ class Task:
         except BaseException as exc:
             error = exc
         store.end(rollback=error is not None)
+        if self._inspection is not None:
+            self._inspection.completed += self._last_done + 1 - first
         if error is not None or self._base_ctx.total_step != self._last_done + 1:
             try:
                 self._base_ctx = self._fresh(self._last_done + 1)
@@ -673,14 +681,21 @@ class Task:
         return PipelineTable(rows, order_problems(rows, kept))
 
     @contextlib.contextmanager
-    def inspecting(self) -> Iterator["Inspection"]:
-        """While inside, a :meth:`run` or :meth:`iterate` call stops the code that built the pipeline before
-        the first iteration and leaves :meth:`describe`'s table in the yielded object's ``table``: how
-        ``conveyor describe`` reads an entry's pipeline without training. The ``with task.start():`` blocks
-        and resources around the call are left as on an error; the ``with`` block ends quietly."""
+    def inspecting(self, iterations: int = 0) -> Iterator["Inspection"]:
+        """Run code that builds and runs a pipeline (an entry's ``main()``) for at most ``iterations``
+        iterations per run; the yielded :class:`Inspection` gets the first run's :meth:`describe` table and the
+        number of iterations completed.
+
+        ``iterations=0``: the run call stops that code before the first iteration, as an error would (its
+        ``with`` blocks close what they opened) and the ``with`` block ends quietly: how ``conveyor describe``
+        reads an entry's pipeline without training. Otherwise runs end after ``iterations`` and the code goes
+        on (``conveyor.testing.check_pipeline``).
+        """
+        if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 0:
+            raise ValueError(f"task.inspecting(iterations={iterations!r}): must be an int >= 0")
         if self._inspection is not None:
             raise RuntimeError("task.inspecting() is already active")
-        found = self._inspection = Inspection()
+        found = self._inspection = Inspection(iterations)
         try:
             yield found
         except _Described:
@@ -690,9 +705,13 @@ class Task:
 
 
 class Inspection:
-    """What :meth:`Task.inspecting` found: the pipeline's table, once a run was about to start (else None)."""
+    """What :meth:`Task.inspecting` found: the first run's pipeline table (None if nothing ran) and the number
+    of iterations completed."""
 
-    table: Optional[PipelineTable] = None
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+        self.table: Optional[PipelineTable] = None
+        self.completed = 0
 
 
 class _Described(BaseException):
