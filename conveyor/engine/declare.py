@@ -6,9 +6,11 @@ kept, or written by a middleware before it; a field its backward part (after ``y
 kept, or written by some middleware's forward part, or by the backward part of one after it. Fields whose
 default is a meaningful "nothing" (``collect_kwargs = {}``, ``episodes = None``) are declared ``optional``
 and never checked. A read that an undeclared middleware before it could satisfy is not checked either.
+A declared field that the pipeline's context class lacks is a problem too.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -154,9 +156,10 @@ def _sources(writer: Row, active: List[Row], reader: int, kept: set) -> str:
     return f" ({', '.join(found)})" if found else ""
 
 
-def order_problems(rows: Sequence[Row], kept: Iterable[str]) -> List[str]:
+def order_problems(rows: Sequence[Row], kept: Iterable[str], context: Optional[type] = None) -> List[str]:
     """Each declared read that nothing provides in time, as a sentence naming the middleware, the field and
-    the later middleware that writes it (the rule is in the module docstring)."""
+    the later middleware that writes it (the rule is in the module docstring); with the ``context`` class,
+    also each read or write of a field it lacks."""
     kept = set(kept)
     active = [r for r in rows if r.active]
     everyone_declared = all(r.fields is not None for r in active)
@@ -166,11 +169,17 @@ def order_problems(rows: Sequence[Row], kept: Iterable[str]) -> List[str]:
         f = row.fields
         if f is None:
             continue
+        missing: List[str] = []
+        if context is not None:
+            known = {field.name for field in dataclasses.fields(context)}
+            missing = [n for n in _unique(f.all_reads + f.all_writes) if n not in known and n not in f.optional]
+            problems += [f"'{row.name}' (#{row.position}) uses ctx.{name}, but {context.__name__} has no field "
+                         f"'{name}': use a context class that declares it" for name in missing]
         earlier, later = active[:k], active[k + 1:]
         if all(r.fields is not None for r in earlier):
             written = {name for r in earlier for name in r.fields.writes}  # type: ignore[union-attr]
             for name in f.reads:
-                if name in kept or name in f.optional or name in written:
+                if name in kept or name in f.optional or name in written or name in missing:
                     continue
                 writer = next((r for r in later if r.fields is not None and name in r.fields.writes), None)
                 if writer is not None:
@@ -184,7 +193,7 @@ def order_problems(rows: Sequence[Row], kept: Iterable[str]) -> List[str]:
         if everyone_declared:
             back = forward_writes | {name for r in later for name in r.fields.backward_writes}  # type: ignore
             for name in f.backward_reads:
-                if name not in kept and name not in f.optional and name not in back:
+                if name not in kept and name not in f.optional and name not in back and name not in missing:
                     problems.append(f"'{row.name}' (#{row.position}) reads ctx.{name} after its yield, but no "
                                     f"middleware writes it and it is not kept")
     return problems
@@ -194,7 +203,8 @@ def declares(*, reads: Iterable[str] = (), writes: Iterable[str] = (), optional:
              backward_reads: Iterable[str] = (), backward_writes: Iterable[str] = (),
              factory: bool = False) -> Callable[[M], M]:
     """Mark a middleware (a function, or a class whose instances are middleware) with the context fields it
-    reads and writes; it gets ``.reads`` / ``.writes`` (every field, forward and backward) and ``.fields``.
+    reads and writes; it gets ``.reads`` / ``.writes`` (every field, forward and backward) and
+    ``.declared_fields`` (the :class:`Fields`).
 
     ``optional``: reads (forward or backward) whose default is a fine value. ``backward_*``: what the part
     after ``yield`` reads and writes. ``factory=True`` marks a function that builds middleware: it and what
@@ -263,7 +273,7 @@ def fields_of(middleware: Any) -> Optional[Fields]:
 
 def _own(obj: Any) -> Optional[Fields]:
     try:
-        fields = getattr(obj, "fields", None)
+        fields = getattr(obj, "declared_fields", None)
         if isinstance(fields, Fields):
             return fields
         reads, writes = getattr(obj, "reads", None), getattr(obj, "writes", None)
@@ -276,7 +286,7 @@ def _own(obj: Any) -> Optional[Fields]:
 
 def _attach(target: Any, fields: Fields) -> None:
     try:
-        target.fields = fields
+        target.declared_fields = fields
         target.reads = fields.all_reads
         target.writes = fields.all_writes
     except AttributeError:

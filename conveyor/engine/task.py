@@ -677,8 +677,9 @@ class Task:
         for k, (fn, role, active) in enumerate(self._uses, 1):
             name = fn.name if isinstance(fn, Middleware) else middleware_name(fn)
             rows.append(Row(k, name, fields_of(fn), None if role is None else role.value, active))
-        kept = self._base_ctx.kept_fields if self._base_ctx is not None else ()
-        return PipelineTable(rows, order_problems(rows, kept))
+        ctx = self._base_ctx
+        return PipelineTable(rows, order_problems(rows, () if ctx is None else ctx.kept_fields,
+                                                  None if ctx is None else type(ctx)))
 
     @contextlib.contextmanager
     def inspecting(self, iterations: int = 0) -> Iterator["Inspection"]:

@@ -4,7 +4,8 @@ import functools
 
 import pytest
 
-from conveyor.engine import (Context, OnlineRLContext, PipelineError, compose, declares, fields_of, task)
+from conveyor.engine import (Context, OfflineRLContext, OnlineRLContext, PipelineError, compose, declares, fields_of,
+                             task)
 
 
 @declares(writes=("trajectories", "env_step"), reads=("env_step",))
@@ -190,3 +191,16 @@ def test_attributes_declare_too_and_bad_declarations_are_refused():
         declares(reads="obs")
     with pytest.raises(ValueError, match="not among the reads"):
         declares(reads=("obs",), optional=("action",))
+
+
+def test_a_field_the_context_class_lacks_is_named_with_the_class():
+    @declares(reads=("env_step",), writes=("train_data",))
+    def online_only(ctx):
+        pass
+
+    with task.start(ctx=OfflineRLContext()):
+        task.use(online_only)
+        assert len(task.describe().problems) == 1
+        with pytest.raises(PipelineError, match=r"'online_only' \(#1\) uses ctx.env_step, but OfflineRLContext "
+                                                r"has no field 'env_step'"):
+            task.run(max_step=1)
