@@ -52,22 +52,30 @@ class Fields:
     def serial(members: Iterable["Fields"]) -> "Fields":
         """The fields of members run one after another: reads that an earlier member's write satisfies are
         internal; the rest, and every write, are the group's."""
-        reads, written, optional, back_reads, back_writes = [], [], [], [], []
+        members = list(members)
+        reads: List[str] = []
+        written: List[str] = []
         for f in members:
             reads += [name for name in f.reads if name not in written]
             written += f.writes
-            optional += f.optional
-            back_reads += f.backward_reads
-            back_writes += f.backward_writes
-        back_reads = [name for name in back_reads if name not in written]
-        return Fields(_unique(reads), _unique(written), _unique(optional), _unique(back_reads), _unique(back_writes))
+        back_reads = [name for f in members for name in f.backward_reads if name not in written]
+        return Fields(_unique(reads), _unique(written), _optional(members),
+                      _unique(back_reads), _unique(n for f in members for n in f.backward_writes))
 
     @staticmethod
     def concurrent(members: Iterable["Fields"]) -> "Fields":
         """The fields of members whose forward parts may run at once: none satisfies another's read."""
         members = list(members)
         return Fields(*(_unique(name for f in members for name in getattr(f, part))
-                        for part in ("reads", "writes", "optional", "backward_reads", "backward_writes")))
+                        for part in ("reads", "writes")), _optional(members),
+                      *(_unique(name for f in members for name in getattr(f, part))
+                        for part in ("backward_reads", "backward_writes")))
+
+
+def _optional(members: List[Fields]) -> Tuple[str, ...]:
+    """The reads optional for the group: optional in a member, and read by no member that needs them."""
+    needed = {name for f in members for name in f.all_reads if name not in f.optional}
+    return _unique(name for f in members for name in f.optional if name not in needed)
 
 
 @dataclass(frozen=True)

@@ -204,3 +204,17 @@ def test_a_field_the_context_class_lacks_is_named_with_the_class():
         with pytest.raises(PipelineError, match=r"'online_only' \(#1\) uses ctx.env_step, but OfflineRLContext "
                                                 r"has no field 'env_step'"):
             task.run(max_step=1)
+
+
+def test_a_read_optional_in_one_member_of_a_group_but_needed_by_another_is_needed():
+    @declares(reads=("collect_kwargs",), optional=("collect_kwargs",), writes=("obs",))
+    def act(ctx):
+        pass
+
+    @declares(reads=("collect_kwargs", "obs"))
+    def needs(ctx):
+        pass
+
+    group = fields_of(compose(act, needs))
+    assert group.reads == ("collect_kwargs",) and group.optional == ()
+    assert fields_of(compose(act)).optional == ("collect_kwargs",)
