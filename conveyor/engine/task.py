@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import enum
 import fnmatch
+import inspect
 import sys
 import threading
 import typing
@@ -247,8 +248,14 @@ class Task:
         the error or None.
         """
         max_step = self._prepare_run("run", max_step)
-        for _ in self._loop(max_step):
-            pass
+        loop = self._loop(max_step)
+        try:
+            for _ in loop:
+                pass
+        except BaseException as exc:
+            if inspect.getgeneratorstate(loop) != inspect.GEN_SUSPENDED:
+                raise
+            loop.throw(exc)  # Ctrl-C between two iterations: the run ends as on one inside an iteration
 
     def iterate(self, max_step: int = sys.maxsize) -> Iterator[Dict[str, Any]]:
         """:meth:`run` as a generator (sync mode): after each iteration, yields what it left.
@@ -293,7 +300,7 @@ class Task:
         """The one run loop of :meth:`run` and :meth:`iterate`: yields each completed iteration's context (sync
         mode; async mode yields nothing). Closing it between iterations ends the run normally."""
         if self._running:
-            raise RuntimeError("task.iterate(): a run is already in progress")
+            raise RuntimeError("task: a run is already in progress")
         store = self._base_ctx._store()
         store.begin(journal=self._async)
         first = self._base_ctx.total_step
