@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
@@ -254,7 +255,8 @@ def fields_of(middleware: Any) -> Optional[Fields]:
     """The declared :class:`Fields` of a middleware, or None if it declares nothing.
 
     Sees through ``task.use`` records, ``functools.partial``, bound methods (the method's own declaration,
-    else its object's), instances of declared classes, and compositions (``compose`` / ``task.serial``:
+    else its object's), instances of declared classes, factories annotated to return a declared class
+    (``def trainer(cfg, policy) -> Trainer``), and compositions (``compose`` / ``task.serial``:
     members in order; ``task.parallel``: members at once), which are undeclared if any member is. Plain
     ``.reads`` / ``.writes`` attributes (tuples of names) count as a declaration too.
     """
@@ -276,7 +278,18 @@ def fields_of(middleware: Any) -> Optional[Fields]:
     own = _own(middleware)
     if own is None and inspect.ismethod(middleware):
         own = _own(middleware.__self__)
+    if own is None and inspect.isfunction(middleware):
+        own = _built(middleware)
     return own
+
+
+def _built(factory: Callable[..., Any]) -> Optional[Fields]:
+    """The declaration of the class a factory is annotated to return (``def trainer(...) -> Trainer``)."""
+    try:
+        made = typing.get_type_hints(factory).get("return")
+    except Exception:  # annotations that do not resolve say nothing
+        return None
+    return _own(made) if inspect.isclass(made) else None
 
 
 def _own(obj: Any) -> Optional[Fields]:

@@ -148,9 +148,13 @@ def test_fields_of_sees_through_wrappers_and_groups():
     def plain(ctx):
         pass
 
+    def make_policy() -> Policy:
+        return Policy()
+
     assert fields_of(Step().act).writes == ("obs",)
     assert fields_of(functools.partial(Policy(), scale=2)).reads == ("obs",)
     assert fields_of(plain) is None
+    assert fields_of(make_policy).reads == ("obs",)  # a factory annotated to return a declared class
     both = fields_of(compose(Step().act, Policy()))
     assert (both.reads, both.writes) == (("env_step",), ("obs", "action"))  # obs comes from inside the group
     with task.start():
