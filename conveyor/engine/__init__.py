@@ -4,13 +4,14 @@ Importing it loads no torch, gymnasium or pynng, so it stays a fast, general run
 multi-process runner, :mod:`conveyor.engine.parallel.runner`) is imported on first use.
 """
 from conveyor.engine.compose import Middleware, MiddlewareError, compose
-from conveyor.engine.declare import declares
+from conveyor.engine.declare import Fields, PipelineError, PipelineTable, declares, fields_of
 from conveyor.engine.context import Context, OfflineRLContext, OnlineRLContext
 from conveyor.engine.events import EventBus
-from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Role, Task, task
+from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Inspection, Role, Task, task
 
 __all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Role", "Task",
-           "compose", "declares", "task"]  # and Parallel, imported on first use (see __getattr__)
+           "compose", "declares", "task"]
+__all__ += ["Fields", "Inspection", "PipelineError", "PipelineTable", "fields_of"]  # and Parallel, imported on first use (see __getattr__)
 
 
 def __getattr__(name: str):

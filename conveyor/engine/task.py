@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import fnmatch
+import inspect
 import sys
 import threading
+import typing
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, Iterator, List, Optional, Set, Union
+from typing import (Any, Callable, ContextManager, Dict, FrozenSet, Generator, Iterable, Iterator, List, Optional, Set,
+                    Tuple, Union)
 
-from conveyor.engine.compose import (Middleware, Suspended, check_middleware, compose, enter, hand_over, note, onion,
-                                     unwind)
+from conveyor.engine.compose import (Middleware, Suspended, check_middleware, compose, enter, hand_over,
+                                     middleware_name, note, onion, unwind)
 from conveyor.engine.context import Context
+from conveyor.engine.declare import PipelineError, PipelineTable, Row, fields_of, order_problems
 from conveyor.engine.events import EventBus
 from conveyor.engine.pipeline import AsyncPipeline
 
-__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Role", "Task", "task"]
+__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Inspection", "Role", "Task", "task"]
 
 FINISH_EVENT = "finish"
 """Emitted locally when :meth:`Task.run` ends, with one argument: the exception that ended it, or None."""
@@ -55,10 +60,13 @@ class Task:
         self._between_lock = threading.Lock()
         self._router: Any = None
         self._routed: set = set()
+        self._inspection: Optional[Inspection] = None
         self._reset()
 
     def _reset(self) -> None:
         self._middleware: List[Middleware] = []
+        self._uses: List[Tuple[Any, Optional[Role], bool]] = []  # (record, or fn left out; role; whether it runs)
+        self._iteration: Optional[Generator[Context, None, None]] = None  # the run in progress, if any
         self._created: List[Middleware] = []
         self._by_fn: Dict[int, Middleware] = {}
         self._events = EventBus()
@@ -99,6 +107,8 @@ class Task:
             yield self
         finally:
             try:
+                if self._iteration is not None:  # an iterate() loop left open: end its run first
+                    self._iteration.close()
                 self._events.emit(CLOSE_EVENT)
             finally:
                 if self._executor is not None:
@@ -202,8 +212,11 @@ class Task:
             self._role_bound = True
             if not self.has_role(role):
                 check_middleware(fn)
+                self._uses.append((fn, role, False))
                 return self
-        self._middleware.append(self._record(fn, lock))
+        mw = self._record(fn, lock)
+        self._middleware.append(mw)
+        self._uses.append((mw, role, True))
         return self
 
     def _record(self, fn: Any, lock: LockArg = False) -> Middleware:
@@ -227,33 +240,85 @@ class Task:
     def run(self, max_step: int = sys.maxsize) -> None:
         """Run the chain ``max_step`` times, or until a middleware sets ``task.finish = True``.
 
-        Each iteration gets a fresh context (kept fields carried over, ``total_step`` = its index). An
-        exception in a middleware stops the run and propagates, with the middleware's name in its notes;
-        kept fields then hold what the last completed iteration left. When the run ends, pending
-        :meth:`between_iterations` callbacks run, then :data:`FINISH_EVENT` is emitted with the error or None.
+        First the declared fields are checked (:meth:`describe`): a :class:`PipelineError` names a middleware
+        that reads a field before anything writes it. Each iteration gets a fresh context (kept fields carried
+        over, ``total_step`` = its index). An exception in a middleware stops the run and propagates, with the
+        middleware's name in its notes; kept fields then hold what the last completed iteration left. When the
+        run ends, pending :meth:`between_iterations` callbacks run, then :data:`FINISH_EVENT` is emitted with
+        the error or None.
         """
+        max_step = self._prepare_run("run", max_step)
+        loop = self._loop(max_step)
+        try:
+            for _ in loop:
+                pass
+        except BaseException as exc:
+            if inspect.getgeneratorstate(loop) != inspect.GEN_SUSPENDED:
+                raise
+            loop.throw(exc)  # Ctrl-C between two iterations: the run ends as on one inside an iteration
+
+    def iterate(self, max_step: int = sys.maxsize) -> Iterator[Dict[str, Any]]:
+        """:meth:`run` as a generator (sync mode): after each iteration, yields what it left.
+
+        Each item holds ``total_step`` (the iteration's index), the iteration context's scalar fields
+        (``int``, ``float``, ``bool``, ``str`` or ``Optional`` of these: ``env_step``, ``train_iter``,
+        ``eval_value`` ... in RL contexts) and ``time_s``, each middleware's seconds in it (names as in
+        :meth:`stats`). Between items nothing runs; leaving the loop early (``break``, ``close()``, leaving
+        ``task.start``) ends the run as if ``max_step`` had been reached there: callbacks, :data:`FINISH_EVENT`.
+        In async mode iterations overlap, so there is no point between two of them to stop at: use :meth:`run`.
+        """
+        if self._async:
+            raise RuntimeError("task.iterate() steps a sync pipeline; in async mode iterations overlap, so use "
+                               "task.run(), or task.start(async_mode=False)")
+        max_step = self._prepare_run("iterate", max_step)
+        return self._logs(self._loop(max_step))
+
+    def _prepare_run(self, what: str, max_step: int) -> int:
+        """The checks before a run starts, done at the call (also for :meth:`iterate`, whose loop starts later);
+        returns how many iterations to run (fewer under :meth:`inspecting`)."""
         if not self._started:
-            raise RuntimeError("task.run() must be called inside `with task.start():`")
-        if self._running:
-            raise RuntimeError("task.run() is already running")
+            raise RuntimeError(f"task.{what}() must be called inside `with task.start():`")
+        if self._running or self._iteration is not None:
+            raise RuntimeError(f"task.{what}(): a run is already in progress")
         if not isinstance(max_step, int) or max_step < 0:
-            raise ValueError(f"task.run(max_step={max_step!r}): must be an int >= 0")
+            raise ValueError(f"task.{what}(max_step={max_step!r}): must be an int >= 0")
         if not self._middleware and max_step == sys.maxsize:
-            raise RuntimeError("task.run() with no middleware and no max_step would loop forever: add middleware "
+            raise RuntimeError(f"task.{what}() with no middleware and no max_step would loop forever: add middleware "
                                "with task.use(...) first")
+        table = self.describe()
+        inspection = self._inspection
+        if inspection is not None:
+            if inspection.table is None:
+                inspection.table = table
+            if inspection.iterations == 0:
+                raise _Described()
+        if table.problems:
+            raise PipelineError(f"the pipeline's order does not fit its declared fields: {'; '.join(table.problems)}")
+        return max_step if inspection is None else min(max_step, inspection.iterations)
+
+    def _loop(self, max_step: int) -> Generator[Context, None, None]:
+        """The one run loop of :meth:`run` and :meth:`iterate`: yields each completed iteration's context (sync
+        mode; async mode yields nothing). Closing it between iterations ends the run normally."""
+        if self._running:
+            raise RuntimeError("task: a run is already in progress")
         store = self._base_ctx._store()
         store.begin(journal=self._async)
-        self._last_done = self._base_ctx.total_step - 1
+        first = self._base_ctx.total_step
+        self._last_done = first - 1
         self._running = True
         error: Optional[BaseException] = None
         try:
             if self._async:
                 self._run_async(max_step)
             else:
-                self._run_sync(max_step)
+                yield from self._run_sync(max_step)
+        except GeneratorExit:
+            pass  # the caller stopped iterating between two iterations: the run ends after the last one
         except BaseException as exc:
             error = exc
         store.end(rollback=error is not None)
+        if self._inspection is not None:
+            self._inspection.completed += self._last_done + 1 - first
         if error is not None or self._base_ctx.total_step != self._last_done + 1:
             try:
                 self._base_ctx = self._fresh(self._last_done + 1)
@@ -270,7 +335,24 @@ class Task:
         if error is not None:
             raise error
 
-    def _run_sync(self, max_step: int) -> None:
+    def _logs(self, loop: Generator[Context, None, None]) -> Generator[Dict[str, Any], None, None]:
+        """:meth:`iterate`'s items, one per context ``loop`` yields; closing this closes the loop."""
+        if self._running or self._iteration is not None:
+            raise RuntimeError("task.iterate(): a run is already in progress")
+        self._iteration = loop
+        try:
+            before = {id(mw): mw.timing.total for mw in self._created}
+            for ctx in loop:
+                now = {id(mw): mw.timing.total for mw in self._created}
+                times = {name: now[id(mw)] - before.get(id(mw), 0.0) for name, mw in self._named()}
+                before = now
+                yield {"total_step": ctx.total_step, **_scalars(ctx), "time_s": times}
+        finally:
+            if self._iteration is loop:
+                self._iteration = None
+            loop.close()
+
+    def _run_sync(self, max_step: int) -> Iterator[Context]:
         chain = self._middleware
         for _ in range(max_step):
             if self.finish:
@@ -282,6 +364,7 @@ class Task:
             self._base_ctx = self._fresh(self._last_done + 1)
             if self._between:
                 self._quiescent()
+            yield ctx
 
     def _run_async(self, max_step: int) -> None:
         if self.finish or max_step == 0:
@@ -465,6 +548,7 @@ class Task:
 
         parallel.__qualname__ = parallel.__name__ = f"parallel({', '.join(mw.name for mw in chain)})"
         parallel._members = chain  # type: ignore[attr-defined]
+        parallel._concurrent = True  # type: ignore[attr-defined]  # members' fields: see engine.declare.fields_of
         return parallel
 
     def _member(self, mw: Middleware, ctx: Context) -> Any:
@@ -577,13 +661,89 @@ class Task:
     # --- profiling ---------------------------------------------------------------------------------
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per middleware name: ``calls``, ``total_s``, ``mean_s``, ``p95_s`` (forward + backward time)."""
-        out: Dict[str, Dict[str, float]] = {}
+        return {name: mw.timing.summary() for name, mw in self._named()}
+
+    def _named(self) -> List[Tuple[str, Middleware]]:
+        """Every middleware record made, with a unique name (``name#2`` for a second one of the same name)."""
+        out: List[Tuple[str, Middleware]] = []
+        taken: Set[str] = set()
         for mw in self._created:
             name, n = mw.name, 2
-            while name in out:
+            while name in taken:
                 name, n = f"{mw.name}#{n}", n + 1
-            out[name] = mw.timing.summary()
+            taken.add(name)
+            out.append((name, mw))
         return out
+
+    # --- inspection --------------------------------------------------------------------------------
+    def describe(self) -> PipelineTable:
+        """The pipeline as a table: each middleware's name, the context fields it declares it reads and
+        writes (:func:`~conveyor.engine.declares`), its role, and the ordering problems :meth:`run` rejects.
+        Middleware left out for a role this process lacks are listed, marked inactive."""
+        rows = []
+        for k, (fn, role, active) in enumerate(self._uses, 1):
+            name = fn.name if isinstance(fn, Middleware) else middleware_name(fn)
+            rows.append(Row(k, name, fields_of(fn), None if role is None else role.value, active))
+        ctx = self._base_ctx
+        return PipelineTable(rows, order_problems(rows, () if ctx is None else ctx.kept_fields,
+                                                  None if ctx is None else type(ctx)))
+
+    @contextlib.contextmanager
+    def inspecting(self, iterations: int = 0) -> Iterator["Inspection"]:
+        """Run code that builds and runs a pipeline (an entry's ``main()``) for at most ``iterations``
+        iterations per run; the yielded :class:`Inspection` gets the first run's :meth:`describe` table and the
+        number of iterations completed.
+
+        ``iterations=0``: the run call stops that code before the first iteration, as an error would (its
+        ``with`` blocks close what they opened) and the ``with`` block ends quietly: how ``conveyor describe``
+        reads an entry's pipeline without training. Otherwise runs end after ``iterations`` and the code goes
+        on (``conveyor.testing.check_pipeline``).
+        """
+        if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 0:
+            raise ValueError(f"task.inspecting(iterations={iterations!r}): must be an int >= 0")
+        if self._inspection is not None:
+            raise RuntimeError("task.inspecting() is already active")
+        found = self._inspection = Inspection(iterations)
+        try:
+            yield found
+        except _Described:
+            pass
+        finally:
+            self._inspection = None
+
+
+class Inspection:
+    """What :meth:`Task.inspecting` found: the first run's pipeline table (None if nothing ran) and the number
+    of iterations completed."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+        self.table: Optional[PipelineTable] = None
+        self.completed = 0
+
+
+class _Described(BaseException):
+    """Raised by run() under :meth:`Task.inspecting`, to leave the code that built the pipeline; a
+    BaseException, so ``except Exception`` in that code lets it through."""
+
+
+_SCALARS = (int, float, bool, str)
+_scalar_fields: Dict[type, Tuple[str, ...]] = {}
+
+
+def _scalars(ctx: Context) -> Dict[str, Any]:
+    """The context's fields annotated as int, float, bool, str, or Optional of one of these, with their values."""
+    cls = type(ctx)
+    names = _scalar_fields.get(cls)
+    if names is None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # annotations that do not resolve: only the plainly scalar ones count
+            hints = {f.name: f.type if isinstance(f.type, type) else object for f in dataclasses.fields(cls)}
+        names = _scalar_fields[cls] = tuple(
+            f.name for f in dataclasses.fields(cls) if f.name != "total_step" and
+            all(t in _SCALARS or t is type(None) for t in (typing.get_args(hints[f.name]) or (hints[f.name],))))
+    return {name: getattr(ctx, name) for name in names}
 
 
 def _stateful(obj: Any) -> bool:

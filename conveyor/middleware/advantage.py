@@ -9,7 +9,7 @@ import treetensor.torch as ttorch
 import treevalue
 
 from conveyor.data.batch import flatten_batch
-from conveyor.engine import OnlineRLContext
+from conveyor.engine import OnlineRLContext, declares
 
 __all__ = ["gae_estimator", "generalized_advantage"]
 
@@ -46,6 +46,7 @@ def generalized_advantage(reward: np.ndarray, value: np.ndarray, next_value: np.
     return adv
 
 
+@declares(reads=("trajectories",), writes=("train_data",), factory=True)
 def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None):
     """GAE(``cfg.policy.gae_lambda``) advantages and returns for the trajectories the collector just gathered.
 

@@ -19,7 +19,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
-from conveyor.engine import FINISH_EVENT, Context, OnlineRLContext, task
+from conveyor.engine import FINISH_EVENT, Context, OnlineRLContext, declares, task
 from conveyor.middleware.evaluator import EVAL_EVENT
 
 __all__ = ["CheckpointError", "CkptSaver", "save_checkpoint", "load_checkpoint", "restore", "remove_stale_temps"]
@@ -127,6 +127,7 @@ def _register(name: str, obj: Any) -> None:
         pass  # outside task.start, the pipeline registered its own under that name, or it is not saveable
 
 
+@declares(reads=("eval_output", "train_iter"), optional=("eval_output",), writes=("last_save_iter",))
 class CkptSaver:
     """Writes consistent checkpoints of the whole pipeline, and the evaluated weights that scored best.
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Protocol
 import numpy as np
 
 from conveyor.data.batch import stack_nested, to_tensor
-from conveyor.engine import OnlineRLContext, task
+from conveyor.engine import OnlineRLContext, declares, task
 
 __all__ = ["StepCollector", "EpisodeCollector", "eps_greedy_handler", "EPISODE_EVENT"]
 
@@ -29,6 +29,8 @@ def _random_actions(space: Any, n: int) -> np.ndarray:
     return np.stack([np.asarray(space.sample()) for _ in range(n)])
 
 
+@declares(reads=("collect_kwargs", "env_step", "env_episode"), optional=("collect_kwargs",),
+          writes=("trajectories", "trajectory_end_idx", "env_step", "env_episode"))
 class StepCollector:
     """Collects ``cfg.policy.collect.n_sample`` transitions per call from all collector envs.
 
@@ -122,6 +124,8 @@ class StepCollector:
         ctx.env_episode += episodes
 
 
+@declares(reads=("collect_kwargs", "env_step", "env_episode"), optional=("collect_kwargs",),
+          writes=("episodes", "trajectories", "trajectory_end_idx", "env_step", "env_episode"))
 class EpisodeCollector:
     """Collects exactly ``cfg.policy.collect.n_episode`` complete episodes per call.
 
@@ -223,6 +227,7 @@ def _concat(episodes: List[Dict[str, Any]]) -> Dict[str, Any]:
                 else np.concatenate([ep[k] for ep in episodes])) for k in first}
 
 
+@declares(reads=("env_step", "collect_kwargs"), optional=("collect_kwargs",), writes=("collect_kwargs",), factory=True)
 def eps_greedy_handler(cfg: Any):
     """Sets the exploration rate for the collect policy from the env step count.
 

@@ -25,7 +25,7 @@ import torch
 import treetensor.torch as ttorch
 
 from conveyor.data.batch import to_numpy, to_tensor
-from conveyor.engine import OnlineRLContext, compose, task
+from conveyor.engine import OnlineRLContext, compose, declares, task
 from conveyor.envs._subprocess import (_describe_exit, _pack_exception, _send_quietly, _unpack_exception,
                                       child_started, start_child)
 from conveyor.middleware.collector import EPISODE_EVENT
@@ -175,6 +175,8 @@ class _Child:
         self.weights.close(unlink=True)
 
 
+@declares(reads=("env_step", "env_episode", "collect_kwargs"), optional=("collect_kwargs",),
+          writes=_OUTPUTS + ("env_step", "env_episode"))
 class ProcessCollector:
     """Runs collection middleware in a child process; acts like that chain run here.
 

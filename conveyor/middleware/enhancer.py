@@ -16,7 +16,7 @@ import torch
 import treetensor.torch as ttorch
 
 from conveyor.data.batch import map_nested
-from conveyor.engine import OnlineRLContext
+from conveyor.engine import OnlineRLContext, declares
 
 __all__ = ["nstep_reward_enhancer", "nstep_returns", "NStepEnhancer"]
 
@@ -80,6 +80,7 @@ def nstep_returns(batch: Any, gamma: float, nstep: int) -> Any:
     return batch
 
 
+@declares(reads=("trajectories",), writes=("trajectories",))
 class NStepEnhancer:
     """Turns the collector's one-step transitions into n-step ones across collection calls (see the module doc).
 

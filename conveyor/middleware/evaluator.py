@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from conveyor.engine import OnlineRLContext, task
+from conveyor.engine import OnlineRLContext, declares, task
 
 __all__ = ["EVAL_EVENT", "EvaluationError", "InteractionEvaluator", "interaction_evaluator", "evaluate"]
 
@@ -77,6 +77,8 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
             "crashes": crashes, "dropped": dropped}
 
 
+@declares(reads=("train_iter", "env_step", "last_eval_iter"),
+          writes=("eval_value", "eval_output", "last_eval_iter", "last_eval_value"))
 class InteractionEvaluator:
     """Evaluates one pinned version of the policy every ``cfg.policy.eval.evaluator.eval_freq`` train
     iterations (and first of all at the start), on ``cfg.env.n_evaluator_episode`` episodes; if

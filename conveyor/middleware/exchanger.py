@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from conveyor.engine import OnlineRLContext, task
+from conveyor.engine import OnlineRLContext, declares, task
 from conveyor.engine.parallel import codec
 from conveyor.policy.normaliser import FrozenNormaliser
 
@@ -103,6 +103,10 @@ def _merge_trajectories(batches: List[Any]) -> Any:
                          f"first dim ({type(e).__name__}: {e}); give every collector the same env count") from None
 
 
+@declares(reads=("train_iter", "env_step", "env_episode"),
+          writes=("train_iter", "trajectories", "episodes", "env_step", "env_episode"),
+          backward_reads=("trajectories", "episodes", "env_step", "env_episode", "train_iter"),
+          optional=("trajectories", "episodes"))  # both sides: see the docstring
 class ContextExchanger:
     """Collectors send what they collected to learners; learners send ``train_iter`` back.
 
@@ -203,6 +207,7 @@ class _ModelVersions:
             self.version = int(state["version"])
 
 
+@declares()  # no context field: it reads and writes the policy's weights
 class ModelExchanger:
     """The learner sends its newest weights; collectors and evaluators act on the newest they received.
 

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Protocol
 
 
 from conveyor.data.batch import flatten_batch
-from conveyor.engine import OnlineRLContext
+from conveyor.engine import OnlineRLContext, declares
 
 __all__ = ["data_pusher", "OffPolicyLearner"]
 
@@ -40,6 +40,8 @@ def _valid_rows(batch: Any) -> Any:
     return flat
 
 
+@declares(reads=("trajectories", "episodes"), optional=("episodes",), writes=("trajectories", "episodes"),
+          factory=True)
 def data_pusher(cfg: Any, buffer: Buffer):
     """Pushes what the collector gathered into a replay buffer, then clears it from the context.
 
@@ -61,6 +63,7 @@ def data_pusher(cfg: Any, buffer: Buffer):
     return _push
 
 
+@declares(reads=("train_iter",), writes=("train_iter", "train_output"))
 class OffPolicyLearner:
     """Runs ``cfg.policy.learn.update_per_collect`` gradient steps on batches sampled from a buffer.
 

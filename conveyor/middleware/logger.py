@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OnlineRLContext, task
+from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OnlineRLContext, declares, task
 from conveyor.middleware.collector import EPISODE_EVENT
 from conveyor.middleware.evaluator import EVAL_EVENT
 
@@ -79,6 +79,7 @@ class _Scalars:
         return scalars
 
 
+@declares(backward_reads=("train_output", "env_step", "train_iter"), optional=("train_output",), factory=True)
 def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bool = False):
     """Writes scalars to TensorBoard under ``logdir`` (tensorboardX), indexed by env step
     (and also by train iteration with ``record_train_iter``).
@@ -114,6 +115,7 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
     return _log
 
 
+@declares(backward_reads=("train_output", "env_step", "train_iter"), optional=("train_output",), factory=True)
 def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, train_show_freq: int = 100,
                         **init_kwargs: Any):
     """Like :func:`online_logger`, to Weights & Biases (``pip install wandb``); metrics are stepped by env step.
@@ -140,6 +142,7 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
     return _log
 
 
+@declares(backward_reads=("env_step",), factory=True)
 def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
                  make_bar: Optional[Callable[..., Any]] = None):
     """A terminal progress bar of env steps with the latest eval return (and its env crashes and dropped

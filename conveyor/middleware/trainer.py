@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Protocol
 import numpy as np
 import torch
 
-from conveyor.engine import OnlineRLContext
+from conveyor.engine import OnlineRLContext, declares
 
 __all__ = ["multistep_trainer", "trainer", "MultistepTrainer", "Trainer"]
 
@@ -62,6 +62,7 @@ class _LrSchedule:
         self.rounds += 1
 
 
+@declares(reads=("train_data", "train_iter", "env_step"), writes=("train_iter", "train_output"))
 class _Trainer:
     """What both trainers share: the learn view check, the lr schedule, the checkpointed state."""
 
