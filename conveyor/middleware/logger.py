@@ -169,6 +169,8 @@ def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
 
     def _progress(ctx: OnlineRLContext):
         yield
+        if total_env_step is not None and ctx.env_step > total_env_step:
+            bar.total = ctx.env_step  # the last collection overshoots the budget by less than one round
         bar.update(ctx.env_step - shown[0])
         shown[0] = ctx.env_step
 
