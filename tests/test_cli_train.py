@@ -132,8 +132,9 @@ def test_an_interrupted_run_ends_with_one_line_saying_so(workdir, capsys):
             raise TrainingInterrupted(signal.SIGINT, ctx, Path("runs/stopped/ckpt"))
     '''))
     assert main(["train", "stopped.py"]) == 130
-    assert capsys.readouterr().out == ("interrupted by SIGINT at env step 120 (last eval -882.1); final and latest "
-                                       "checkpoints written, continue with --resume; run directory runs/stopped\n")
+    assert capsys.readouterr().err == ("conveyor: interrupted by SIGINT at env step 120 (last eval -882.1); final "
+                                       "and latest checkpoints written, continue with --resume; run directory "
+                                       "runs/stopped\n")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

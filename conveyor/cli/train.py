@@ -82,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         run_dir = _run_dir(cfg if cfg is not None else entry.main_config, args.exp_name)
         ctx = entry.main(cfg, **keywords)
     except TrainingInterrupted as stop:
-        print(f"interrupted by {signal.Signals(stop.signum).name} at env step {stop.ctx.env_step} (last eval "
-              f"{number(stop.ctx.last_eval_value)}); final and latest checkpoints written, continue with --resume; "
-              f"run directory {run_dir}")
+        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name} at env step {stop.ctx.env_step} (last "
+              f"eval {number(stop.ctx.last_eval_value)}); final and latest checkpoints written, continue with "
+              f"--resume; run directory {run_dir}", file=sys.stderr)
         return 128 + stop.signum
     except KeyboardInterrupt:
         print("conveyor: stopped at once by a second interrupt; the last latest.pth.tar is kept", file=sys.stderr)
