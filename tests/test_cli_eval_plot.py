@@ -61,7 +61,7 @@ def test_plot_aggregates_seeds_and_overlays_experiments(runs, tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from conveyor.cli.plot import _experiments, read_curve
     groups = _experiments([read_curve(runs / name, "eval/return", "wall") for name in ("dqn_s0", "dqn_s1", "fast_s0")])
-    assert {label: len(curves) for label, curves in groups.items()} == {"learning_rate=0.003 (2 seeds)": 2,
+    assert {label: len(curves) for label, curves in groups.items()} == {"learning_rate=0.003 (2 runs)": 2,
                                                                         "learning_rate=0.01": 1}
 
 

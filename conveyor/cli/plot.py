@@ -118,9 +118,13 @@ def _experiments(curves: Sequence[Curve]) -> Dict[str, List[Curve]]:
                         if len({json.dumps(f.get(k), default=str) for f in flats.values()}) > 1})
     labelled = {}
     for key, runs in grouped.items():
-        parts = [f"{k.rpartition('.')[2]}={flats[key].get(k)}" for k in differing[:3]]
-        label = ", ".join(parts) if parts and runs[0].config is not None else _name(runs)
-        labelled[label + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")] = runs
+        if runs[0].config is None or not differing:
+            label = _name(runs)
+        elif "policy" in differing:  # another algorithm: its name says more than the keys that differ with it
+            label = f"{_name(runs)} ({runs[0].config['policy']})"
+        else:
+            label = ", ".join(f"{k.rpartition('.')[2]}={flats[key].get(k)}" for k in differing[:3])
+        labelled[label + (f" ({len(runs)} runs)" if len(runs) > 1 else "")] = runs
     return labelled
 
 
@@ -154,7 +158,7 @@ def _draw(groups: Dict[str, List[Curve]], args: argparse.Namespace) -> None:
         grid = np.unique(np.concatenate([run.x for run in runs]))
         ys = np.stack([np.interp(grid, run.x, run.y) for run in runs])
         mean = ys.mean(axis=0)
-        line, = axes.plot(grid, mean, label=label)
+        line, = axes.plot(grid, mean, label=label, marker="o" if len(grid) <= 30 else None, markersize=3)
         if len(runs) > 1:
             low, high = (ys.min(axis=0), ys.max(axis=0)) if args.band == "minmax" else \
                 (mean - ys.std(axis=0), mean + ys.std(axis=0))
