@@ -110,18 +110,20 @@ DI_ENGINE_RENAMES: dict[str, Rename] = {
     "collect.discount_factor": Rename("policy.discount_factor", "one discount for collection and learning"),
     "collect.gae_lambda": Rename("policy.gae_lambda"),
     "continuous": Rename("policy.model.action_space", "continuous=True is action_space='gaussian'"),
-    "train_iterations": Rename("--max-train-iter", "a budget of `conveyor train` (max_train_iter= of an entry's main)"),
+    "train_iterations": Rename("--max-train-iter", "a budget of `conveyor train`, max_train_iter= of an entry's "
+                                                   "main"),
 }
 """DI-engine config names that Conveyor calls otherwise, keyed by the name's last components ("eps.type" matches
 ``policy.other.eps.type``, "replay_buffer_size" matches it anywhere); :func:`validate` names the new key."""
 
 
-def renamed(path: str, renames: Mapping[str, Rename] = DI_ENGINE_RENAMES) -> str | None:
-    """The hint for an unknown dotted ``path`` that another framework's name explains, else ``None``."""
+def renamed(path: str) -> str | None:
+    """The hint for an unknown dotted ``path`` that DI-engine's name explains (:data:`DI_ENGINE_RENAMES`), else
+    ``None``."""
     parts = path.split(".")
     for start in range(len(parts)):
-        rename = renames.get(".".join(parts[start:]))
-        if rename is not None and rename.key != path:
+        rename = DI_ENGINE_RENAMES.get(".".join(parts[start:]))
+        if rename is not None and rename.key != path:  # a key one policy has and another lacks is no rename
             note = f" ({rename.note})" if rename.note else ""
             return f"'{'.'.join(parts[start:])}' is DI-engine's name: Conveyor's is '{rename.key}'{note}"
     return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.record is not None and Path(args.record).suffix.lower() not in VIDEO_SUFFIXES:
         return usage_error(f"--record {args.record}: the file must end in {' or '.join(VIDEO_SUFFIXES)}")
+    from conveyor.envs import EnvCrashedError
+    from conveyor.middleware import EvaluationError
     from conveyor.schema import ConfigError
     from conveyor.zoo._online import RunDirError
 
@@ -60,12 +63,16 @@ def run(args: argparse.Namespace) -> int:
               f"{number(result['mean'])}, std {number(result['std'])}, min {number(min(result['returns']))}, "
               f"max {number(max(result['returns']))}")
         if args.record is not None:
-            ret, length = _record(cfg, policy, Path(args.record), args.seed)
+            from conveyor.cli._video import record_episode
+            ret, length = record_episode(cfg, policy, Path(args.record), args.seed)
             print(f"recorded one episode (return {number(ret)}, {length} steps) to {args.record}")
     except (ConfigError, RunDirError, FileNotFoundError, ImportError) as exc:
         return usage_error(message(exc))
     except OSError as exc:
         return usage_error(os_message(exc))
+    except (EnvCrashedError, EvaluationError) as exc:
+        print(f"conveyor: error: {message(exc)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -127,8 +134,3 @@ def _evaluate(cfg: Any, policy: Any, episodes: int, seed: int, progress: bool) -
             bar.update(count)
             bar.set_postfix(mean_return=number(float(np.mean(returns))), refresh=False)
     return {"returns": returns, "mean": float(np.mean(returns)), "std": float(np.std(returns))}
-
-
-def _record(cfg: Any, policy: Any, out: Path, seed: int) -> Tuple[float, int]:
-    from conveyor.cli._video import record_episode
-    return record_episode(cfg, policy, out, seed)

@@ -32,7 +32,8 @@ from conveyor.middleware.collector_process import ProcessCollector, collection_b
 from conveyor.schema import ConfigError
 
 __all__ = ["prepare", "experiment_dir", "read_run_config", "seed_everything", "collection_and_evaluator_env",
-           "use_reporting", "train_online", "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
+           "use_reporting", "train_online", "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name",
+           "stop_on_signals"]
 
 RUNS = Path("runs")
 CONFIG_FILE = "config.json"
