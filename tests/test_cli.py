@@ -54,9 +54,15 @@ def test_bad_usage_exits_2_from_the_console_script():
     assert result.returncode == 2 and "entry" in result.stderr
 
 
-def test_bad_usage_in_process_returns_2(capsys):
-    assert main(["train"]) == 2
-    assert "the following arguments are required: entry" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, fragment", [
+    (["train"], "error: train: the following arguments are required: entry (see conveyor train --help)"),
+    (["trian"], "error: argument COMMAND: invalid choice: 'trian'"),
+    (["train", "cartpole/dqn", "--seed", "one"], "argument --seed: invalid int value: 'one'"),
+    (["train", "cartpole/dqn", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["plot", "runs/x", "--x", "time"], "argument --x: invalid choice: 'time'"),
+])
+def test_bad_usage_is_one_line_and_returns_2(argv, fragment, capsys):
+    assert_usage_error(main(argv), capsys, fragment)
 
 
 def test_a_negative_seed_exits_2_with_one_line_naming_the_key(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 __all__ = ["main"]
 
@@ -17,8 +17,16 @@ COMMANDS = ("train", "listing", "eval", "plot")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad usage reported in one line (``conveyor: error: ...``) like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        self.exit(2, f"conveyor: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor", description="Reinforcement learning as a pipeline of middleware.")
+    parser = _Parser(prog="conveyor", description="Reinforcement learning as a pipeline of middleware.")
     parser.add_argument("--version", action="version", version=f"conveyor {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
