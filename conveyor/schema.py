@@ -107,6 +107,7 @@ DI_ENGINE_RENAMES: dict[str, Rename] = {
     "priority_IS_weight": Rename("policy.other.replay_buffer.prioritized", "importance weights come with "
                                                                           "prioritized replay (annealed by beta)"),
     "random_collect_size": Rename("policy.collect.random_collect_size"),
+    "evaluator.n_episode": Rename("env.n_evaluator_episode"),
     "collect.discount_factor": Rename("policy.discount_factor", "one discount for collection and learning"),
     "collect.gae_lambda": Rename("policy.gae_lambda"),
     "continuous": Rename("policy.model.action_space", "continuous=True is action_space='gaussian'"),

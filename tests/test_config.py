@@ -143,6 +143,7 @@ def test_an_override_of_a_misspelt_key_is_caught_when_the_config_compiles():
     ("policy.learn.learning_rate_q", "policy.learn.critic_learning_rate"),
     ("policy.learn.learning_rate_policy", "policy.learn.actor_learning_rate"),
     ("policy.collect.discount_factor", "policy.discount_factor"),
+    ("policy.eval.evaluator.n_episode", "env.n_evaluator_episode"),
 ])
 def test_di_engine_names_are_answered_with_conveyors_key(key, conveyor_key):
     from conveyor.config import apply_overrides
