@@ -166,3 +166,17 @@ def test_the_progress_bar_shows_the_eval_return_against_the_stop_value_and_ends_
         task.run(max_step=2)
         assert bars[0].postfix == "eval_return=9.9/475" and bars[0].n == bars[0].total == 128
     assert asked == [None]  # tqdm's "silent when not a terminal"
+
+
+def test_an_entry_file_whose_main_takes_only_a_config_runs_when_no_flag_needs_more(workdir, capsys):
+    (workdir / "plain.py").write_text(textwrap.dedent('''
+        import types
+
+        main_config = {"exp_name": "plain"}
+
+
+        def main(cfg=None):
+            return types.SimpleNamespace(env_step=5, train_iter=1, last_eval_value=None)
+    '''))
+    assert main(["train", "plain.py"]) == 0
+    assert capsys.readouterr().out == "stopped at env step 5, train iter 1; last eval -; run directory runs/plain\n"

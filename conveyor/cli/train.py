@@ -23,7 +23,10 @@ from typing import Any, Optional
 
 from conveyor.cli._common import message, number, os_message, usage_error
 
-__all__ = ["register", "run", "stop_reason"]
+__all__ = ["register", "run", "stop_reason", "CKPT_INTERVAL"]
+
+CKPT_INTERVAL = 300.0
+"""Seconds between the wall-clock ``latest.pth.tar`` writes of ``conveyor train`` unless ``--ckpt-interval`` says."""
 
 
 def register(commands: "argparse._SubParsersAction") -> None:
@@ -50,8 +53,9 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--resume", action="store_true",
                        help="continue runs/<exp-name> from its saved config and ckpt/latest.pth.tar (exactly where "
                             "it stopped); without it, a name that already holds a run is an error")
-    train.add_argument("--ckpt-interval", type=float, default=300.0, metavar="SECONDS",
-                       help="also write latest.pth.tar every this many seconds of wall-clock time (default 300)")
+    train.add_argument("--ckpt-interval", type=float, default=None, metavar="SECONDS",
+                       help=f"also write latest.pth.tar every this many seconds of wall-clock time (default "
+                            f"{CKPT_INTERVAL:g})")
     train.add_argument("--async", dest="async_mode", action="store_true",
                        help="overlap collection of the next iteration with training on this one")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--max-env-step", args.max_env_step), ("--max-train-iter", args.max_train_iter)):
         if value is not None and value <= 0:
             return usage_error(f"{flag} must be > 0, got {value}")
-    if not args.ckpt_interval > 0:
+    if args.ckpt_interval is not None and not args.ckpt_interval > 0:
         return usage_error(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
     if args.device == "cuda":
         import torch
@@ -146,7 +150,10 @@ def _keywords(entry: ModuleType, args: argparse.Namespace) -> dict:
                 "async_mode": False, "progress": True, "ckpt_interval": None}
     given = {name: getattr(args, name) for name, _ in _KEYWORDS if getattr(args, name) != defaults[name]}
     parameters = inspect.signature(entry.main).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if takes_any or "ckpt_interval" in parameters:
+        given.setdefault("ckpt_interval", CKPT_INTERVAL)
+    if not takes_any:
         for name, flag in _KEYWORDS:
             if name in given and name not in parameters:
                 raise ConfigError(f"{flag}: {args.entry} has a main() without the keyword argument {name}=; an "
