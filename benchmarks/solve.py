@@ -10,37 +10,19 @@ Each seed trains the entry from scratch, evaluating every ``--eval-every`` env s
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
 import tempfile
 import time
 
+from conveyor.config import ConfigError, apply_overrides
 from conveyor.zoo import load_entry
-
-
-def override(cfg, assignment: str) -> None:
-    """Apply one ``--set dotted.key=value`` to ``cfg``; the value is read as JSON, else kept as a string."""
-    key, sep, text = assignment.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--set expects KEY=VALUE with a dotted config key, got {assignment!r}")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = text
-    *parents, last = key.split(".")
-    node = cfg
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value  # an unknown or misspelt key is refused when the entry compiles its config
 
 
 def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int,
                async_mode: bool = False, overrides: tuple = ()) -> dict:
-    cfg = copy.deepcopy(entry.main_config)
-    for assignment in overrides:
-        override(cfg, assignment)
+    cfg = apply_overrides(entry.main_config, overrides)  # typed like `conveyor train --set`; main() validates
     cfg.seed = seed
     cfg.exp_name = f"solve_seed{seed}"
     cfg.env.stop_value = stop_value
@@ -91,6 +73,8 @@ def main() -> None:
             for seed in range(args.first_seed, args.first_seed + seeds):
                 results.append(solve_once(entry, seed, stop_value, budget, args.eval_every, args.eval_episodes,
                                           args.async_mode, tuple(args.overrides)))
+        except ConfigError as exc:  # a bad --set: the entry's validation names the key and the fix
+            parser.error(str(exc))
         finally:
             os.chdir(cwd)
 

@@ -7,8 +7,12 @@ size or an unknown env id is an error before anything starts.
 """
 from __future__ import annotations
 
+import ast
 import copy
-from typing import Any, Mapping, Optional, Type
+import json
+import runpy
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Type
 
 import gymnasium as gym
 from easydict import EasyDict
@@ -16,7 +20,8 @@ from easydict import EasyDict
 from conveyor.envs import ENV_SCHEMA, check_env_id
 from conveyor.schema import ConfigError, Option, validate
 
-__all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError"]
+__all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError", "apply_overrides", "load_config_file",
+           "merge_config", "CONFIG_SUFFIXES"]
 
 TOP_SCHEMA = {
     "exp_name": Option("experiment", "Name of the run: logs and checkpoints go under runs/<exp_name>/.", type=str),
@@ -103,3 +108,108 @@ def _bound(values: Any) -> Any:
     """A Box bound as config writes it: one float when every dim shares it, else a list of floats."""
     flat = [float(v) for v in values.reshape(-1)]
     return flat[0] if len(set(flat)) == 1 else flat
+
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".py")
+"""Config files :func:`load_config_file` reads."""
+
+
+def apply_overrides(cfg: Mapping[str, Any], assignments: Iterable[str]) -> EasyDict:
+    """A copy of ``cfg`` with each ``"dotted.key=value"`` applied, the value typed against the config.
+
+    Where the key holds a string, the text is kept as it is; elsewhere it is read as a Python or JSON literal
+    (``3e-4``, ``[64, 64]``, ``true``, ``null``, ``None``), and a whole float given for an int key becomes an
+    int; text that is no literal stays a string. Keys are not checked here: :func:`compile_config` validates
+    the result like any config (an unknown key names the closest one, a wrong type the expected one).
+    """
+    out = EasyDict(copy.deepcopy(dict(cfg)))
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"override {assignment!r} is not KEY=VALUE with a dotted config key, e.g. "
+                              f"policy.learn.learning_rate=3e-4")
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            if part not in node:
+                node[part] = EasyDict()
+            elif not isinstance(node[part], Mapping):
+                raise ConfigError(f"override {assignment!r}: config key '{'.'.join(parts[:depth + 1])}' holds "
+                                  f"{node[part]!r}, not a section with keys")
+            node = node[part]
+        node[parts[-1]] = _typed(text, node.get(parts[-1]))
+    return out
+
+
+def _typed(text: str, current: Any) -> Any:
+    if isinstance(current, str):
+        return text
+    value = _literal(text)
+    if isinstance(current, int) and not isinstance(current, bool) and isinstance(value, float) and \
+            value.is_integer():
+        return int(value)
+    return value
+
+
+def _literal(text: str) -> Any:
+    word = text.strip()
+    if word.lower() in ("none", "null", "~"):
+        return None
+    if word.lower() in ("true", "false"):
+        return word.lower() == "true"
+    try:
+        return ast.literal_eval(word)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        pass
+    try:
+        return float(word)
+    except ValueError:
+        return text
+
+
+def merge_config(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> EasyDict:
+    """``base`` with ``overlay``'s values on top, section by section (neither input is modified)."""
+    out = EasyDict(copy.deepcopy(dict(base)))
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_config(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_config_file(path: Any) -> EasyDict:
+    """The config in a ``.yaml`` / ``.yml`` / ``.json`` file, or the ``main_config`` of a ``.py`` file.
+
+    A run's own ``config.json`` (``{"policy": ..., "config": {...}}``) gives its config. Any problem (no such
+    file, a syntax error, no mapping inside) is a one-line :class:`ConfigError` naming the file.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in CONFIG_SUFFIXES:
+        raise ConfigError(f"config file {path} must end in {', '.join(CONFIG_SUFFIXES)}, got '{path.suffix}'")
+    try:
+        found = _read_config(path, suffix)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except (ValueError, SyntaxError) as exc:  # json, yaml (a ValueError here) and Python syntax errors
+        raise ConfigError(f"cannot read config file {path}: {' '.join(str(exc).split())}") from None
+    if isinstance(found, Mapping) and set(found) == {"policy", "config"}:
+        found = found["config"]
+    if not isinstance(found, Mapping):
+        raise ConfigError(f"config file {path} must hold a mapping of config sections (a main_config in a .py "
+                          f"file), got {type(found).__name__}")
+    return EasyDict(copy.deepcopy(dict(found)))
+
+
+def _read_config(path: Path, suffix: str) -> Any:
+    if suffix == ".py":
+        return runpy.run_path(str(path)).get("main_config")
+    text = path.read_text()
+    if suffix == ".json":
+        return json.loads(text)
+    import yaml
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc)) from None

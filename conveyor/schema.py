@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from easydict import EasyDict
 
-__all__ = ["ConfigError", "Option", "Schema", "defaults", "validate", "merge_schemas", "closest"]
+__all__ = ["ConfigError", "Option", "Schema", "Rename", "DI_ENGINE_RENAMES", "renamed", "defaults", "validate",
+           "merge_schemas", "closest"]
 
 Schema = Mapping[str, Any]
 _UNSET = object()
@@ -75,6 +76,60 @@ def closest(name: str, candidates: Sequence[str]) -> str | None:
     return found[0] if found else None
 
 
+@dataclass(frozen=True)
+class Rename:
+    """Where Conveyor keeps what another framework's config key holds, and how the values differ (if they do)."""
+
+    key: str
+    note: str = ""
+
+
+DI_ENGINE_RENAMES: dict[str, Rename] = {
+    "replay_buffer_size": Rename("policy.other.replay_buffer.size"),
+    "encoder_hidden_size_list": Rename("policy.model.hidden_sizes"),
+    "hidden_size_list": Rename("policy.model.hidden_sizes"),
+    "actor_head_hidden_size": Rename("policy.model.hidden_sizes", "one list of layer widths for the actor and the "
+                                                                 "critics"),
+    "critic_head_hidden_size": Rename("policy.model.hidden_sizes", "one list of layer widths for the actor and the "
+                                                                  "critics"),
+    "twin_critic": Rename("policy.model.critic_num", "twin_critic=True is critic_num=2"),
+    "value_weight": Rename("policy.learn.value_coef"),
+    "entropy_weight": Rename("policy.learn.entropy_coef"),
+    "eps.type": Rename("policy.other.eps.kind", "same values: 'exp' or 'linear'"),
+    "learning_rate_q": Rename("policy.learn.critic_learning_rate"),
+    "learning_rate_policy": Rename("policy.learn.actor_learning_rate"),
+    "learning_rate_alpha": Rename("policy.learn.alpha_learning_rate"),
+    "target_update_theta": Rename("policy.learn.target_theta"),
+    "grad_clip_value": Rename("policy.learn.grad_clip", "it always clips the global L2 norm; there is no "
+                                                        "grad_clip_type"),
+    "grad_clip_type": Rename("policy.learn.grad_clip", "it always clips the global L2 norm to that value"),
+    "priority": Rename("policy.other.replay_buffer.prioritized"),
+    "priority_IS_weight": Rename("policy.other.replay_buffer.prioritized", "importance weights come with "
+                                                                          "prioritized replay (annealed by beta)"),
+    "random_collect_size": Rename("policy.collect.random_collect_size"),
+    "evaluator.n_episode": Rename("env.n_evaluator_episode"),
+    "collect.discount_factor": Rename("policy.discount_factor", "one discount for collection and learning"),
+    "collect.gae_lambda": Rename("policy.gae_lambda"),
+    "continuous": Rename("policy.model.action_space", "continuous=True is action_space='gaussian'"),
+    "train_iterations": Rename("--max-train-iter", "a budget of `conveyor train`, max_train_iter= of an entry's "
+                                                   "main"),
+}
+"""DI-engine config names that Conveyor calls otherwise, keyed by the name's last components ("eps.type" matches
+``policy.other.eps.type``, "replay_buffer_size" matches it anywhere); :func:`validate` names the new key."""
+
+
+def renamed(path: str) -> str | None:
+    """The hint for an unknown dotted ``path`` that DI-engine's name explains (:data:`DI_ENGINE_RENAMES`), else
+    ``None``."""
+    parts = path.split(".")
+    for start in range(len(parts)):
+        rename = DI_ENGINE_RENAMES.get(".".join(parts[start:]))
+        if rename is not None and rename.key != path:  # a key one policy has and another lacks is no rename
+            note = f" ({rename.note})" if rename.note else ""
+            return f"'{'.'.join(parts[start:])}' is DI-engine's name: Conveyor's is '{rename.key}'{note}"
+    return None
+
+
 def defaults(schema: Schema) -> EasyDict:
     """The default config a schema describes, as a fresh EasyDict (mutable defaults are copied)."""
     out = {}
@@ -98,8 +153,8 @@ def merge_schemas(*schemas: Schema) -> dict:
 def validate(config: Mapping[str, Any], schema: Schema, path: str = "") -> EasyDict:
     """Check ``config`` against ``schema`` and return it completed with defaults.
 
-    Raises :class:`ConfigError` naming the full dotted path of the first bad key, with the closest
-    valid key for a misspelt one.
+    Raises :class:`ConfigError` naming the full dotted path of the first bad key, with Conveyor's key for a
+    DI-engine name (:data:`DI_ENGINE_RENAMES`) or else the closest valid key for a misspelt one.
     """
     if not isinstance(config, Mapping):
         raise ConfigError(f"config section '{path or '<root>'}' must be a dict, got {type(config).__name__}")
@@ -107,8 +162,8 @@ def validate(config: Mapping[str, Any], schema: Schema, path: str = "") -> EasyD
         if key not in schema:
             where = f"{path}.{key}" if path else str(key)
             hint = closest(str(key), [str(k) for k in schema])
-            fix = f"did you mean '{path + '.' if path else ''}{hint}'?" if hint else \
-                f"valid keys here: {', '.join(sorted(map(str, schema)))}"
+            fix = renamed(where) or (f"did you mean '{path + '.' if path else ''}{hint}'?" if hint else
+                                     f"valid keys here: {', '.join(sorted(map(str, schema)))}")
             raise ConfigError(f"unknown config key '{where}': {fix}")
     out = {}
     for key, spec in schema.items():

@@ -34,17 +34,10 @@ class PipelineCheckError(AssertionError):
 def load_main(target: Target) -> Tuple[str, Callable[..., Any]]:
     """``(label, main)`` of a zoo entry name (``"cartpole/dqn"``), a ``FILE.py`` defining ``main()``, a module
     with ``main``, or a callable ``main`` itself."""
-    if isinstance(target, (str, os.PathLike)) and (str(target).endswith(".py") or Path(target).is_file()):
-        path = Path(target).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"no file {path}: give a zoo entry name or the path of a .py file with a main()")
-        spec = importlib.util.spec_from_file_location(f"conveyor_user_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        target, label = module, str(path)
-    elif isinstance(target, str):
-        from conveyor.zoo import load_entry
-        target, label = load_entry(target), target
+    if isinstance(target, (str, os.PathLike)):
+        from conveyor.zoo import load_entry, load_file
+        label = os.fspath(target)
+        target = load_file(Path(label), required=("main",)) if label.endswith(".py") else load_entry(label)
     else:
         label = getattr(target, "__name__", repr(target))
     main = getattr(target, "main", None) if isinstance(target, ModuleType) else target

@@ -115,3 +115,59 @@ def test_a_seed_numpy_cannot_take_is_refused(seed):
         compile_config(EasyDict(dict(exp_name="t", seed=seed, env=dict(env_id="CartPole-v1"), policy={})),
                        policy=DQNPolicy)
 
+
+
+def test_overrides_are_typed_against_the_config():
+    from conveyor.config import apply_overrides
+    cfg = EasyDict(exp_name="run", seed=0, env=dict(stop_value=None), policy=dict(learn=dict(batch_size=64)))
+    out = apply_overrides(cfg, ["exp_name=123", "seed=1e3", "env.stop_value=null", "policy.learn.batch_size=32",
+                                "policy.model.hidden_sizes=[32, 32]", "policy.cuda=true", "env.env_id=CartPole-v1",
+                                "policy.learn.learning_rate=3e-4"])
+    assert out.exp_name == "123" and out.seed == 1000 and isinstance(out.seed, int) and out.env.stop_value is None
+    assert out.policy.learn.batch_size == 32 and out.policy.model.hidden_sizes == [32, 32]
+    assert out.policy.cuda is True and out.env.env_id == "CartPole-v1" and out.policy.learn.learning_rate == 3e-4
+    assert cfg.exp_name == "run" and "model" not in cfg.policy  # the input is not modified
+
+
+def test_an_override_of_a_misspelt_key_is_caught_when_the_config_compiles():
+    from conveyor.config import apply_overrides
+    with pytest.raises(ConfigError, match="did you mean 'policy.learn.batch_size'"):
+        compile_config(apply_overrides(base(), ["policy.learn.batch_sise=3"]), policy=DQNPolicy)
+
+
+@pytest.mark.parametrize("key, conveyor_key", [
+    ("policy.other.replay_buffer.replay_buffer_size", "policy.other.replay_buffer.size"),
+    ("policy.model.encoder_hidden_size_list", "policy.model.hidden_sizes"),
+    ("policy.learn.value_weight", "policy.learn.value_coef"),
+    ("policy.other.eps.type", "policy.other.eps.kind"),
+    ("policy.learn.learning_rate_q", "policy.learn.critic_learning_rate"),
+    ("policy.learn.learning_rate_policy", "policy.learn.actor_learning_rate"),
+    ("policy.collect.discount_factor", "policy.discount_factor"),
+    ("policy.eval.evaluator.n_episode", "env.n_evaluator_episode"),
+])
+def test_di_engine_names_are_answered_with_conveyors_key(key, conveyor_key):
+    from conveyor.config import apply_overrides
+    from conveyor.policy import PPOPolicy, SACPolicy
+    policy = {"value_weight": PPOPolicy, "discount_factor": PPOPolicy}.get(key.rpartition(".")[2], DQNPolicy)
+    if "learning_rate_" in key:
+        policy = SACPolicy
+    cfg = apply_overrides(base(), [f"{key}=1"])
+    cfg.env.env_id = "Pendulum-v1" if policy is SACPolicy else "CartPole-v1"
+    with pytest.raises(ConfigError, match=f"is DI-engine's name: Conveyor's is '{conveyor_key}'"):
+        compile_config(cfg, policy=policy)
+
+
+def test_config_files_of_every_kind_load(tmp_path):
+    from conveyor.config import load_config_file
+    (tmp_path / "a.yaml").write_text("policy:\n  learn:\n    batch_size: 8\n")
+    (tmp_path / "b.json").write_text('{"policy": "DQNPolicy", "config": {"seed": 3}}')  # a run's config.json
+    (tmp_path / "c.py").write_text("main_config = dict(env=dict(env_id='Pendulum-v1'))\n")
+    assert load_config_file(tmp_path / "a.yaml") == {"policy": {"learn": {"batch_size": 8}}}
+    assert load_config_file(tmp_path / "b.json") == {"seed": 3}
+    assert load_config_file(tmp_path / "c.py").env.env_id == "Pendulum-v1"
+
+
+def test_merging_a_config_goes_section_by_section():
+    from conveyor.config import merge_config
+    merged = merge_config({"env": {"env_id": "CartPole-v1", "collector_env_num": 8}}, {"env": {"collector_env_num": 2}})
+    assert merged == {"env": {"env_id": "CartPole-v1", "collector_env_num": 2}}

@@ -9,25 +9,47 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 __all__ = ["main"]
 
-COMMANDS = ("train", "listing", "describe")
+COMMANDS = ("train", "listing", "eval", "plot", "describe")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad usage reported in one line (``conveyor: error: ...``) like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        self.exit(2, f"conveyor: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor", description="Reinforcement learning as a pipeline of middleware.")
+    parser = _Parser(prog="conveyor", description="Reinforcement learning as a pipeline of middleware.")
+    parser.add_argument("--version", action="version", version=f"conveyor {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"conveyor.cli.{name}").register(commands)
     return parser
 
 
+def _version() -> str:
+    """The installed package's version (its metadata), or a note that it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("conveyor")
+    except PackageNotFoundError:
+        return "(not installed: pip install -e . for its version)"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``conveyor`` console script; returns the exit code."""
-    args = _parser().parse_args(argv)
+    """Entry point of the ``conveyor`` console script; returns the exit code (also for ``--help``, ``--version``
+    and bad usage, which argparse ends with ``SystemExit``)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 0 if done.code is None else 2
     return args.run(args)
 
 

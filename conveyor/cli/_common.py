@@ -1,9 +1,10 @@
-"""What every subcommand shares: one-line errors and their exit codes."""
+"""What every subcommand shares: one-line errors and their exit codes, and numbers printed rounded."""
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
-__all__ = ["message", "os_message", "usage_error"]
+__all__ = ["message", "os_message", "usage_error", "number"]
 
 
 def message(exc: BaseException) -> str:
@@ -23,3 +24,12 @@ def usage_error(text: str) -> int:
     """Print ``conveyor: error: <text>`` to stderr and return exit code 2 (bad usage or bad input)."""
     print(f"conveyor: error: {text}", file=sys.stderr)
     return 2
+
+
+def number(value: Optional[float]) -> str:
+    """A return or a statistic as people read it: one decimal (``-882.1``), three significant digits below 1
+    (``0.00123``), ``-`` for none."""
+    if value is None:
+        return "-"
+    value = float(value)
+    return f"{value:.1f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"

@@ -1,35 +1,61 @@
-"""``conveyor train``: train a zoo entry.
+"""``conveyor train``: train a zoo entry or a user's entry file.
 
-    conveyor train cartpole/dqn [--seed N] [--exp-name NAME] [--max-env-step N] [--resume] [--async]
+    conveyor train cartpole/dqn [--set KEY=VALUE ...] [--config FILE] [--seed N] [--exp-name NAME] [--resume]
+                                [--device cpu|cuda] [--async] [--max-env-step N] [--max-train-iter N]
                                 [--ckpt-interval SECONDS]
+    conveyor train my_entry.py ...        # a file with a main_config and a main(), run like a zoo entry
 
-An env or evaluation that keeps crashing exits with 1. Ctrl-C (SIGINT) or SIGTERM finish the iteration in
-progress, write ``final.pth.tar`` and ``latest.pth.tar`` and exit with 130 / 143; a second Ctrl-C stops at once.
+The config is the entry's ``main_config``, then the ``--config`` file's values on top, then each ``--set``;
+the entry validates the result like any config. Training ends with one line saying why it stopped (solved,
+budget reached, interrupted) and where the run is. An env or evaluation that keeps crashing exits with 1.
+Ctrl-C (SIGINT) or SIGTERM finish the iteration in progress, write ``final.pth.tar`` and ``latest.pth.tar``
+and exit with 130 / 143; a second Ctrl-C stops at once.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
+import signal
 import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional
 
-from conveyor.cli._common import message, os_message, usage_error
+from conveyor.cli._common import message, number, os_message, usage_error
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "stop_reason", "CKPT_INTERVAL"]
+
+CKPT_INTERVAL = 300.0
+"""Seconds between the wall-clock ``latest.pth.tar`` writes of ``conveyor train`` unless ``--ckpt-interval`` says."""
 
 
 def register(commands: "argparse._SubParsersAction") -> None:
     """Add the ``train`` subcommand."""
-    train = commands.add_parser("train", help="train a zoo entry, e.g. cartpole/dqn",
-                                description="Train a zoo entry; logs and checkpoints go under runs/<exp-name>/.")
-    train.add_argument("entry", help="zoo entry as <env>/<algo>; `conveyor list` shows them")
+    train = commands.add_parser("train", help="train a zoo entry (e.g. cartpole/dqn) or your own entry file",
+                                description="Train a zoo entry, or a .py file with a main_config and a main(); logs "
+                                            "and checkpoints go under runs/<exp-name>/.")
+    train.add_argument("entry", help="zoo entry as <env>/<algo> (any case; `conveyor list` shows them), or the path of "
+                                     "a .py file holding main_config and main()")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one config value, e.g. --set policy.learn.learning_rate=3e-4 (repeatable; the "
+                            "value is read as the key's type)")
+    train.add_argument("--config", default=None, metavar="FILE",
+                       help="a .yaml, .json or .py (main_config) file whose values go over the entry's config; "
+                            "a run's config.json works too")
     train.add_argument("--seed", type=int, default=None, help="seed (default: the entry's config)")
     train.add_argument("--exp-name", default=None, help="run name (default: the entry's config)")
+    train.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="where the policy runs (sets policy.cuda; default: the entry's config)")
     train.add_argument("--max-env-step", type=int, default=None,
                        help="stop after this many env steps in total (a resumed run counts the steps before it)")
+    train.add_argument("--max-train-iter", type=int, default=None,
+                       help="stop after this many gradient steps in total")
     train.add_argument("--resume", action="store_true",
                        help="continue runs/<exp-name> from its saved config and ckpt/latest.pth.tar (exactly where "
                             "it stopped); without it, a name that already holds a run is an error")
-    train.add_argument("--ckpt-interval", type=float, default=300.0, metavar="SECONDS",
-                       help="also write latest.pth.tar every this many seconds of wall-clock time (default 300)")
+    train.add_argument("--ckpt-interval", type=float, default=None, metavar="SECONDS",
+                       help=f"also write latest.pth.tar every this many seconds of wall-clock time (default "
+                            f"{CKPT_INTERVAL:g})")
     train.add_argument("--async", dest="async_mode", action="store_true",
                        help="overlap collection of the next iteration with training on this one")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
@@ -38,23 +64,31 @@ def register(commands: "argparse._SubParsersAction") -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train the entry; returns the exit code."""
-    from conveyor.schema import ConfigError
-    from conveyor.zoo import UnknownEntryError, load_entry
-
-    if args.max_env_step is not None and args.max_env_step <= 0:
-        return usage_error(f"--max-env-step must be > 0, got {args.max_env_step}")
-    if not args.ckpt_interval > 0:
+    for flag, value in (("--max-env-step", args.max_env_step), ("--max-train-iter", args.max_train_iter)):
+        if value is not None and value <= 0:
+            return usage_error(f"{flag} must be > 0, got {value}")
+    if args.ckpt_interval is not None and not args.ckpt_interval > 0:
         return usage_error(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            return usage_error("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     from conveyor.envs import EnvCrashedError
     from conveyor.middleware import EvaluationError
+    from conveyor.schema import ConfigError
+    from conveyor.zoo import UnknownEntryError, load_entry
     from conveyor.zoo._online import RunDirError, TrainingInterrupted
 
     try:
         entry = load_entry(args.entry)
-        ctx = entry.main(seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step, resume=args.resume,
-                         async_mode=args.async_mode, progress=args.progress, ckpt_interval=args.ckpt_interval)
+        cfg = _config(entry, args)
+        keywords = _keywords(entry, args)
+        run_dir = _run_dir(cfg if cfg is not None else entry.main_config, args.exp_name)
+        ctx = entry.main(cfg, **keywords)
     except TrainingInterrupted as stop:
-        print(f"conveyor: {stop}", file=sys.stderr)
+        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name} at env step {stop.ctx.env_step} (last "
+              f"eval {number(stop.ctx.last_eval_value)}); final and latest checkpoints written, continue with "
+              f"--resume; run directory {run_dir}", file=sys.stderr)
         return 128 + stop.signum
     except KeyboardInterrupt:
         print("conveyor: stopped at once by a second interrupt; the last latest.pth.tar is kept", file=sys.stderr)
@@ -66,5 +100,81 @@ def run(args: argparse.Namespace) -> int:
     except (EnvCrashedError, EvaluationError) as exc:
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
         return 1
-    print(f"done: env_step={ctx.env_step} train_iter={ctx.train_iter} last_eval_return={ctx.last_eval_value}")
+    print(f"{stop_reason(ctx, _stop_value(run_dir, cfg, entry), args.max_env_step, args.max_train_iter)}; "
+          f"run directory {run_dir}")
     return 0
+
+
+def stop_reason(ctx: Any, stop_value: Optional[float], max_env_step: Optional[int] = None,
+                max_train_iter: Optional[int] = None) -> str:
+    """Why a run whose final context is ``ctx`` stopped: solved, a budget reached, or neither."""
+    last = ctx.last_eval_value
+    if last is not None and stop_value is not None and last >= stop_value:
+        return f"solved: eval {number(last)} >= stop value {number(stop_value)} at env step {ctx.env_step}"
+    target = "" if stop_value is None else f" (stop value {number(stop_value)})"
+    if max_env_step is not None and ctx.env_step >= max_env_step:
+        return f"budget reached: env step {ctx.env_step} of --max-env-step {max_env_step}; last eval " \
+               f"{number(last)}{target}"
+    if max_train_iter is not None and ctx.train_iter >= max_train_iter:
+        return f"budget reached: train iter {ctx.train_iter} of --max-train-iter {max_train_iter}; last eval " \
+               f"{number(last)}{target}"
+    return f"stopped at env step {ctx.env_step}, train iter {ctx.train_iter}; last eval {number(last)}{target}"
+
+
+def _config(entry: ModuleType, args: argparse.Namespace) -> Optional[Any]:
+    """The entry's config with ``--config``, ``--set`` and ``--device`` applied; ``None`` when none is given
+    (the entry then uses its own, or on ``--resume`` the run's saved one)."""
+    from conveyor.config import apply_overrides, load_config_file, merge_config
+
+    if args.config is None and not args.overrides and args.device is None:
+        return None
+    cfg = entry.main_config
+    if args.config is not None:
+        cfg = merge_config(cfg, load_config_file(args.config))
+    overrides = list(args.overrides)
+    if args.device is not None:
+        overrides.append(f"policy.cuda={args.device == 'cuda'}")
+    return apply_overrides(cfg, overrides)
+
+
+_KEYWORDS = (("seed", "--seed"), ("exp_name", "--exp-name"), ("max_env_step", "--max-env-step"),
+             ("max_train_iter", "--max-train-iter"), ("resume", "--resume"), ("async_mode", "--async"),
+             ("progress", "--no-progress"), ("ckpt_interval", "--ckpt-interval"))
+
+
+def _keywords(entry: ModuleType, args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``entry.main`` the command line sets; one it cannot take is a ConfigError."""
+    from conveyor.schema import ConfigError
+
+    defaults = {"seed": None, "exp_name": None, "max_env_step": None, "max_train_iter": None, "resume": False,
+                "async_mode": False, "progress": True, "ckpt_interval": None}
+    given = {name: getattr(args, name) for name, _ in _KEYWORDS if getattr(args, name) != defaults[name]}
+    parameters = inspect.signature(entry.main).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if takes_any or "ckpt_interval" in parameters:
+        given.setdefault("ckpt_interval", CKPT_INTERVAL)
+    if not takes_any:
+        for name, flag in _KEYWORDS:
+            if name in given and name not in parameters:
+                raise ConfigError(f"{flag}: {args.entry} has a main() without the keyword argument {name}=; an "
+                                  f"entry's main is main(cfg=None, *, seed=None, exp_name=None, max_env_step=None, "
+                                  f"max_train_iter=None, resume=False, async_mode=False, progress=True, "
+                                  f"ckpt_interval=None)")
+    return given
+
+
+def _run_dir(cfg: Any, exp_name: Optional[str]) -> Path:
+    from conveyor.config import TOP_SCHEMA
+    from conveyor.zoo._online import experiment_dir
+    if exp_name is None:
+        exp_name = cfg.get("exp_name", TOP_SCHEMA["exp_name"].default)
+    return experiment_dir({"exp_name": exp_name})
+
+
+def _stop_value(run_dir: Path, cfg: Optional[Any], entry: ModuleType) -> Optional[float]:
+    """The stop value the run used: from its saved config, else from the config it was given."""
+    from conveyor.zoo._online import RunDirError, read_run_config
+    try:
+        return read_run_config(run_dir)["config"].get("env", {}).get("stop_value")
+    except (FileNotFoundError, RunDirError):
+        return (cfg if cfg is not None else entry.main_config).get("env", {}).get("stop_value")

@@ -144,21 +144,23 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
 
 @declares(backward_reads=("env_step",), factory=True)
 def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
-                 make_bar: Optional[Callable[..., Any]] = None):
-    """A terminal progress bar of env steps with the latest eval return (and its env crashes and dropped
-    episodes, when there were any) and env steps/s (tqdm).
+                 make_bar: Optional[Callable[..., Any]] = None, *, stop_value: Optional[float] = None):
+    """A terminal progress bar of env steps (out of ``total_env_step`` when there is a budget) with the latest
+    eval return (against ``stop_value`` when given; and its env crashes and dropped episodes, when there were
+    any) and env steps/s (tqdm, on stderr; it stays silent when stderr is not a terminal).
 
     Reads ctx: ``env_step``.
     """
     if make_bar is None:
         from tqdm import tqdm as make_bar
-    bar = make_bar(total=total_env_step, desc=desc, unit="step", dynamic_ncols=True)
+    bar = make_bar(total=total_env_step, desc=desc, unit="step", dynamic_ncols=True, disable=None)
     crashes = [0, 0]  # env crashes and dropped episodes over all evaluations
 
     def on_eval(result: Dict[str, Any]) -> None:
         crashes[0] += result.get("crashes", 0)
         crashes[1] += result.get("dropped", 0)
-        postfix = {"eval_return": f"{result['mean']:.1f}"}
+        shown = f"{result['mean']:.1f}"
+        postfix = {"eval_return": shown if stop_value is None else f"{shown}/{stop_value:g}"}
         if crashes[0]:
             postfix.update(eval_crashes=crashes[0], eval_dropped=crashes[1])
         bar.set_postfix(refresh=False, **postfix)
@@ -170,6 +172,8 @@ def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
 
     def _progress(ctx: OnlineRLContext):
         yield
+        if total_env_step is not None and ctx.env_step > total_env_step:
+            bar.total = ctx.env_step  # the last collection overshoots the budget by less than one round
         bar.update(ctx.env_step - shown[0])
         shown[0] = ctx.env_step
 

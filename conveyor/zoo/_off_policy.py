@@ -15,13 +15,15 @@ __all__ = ["train_off_policy"]
 def train_off_policy(main_config: Mapping[str, Any], policy_cls: Type[Any], cfg: Optional[Mapping[str, Any]] = None,
                      *, seed: Optional[int] = None, exp_name: Optional[str] = None, max_env_step: Optional[int] = None,
                      resume: bool = False, async_mode: bool = False, progress: bool = True,
-                     ckpt_freq: int = 1000, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
+                     ckpt_freq: int = 1000, ckpt_interval: Optional[float] = None,
+                     max_train_iter: Optional[int] = None) -> OnlineRLContext:
     """Train an off-policy algorithm with ``cfg`` (default ``main_config``); returns the final context.
 
     Exploration is eps-greedy when the config has ``policy.other.eps`` (DQN), and uniformly random
     actions for the first ``policy.collect.random_collect_size`` env steps when it has that (SAC).
     ``latest.pth.tar`` (the whole pipeline's state, replay buffer included) is written every
-    ``ckpt_freq`` gradient steps and every ``ckpt_interval`` seconds.
+    ``ckpt_freq`` gradient steps and every ``ckpt_interval`` seconds. Training stops at the stop value, or at
+    ``max_env_step`` env steps or ``max_train_iter`` gradient steps when given.
     """
     cfg = prepare(main_config, policy_cls, cfg, seed=seed, exp_name=exp_name, resume=resume)
     seed_everything(cfg.seed)
@@ -41,7 +43,7 @@ def train_off_policy(main_config: Mapping[str, Any], policy_cls: Type[Any], cfg:
 
     return train_online(cfg, policy, off_policy_collection, build, buffer=buffer_, resume=resume,
                         async_mode=async_mode, max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq,
-                        ckpt_interval=ckpt_interval)
+                        ckpt_interval=ckpt_interval, max_train_iter=max_train_iter)
 
 
 def off_policy_collection(cfg: Any, policy: Any, env: Any) -> List[Any]:

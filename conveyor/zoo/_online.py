@@ -31,8 +31,9 @@ from conveyor.middleware import (CheckpointError, CkptSaver, load_checkpoint, on
 from conveyor.middleware.collector_process import ProcessCollector, collection_builder
 from conveyor.schema import ConfigError
 
-__all__ = ["prepare", "experiment_dir", "seed_everything", "collection_and_evaluator_env", "use_reporting", "train_online",
-           "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
+__all__ = ["prepare", "experiment_dir", "read_run_config", "seed_everything", "collection_and_evaluator_env",
+           "use_reporting", "train_online", "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name",
+           "stop_on_signals"]
 
 RUNS = Path("runs")
 CONFIG_FILE = "config.json"
@@ -101,6 +102,23 @@ def _write_config(run_dir: Path, policy: Type[Any], cfg: EasyDict) -> None:
         raise CheckpointError("write", path, exc, what="run config") from exc
 
 
+def read_run_config(run_dir: Path) -> Dict[str, Any]:
+    """What a run saved in its ``config.json``: ``{"policy": <policy class name>, "config": <compiled config>}``.
+
+    A missing file is a ``FileNotFoundError``, an unreadable one a :class:`RunDirError`, each naming the path.
+    """
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: is {run_dir} a run directory (runs/<exp-name>)?") from None
+    except (OSError, ValueError) as exc:
+        raise RunDirError(f"{path} is unreadable ({' '.join(str(exc).split())})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        raise RunDirError(f"{path} is not a run's config: it has no 'config' section")
+    return saved
+
+
 def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], seed: Optional[int]) -> EasyDict:
     latest = run_dir / "ckpt" / LATEST
     if not latest.is_file():
@@ -108,12 +126,12 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
                                 f"--resume, or pass the --exp-name of an earlier run")
     path = run_dir / CONFIG_FILE
     try:
-        saved = json.loads(path.read_text())
+        saved = read_run_config(run_dir)
     except FileNotFoundError:
         raise FileNotFoundError(f"cannot resume '{run_dir.name}': {path} is missing (a run from an older "
                                 f"version?); start a new run") from None
-    except (OSError, ValueError) as exc:
-        raise RunDirError(f"cannot resume '{run_dir.name}': {path} is unreadable ({exc})") from None
+    except RunDirError as exc:
+        raise RunDirError(f"cannot resume '{run_dir.name}': {exc}") from None
     if saved.get("policy") != policy.__name__:
         raise RunDirError(f"cannot resume '{run_dir.name}' with {policy.__name__}: it is a {saved.get('policy')} "
                           f"run; resume it with its own entry, or choose another --exp-name")
@@ -189,13 +207,15 @@ def _collect_in_process(cfg: Mapping[str, Any]) -> bool:
     return math.ceil(cfg["policy"]["collect"]["n_sample"] / cfg["env"]["collector_env_num"]) >= PROCESS_MIN_STEPS
 
 
-def use_reporting(cfg: Mapping[str, Any], max_env_step: Optional[int], progress: bool) -> None:
-    """The tail of every zoo pipeline: TensorBoard logger, the env-step budget if any, the progress bar."""
+def use_reporting(cfg: Mapping[str, Any], max_env_step: Optional[int], progress: bool, *,
+                  max_train_iter: Optional[int] = None) -> None:
+    """The tail of every zoo pipeline: TensorBoard logger, the env-step and train-iteration budgets if any, the
+    progress bar (its total the env-step budget, its eval return shown against ``env.stop_value``)."""
     task.use(online_logger(str(experiment_dir(cfg) / "tb")))
-    if max_env_step is not None:
-        task.use(termination_checker(max_env_step=max_env_step))
+    if max_env_step is not None or max_train_iter is not None:
+        task.use(termination_checker(max_env_step=max_env_step, max_train_iter=max_train_iter))
     if progress:
-        task.use(progress_bar(max_env_step))
+        task.use(progress_bar(max_env_step, stop_value=cfg["env"].get("stop_value")))
 
 
 class _Stop:
@@ -228,11 +248,13 @@ def stop_on_signals() -> Iterator[_Stop]:
 
 def train_online(cfg: EasyDict, policy: Any, collection: Collection, build: Callable[[List[Any], Any], None], *,
                  resume: bool, async_mode: bool, max_env_step: Optional[int], progress: bool, ckpt_freq: int,
-                 ckpt_interval: Optional[float], buffer: Any = None) -> OnlineRLContext:
+                 ckpt_interval: Optional[float], buffer: Any = None,
+                 max_train_iter: Optional[int] = None) -> OnlineRLContext:
     """Run an entry's pipeline: ``build(stage, evaluator_env)`` adds its middleware, with ``stage`` the
     collection middleware of :func:`collection_and_evaluator_env` in its place, then come the
-    checkpoint saver, the logger, the budget and the progress bar. The policy, the buffer and the global
-    RNGs are registered with the task, so checkpoints hold them; ``resume`` loads ``latest`` into all of it.
+    checkpoint saver, the logger, the budgets (``max_env_step``, ``max_train_iter``) and the progress bar.
+    The policy, the buffer and the global RNGs are registered with the task, so checkpoints hold them;
+    ``resume`` loads ``latest`` into all of it.
     """
     exp_dir = experiment_dir(cfg)
     meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
@@ -244,7 +266,7 @@ def train_online(cfg: EasyDict, policy: Any, collection: Collection, build: Call
             task.register_state("rng", GlobalRNG())
             build(stage, evaluator_env)
             task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
-            use_reporting(cfg, max_env_step, progress)
+            use_reporting(cfg, max_env_step, progress, max_train_iter=max_train_iter)
             if resume:
                 _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
             with stop_on_signals() as stop:

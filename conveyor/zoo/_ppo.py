@@ -15,13 +15,14 @@ __all__ = ["train_ppo"]
 def train_ppo(main_config: Mapping[str, Any], cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None,
               exp_name: Optional[str] = None, max_env_step: Optional[int] = None, resume: bool = False,
               async_mode: bool = False, progress: bool = True, ckpt_freq: int = 1000,
-              ckpt_interval: Optional[float] = None) -> OnlineRLContext:
+              ckpt_interval: Optional[float] = None, max_train_iter: Optional[int] = None) -> OnlineRLContext:
     """Train PPO with ``cfg`` (default ``main_config``); returns the final context.
 
     Each round collects ``policy.collect.n_sample`` transitions, estimates their advantages and takes
     ``learn.epoch_per_collect`` passes of ``learn.batch_size`` minibatches over them. ``latest.pth.tar``
     (the whole pipeline's state, the observation normaliser included) is written every ``ckpt_freq``
-    gradient steps and every ``ckpt_interval`` seconds.
+    gradient steps and every ``ckpt_interval`` seconds. Training stops at the stop value, or at ``max_env_step``
+    env steps or ``max_train_iter`` gradient steps when given.
     """
     cfg = prepare(main_config, PPOPolicy, cfg, seed=seed, exp_name=exp_name, resume=resume)
     seed_everything(cfg.seed)
@@ -34,7 +35,8 @@ def train_ppo(main_config: Mapping[str, Any], cfg: Optional[Mapping[str, Any]] =
         task.use(multistep_trainer(cfg, policy.learn_mode))  # the policy locks its updates against checkpoints
 
     return train_online(cfg, policy, ppo_collection, build, resume=resume, async_mode=async_mode,
-                        max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
+                        max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval,
+                        max_train_iter=max_train_iter)
 
 
 def ppo_collection(cfg: Any, policy: Any, env: Any) -> List[Any]:

@@ -37,8 +37,8 @@ def test_a_users_file_with_a_misplaced_learner_is_listed_with_the_problem(capsys
 
 @pytest.mark.parametrize("target, says", [
     ("cartpole/dqm", "no zoo entry 'cartpole/dqm': did you mean 'cartpole/dqn'?"),
-    ("missing.py", "no file"),
-    ("nomain.py", "has no main()"),
+    ("missing.py", "no entry file"),
+    ("nomain.py", "defines no main"),
 ])
 def test_bad_targets_are_one_line_errors(capsys, tmp_path, monkeypatch, target, says):
     monkeypatch.chdir(tmp_path)

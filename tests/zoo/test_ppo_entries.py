@@ -65,7 +65,7 @@ def test_resume_restores_the_observation_normaliser_and_goes_on(in_tmp):
 
 def test_cli_trains_a_ppo_entry(in_tmp, capsys):
     assert cli_main(["train", "cartpole/ppo", "--exp-name", "cli", "--max-env-step", "256", "--no-progress"]) == 0
-    assert "done: env_step=" in capsys.readouterr().out
+    assert "budget reached: env step " in capsys.readouterr().out
 
 
 def test_masked_cartpole_keeps_position_and_angle_only():

@@ -181,7 +181,7 @@ def test_a_signal_finishes_the_iteration_writes_final_and_exits_cleanly(in_tmp, 
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"conveyor: stopped by {signal.Signals(signum).name}"), err
+    assert len(lines) == 1 and lines[0].startswith(f"conveyor: interrupted by {signal.Signals(signum).name}"), err
     final = load_checkpoint(latest.parent / "final.pth.tar")
     assert differences(final, load_checkpoint(latest)) == []
     assert final["ctx"]["env_step"] > 0

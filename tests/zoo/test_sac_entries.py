@@ -56,7 +56,7 @@ def test_resume_continues_env_steps_train_iterations_and_the_temperature(in_tmp)
 
 def test_cli_trains_pendulum_sac(in_tmp, capsys):
     assert cli_main(["train", "pendulum/sac", "--exp-name", "cli", "--max-env-step", "40", "--no-progress"]) == 0
-    assert "done: env_step=" in capsys.readouterr().out
+    assert "budget reached: env step " in capsys.readouterr().out
     assert (in_tmp / "runs" / "cli" / "ckpt" / "final.pth.tar").is_file()
 
 

@@ -35,8 +35,9 @@ main_config = EasyDict(dict(
 
 
 def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
-         progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
+         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
+         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
     """Train PPO on CartPole; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``)."""
     return train_ppo(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
-                     async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)
+                     async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval,
+                     max_train_iter=max_train_iter)

@@ -40,14 +40,14 @@ main_config = EasyDict(dict(
 
 
 def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, resume: bool = False, async_mode: bool = False,
-         progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
+         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
+         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
     """Train SAC on LunarLanderContinuous; returns the final context (``env_step``, ``train_iter``,
     ``last_eval_value``)."""
     _require_box2d()
     return train_off_policy(main_config, SACPolicy, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step,
                             resume=resume, async_mode=async_mode, progress=progress, ckpt_freq=5000,
-                            ckpt_interval=ckpt_interval)
+                            ckpt_interval=ckpt_interval, max_train_iter=max_train_iter)
 
 
 def _require_box2d() -> None:

@@ -1,0 +1,67 @@
+"""Recording one episode of a policy as a GIF or an MP4 (imageio), for ``conveyor eval --record``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import gymnasium as gym
+import numpy as np
+
+from conveyor.envs import EnvFactory, SyncEnvManager
+from conveyor.middleware import evaluate
+
+__all__ = ["record_episode"]
+
+
+class _Frames(gym.Wrapper):
+    """Keeps the ``rgb_array`` frame after the first reset and after each step of the first episode in
+    ``frames``, and the env's frame rate in ``fps``."""
+
+    def __init__(self, env: gym.Env, frames: List[np.ndarray], fps: List[int]) -> None:
+        super().__init__(env)
+        self._frames = frames
+        self._done = False
+        fps.append(int(env.metadata.get("render_fps") or 30))
+
+    def reset(self, **kwargs: Any) -> Any:
+        out = self.env.reset(**kwargs)
+        if not self._done:
+            self._frames.append(self.env.render())
+        return out
+
+    def step(self, action: Any) -> Any:
+        out = self.env.step(action)
+        if not self._done:
+            self._frames.append(self.env.render())
+            self._done = bool(out[2] or out[3])
+        return out
+
+
+def record_episode(cfg: Any, policy: Any, out: Path, seed: int) -> Tuple[float, int]:
+    """Play one episode of ``policy.eval_mode`` on ``cfg.env`` rendering ``rgb_array`` frames (as the evaluator
+    plays them, :func:`~conveyor.middleware.evaluate`) and write them to ``out`` (``.gif`` or ``.mp4``) at the
+    env's ``render_fps``; returns the episode's return and length."""
+    try:
+        import imageio.v3 as iio
+    except ImportError:
+        raise ImportError("--record needs imageio: pip install imageio (and imageio-ffmpeg for .mp4)") from None
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # rgb_array frames need no window (pygame's envs)
+    make = EnvFactory(cfg.env.env_id, dict(cfg.env.env_kwargs, render_mode="rgb_array"), cfg.env.max_episode_steps)
+    frames: List[np.ndarray] = []
+    fps: List[int] = []
+    try:
+        with SyncEnvManager([lambda: _Frames(make(), frames, fps)], env_id=cfg.env.env_id) as env:
+            result = evaluate(policy.eval_mode, env, 1, seed=seed)
+    except gym.error.DependencyNotInstalled as exc:
+        raise ImportError(f"--record: rendering {cfg.env.env_id} needs a package that is missing: {exc}") from None
+    video = np.stack(frames)
+    if out.suffix.lower() == ".gif":
+        iio.imwrite(out, video, duration=1000 // fps[0], loop=0)
+    else:
+        try:
+            iio.imwrite(out, video, fps=fps[0], plugin="FFMPEG", macro_block_size=1)
+        except (ImportError, RuntimeError) as exc:
+            raise ImportError(f"--record {out}: writing MP4 needs imageio-ffmpeg (pip install imageio-ffmpeg), or "
+                              f"record a .gif ({' '.join(str(exc).split())[:120]})") from None
+    return result["returns"][0], result["lengths"][0]

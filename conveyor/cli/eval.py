@@ -1,0 +1,136 @@
+"""``conveyor eval``: evaluate a checkpoint, and optionally record a video of one episode.
+
+    conveyor eval runs/cartpole_dqn [--episodes 10] [--seed 0] [--record episode.gif]
+    conveyor eval runs/cartpole_dqn/ckpt/final.pth.tar --record episode.mp4
+
+A run directory is evaluated from its best checkpoint (``ckpt/eval_best.pth.tar``, else ``final``, else
+``latest``) with the policy and config it saved in ``config.json``; a checkpoint file uses the
+``config.json`` of the run it lies in. Episodes run as the evaluator runs them during training
+(:func:`conveyor.middleware.evaluate`), spread over ``env.evaluator_env_num`` envs.
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from conveyor.cli._common import message, number, os_message, usage_error
+
+__all__ = ["register", "run", "CHECKPOINTS", "VIDEO_SUFFIXES"]
+
+CHECKPOINTS = ("eval_best.pth.tar", "final.pth.tar", "latest.pth.tar")
+"""The checkpoints of a run directory, in the order ``conveyor eval`` looks for them."""
+
+VIDEO_SUFFIXES = (".gif", ".mp4")
+"""What ``--record`` writes: an animated GIF, or an MP4 (needs imageio-ffmpeg)."""
+
+
+def register(commands: "argparse._SubParsersAction") -> None:
+    """Add the ``eval`` subcommand."""
+    parser = commands.add_parser("eval", help="evaluate a checkpoint (mean, std, min, max return); record a video",
+                                 description="Evaluate a run's best checkpoint, or a checkpoint file, on fresh "
+                                             "episodes and print the return's mean, std, min and max.")
+    parser.add_argument("target", metavar="RUN_DIR|CKPT", help="a run directory (runs/<exp-name>) or a .pth.tar file")
+    parser.add_argument("--episodes", type=int, default=10, help="episodes to evaluate (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the evaluation envs (default 0)")
+    parser.add_argument("--record", default=None, metavar="OUT.gif|OUT.mp4",
+                        help="also play one episode with rendering and write it to this file")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate (and record); returns the exit code."""
+    if args.episodes <= 0:
+        return usage_error(f"--episodes must be > 0, got {args.episodes}")
+    if not 0 <= args.seed < 2**32:
+        return usage_error(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.record is not None and Path(args.record).suffix.lower() not in VIDEO_SUFFIXES:
+        return usage_error(f"--record {args.record}: the file must end in {' or '.join(VIDEO_SUFFIXES)}")
+    from conveyor.envs import EnvCrashedError
+    from conveyor.middleware import EvaluationError
+    from conveyor.schema import ConfigError
+    from conveyor.zoo._online import RunDirError
+
+    try:
+        ckpt, run_dir = _locate(Path(args.target))
+        cfg, policy = _load_policy(ckpt, run_dir)
+        result = _evaluate(cfg, policy, args.episodes, args.seed, args.progress)
+        episodes = f"{args.episodes} episode{'s' * (args.episodes != 1)}"
+        print(f"{ckpt} on {cfg.env.env_id}, {episodes} (seed {args.seed}): return mean "
+              f"{number(result['mean'])}, std {number(result['std'])}, min {number(min(result['returns']))}, "
+              f"max {number(max(result['returns']))}")
+        if args.record is not None:
+            from conveyor.cli._video import record_episode
+            ret, length = record_episode(cfg, policy, Path(args.record), args.seed)
+            print(f"recorded one episode (return {number(ret)}, {length} steps) to {args.record}")
+    except (ConfigError, RunDirError, FileNotFoundError, ImportError) as exc:
+        return usage_error(message(exc))
+    except OSError as exc:
+        return usage_error(os_message(exc))
+    except (EnvCrashedError, EvaluationError) as exc:
+        print(f"conveyor: error: {message(exc)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _locate(target: Path) -> Tuple[Path, Path]:
+    """The checkpoint to evaluate and the run directory holding its ``config.json``."""
+    if target.is_dir():
+        for name in CHECKPOINTS:
+            if (target / "ckpt" / name).is_file():
+                return target / "ckpt" / name, target
+        raise FileNotFoundError(f"no checkpoint in {target / 'ckpt'} (looked for {', '.join(CHECKPOINTS)}): train "
+                                f"this run first, or give a run directory that holds one")
+    if not target.is_file():
+        raise FileNotFoundError(f"no run directory or checkpoint file at {target}")
+    run_dir = target.parent.parent if target.parent.name == "ckpt" else target.parent
+    return target, run_dir
+
+
+def _load_policy(ckpt: Path, run_dir: Path) -> Tuple[Any, Any]:
+    """The run's compiled config and its policy with the checkpoint's weights (on CPU without CUDA)."""
+    import torch
+
+    import conveyor.policy as policies
+    from conveyor.config import compile_config
+    from conveyor.middleware import restore
+    from conveyor.schema import ConfigError
+    from conveyor.zoo._online import read_run_config
+
+    saved = read_run_config(run_dir)
+    policy_cls = getattr(policies, str(saved.get("policy")), None)
+    if not isinstance(policy_cls, type):
+        raise ConfigError(f"{run_dir / 'config.json'} names the policy {saved.get('policy')!r}, which "
+                          f"conveyor.policy does not have")
+    cfg = compile_config(saved["config"], policy=policy_cls)
+    cfg.policy.cuda = bool(cfg.policy.cuda) and torch.cuda.is_available()
+    policy = policy_cls(cfg.policy)
+    try:
+        restore(ckpt, policy)
+    except (pickle.UnpicklingError, EOFError, KeyError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"cannot load {ckpt} into a {policy_cls.__name__}: {' '.join(str(exc).split())[:200]}") \
+            from None
+    return cfg, policy
+
+
+def _evaluate(cfg: Any, policy: Any, episodes: int, seed: int, progress: bool) -> Dict[str, Any]:
+    """``episodes`` episodes in rounds of at most ``env.evaluator_env_num`` (one seed per round), with a bar."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from conveyor.envs import make_env_manager
+    from conveyor.middleware import evaluate
+
+    env_num = min(episodes, cfg.env.evaluator_env_num)
+    returns: List[float] = []
+    with make_env_manager(dict(cfg.env, evaluator_env_num=env_num), "evaluator") as env, \
+            tqdm(total=episodes, desc="eval", unit="episode", disable=None if progress else True) as bar:
+        for start in range(0, episodes, env_num):
+            count = min(env_num, episodes - start)
+            returns += evaluate(policy.eval_mode, env, count, seed=seed + start * 1000)["returns"]
+            bar.update(count)
+            bar.set_postfix(mean_return=number(float(np.mean(returns))), refresh=False)
+    return {"returns": returns, "mean": float(np.mean(returns)), "std": float(np.std(returns))}

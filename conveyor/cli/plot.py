@@ -1,0 +1,171 @@
+"""``conveyor plot``: learning curves from runs' TensorBoard logs.
+
+    conveyor plot runs/dqn_s0 runs/dqn_s1 runs/dqn_lr2e-3_s0 runs/dqn_lr2e-3_s1 [--out curves.png]
+                  [--metric eval/return] [--x env_step|wall] [--band minmax|std]
+
+Runs whose saved configs are the same but for the seed (and the run name) are one experiment: it is drawn
+as the mean over its runs with a band (min to max, or one std either side). Each run's curve is interpolated
+onto the union of the experiment's x values and holds its last value after it stopped (a run that solved
+early stays solved). Several experiments are overlaid, labelled by the config keys that tell them apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from conveyor.cli._common import message, os_message, usage_error
+
+__all__ = ["register", "run", "IMAGE_SUFFIXES"]
+
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
+"""The files ``--out`` can write (matplotlib picks the format by suffix)."""
+
+
+def register(commands: "argparse._SubParsersAction") -> None:
+    """Add the ``plot`` subcommand."""
+    parser = commands.add_parser("plot", help="plot learning curves of runs (seeds aggregated, experiments overlaid)",
+                                 description="Plot a metric of runs from their TensorBoard logs: the runs of one "
+                                             "experiment (same config but the seed) as a mean and a band, several "
+                                             "experiments overlaid.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (runs/<exp-name>)")
+    parser.add_argument("--out", default="curves.png", help="image to write (.png, .pdf, .svg, .jpg; default "
+                                                            "curves.png)")
+    parser.add_argument("--metric", default="eval/return", help="TensorBoard scalar to plot (default eval/return)")
+    parser.add_argument("--x", choices=("env_step", "wall"), default="env_step",
+                        help="x axis: env steps, or wall-clock seconds since the run started (default env_step)")
+    parser.add_argument("--band", choices=("minmax", "std"), default="minmax",
+                        help="band around an experiment's mean: min to max over its runs, or +-1 std")
+    parser.set_defaults(run=run)
+
+
+@dataclass
+class Curve:
+    """One run's metric: its directory, its config minus seed and name (``None`` without config.json), x and y."""
+
+    run_dir: Path
+    config: Any
+    x: List[float]
+    y: List[float]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read, group and plot; returns the exit code."""
+    if Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
+        return usage_error(f"--out {args.out}: the file must end in {', '.join(IMAGE_SUFFIXES)}")
+    from conveyor.zoo._online import RunDirError
+    try:
+        curves = [read_curve(Path(d), args.metric, args.x) for d in dict.fromkeys(args.runs)]
+        groups = _experiments(curves)
+        _draw(groups, args)
+    except (RunDirError, FileNotFoundError, LookupError, ImportError) as exc:
+        return usage_error(message(exc))
+    except OSError as exc:
+        return usage_error(os_message(exc))
+    print(f"wrote {args.out}: {len(groups)} experiment{'s' * (len(groups) != 1)} from {len(curves)} "
+          f"run{'s' * (len(curves) != 1)} ({args.metric} against {args.x})")
+    return 0
+
+
+def read_curve(run_dir: Path, metric: str, x: str) -> Curve:
+    """``metric`` of the run in ``run_dir`` from the event files under ``run_dir/tb`` (a resumed run's files
+    are read in order; a step logged twice keeps its last value)."""
+    from conveyor.schema import closest
+    from conveyor.zoo._online import read_run_config
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise ImportError("conveyor plot reads TensorBoard logs with the tensorboard package: pip install "
+                          "tensorboard") from None
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run directory at {run_dir}")
+    logdir = run_dir / "tb"
+    if not any(logdir.glob("events.out.tfevents.*")):
+        raise FileNotFoundError(f"no TensorBoard event files in {logdir}: is {run_dir} a run directory "
+                                f"(runs/<exp-name>) that has trained?")
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    if metric not in tags:
+        hint = closest(metric, tags)
+        shown = sorted(tags, key=lambda tag: (not tag.startswith(("eval/", "charts/")), tag))
+        listed = ", ".join(shown[:6]) + (", ..." if len(shown) > 6 else "")
+        raise LookupError(f"{run_dir} logged no '{metric}'" + (f": did you mean '{hint}'?" if hint else "") +
+                          f" (it has {listed or 'no scalars'})")
+    start = events.FirstEventTimestamp()
+    points = {(e.step if x == "env_step" else e.wall_time - start): e.value for e in events.Scalars(metric)}
+    xs = sorted(points)
+    try:
+        saved = read_run_config(run_dir)
+        config = {"policy": saved.get("policy"),
+                  "config": {k: v for k, v in saved["config"].items() if k not in ("seed", "exp_name")}}
+    except FileNotFoundError:
+        config = None
+    return Curve(run_dir, config, [float(v) for v in xs], [float(points[v]) for v in xs])
+
+
+def _experiments(curves: Sequence[Curve]) -> Dict[str, List[Curve]]:
+    """The curves grouped by config (runs without a config.json alone), keyed by a label telling them apart."""
+    grouped: Dict[str, List[Curve]] = {}
+    for curve in curves:
+        key = json.dumps(curve.config, sort_keys=True, default=str) if curve.config is not None else str(curve.run_dir)
+        grouped.setdefault(key, []).append(curve)
+    flats = {key: _flatten(runs[0].config) for key, runs in grouped.items()}
+    differing = sorted({k for flat in flats.values() for k in flat
+                        if len({json.dumps(f.get(k), default=str) for f in flats.values()}) > 1})
+    labelled = {}
+    for key, runs in grouped.items():
+        if runs[0].config is None or not differing:
+            label = _name(runs)
+        elif "policy" in differing:  # another algorithm: its name says more than the keys that differ with it
+            label = f"{_name(runs)} ({runs[0].config['policy']})"
+        else:
+            label = ", ".join(f"{k.rpartition('.')[2]}={flats[key].get(k)}" for k in differing[:3])
+        labelled[label + (f" ({len(runs)} runs)" if len(runs) > 1 else "")] = runs
+    return labelled
+
+
+def _flatten(config: Any, prefix: str = "") -> Dict[str, Any]:
+    if not isinstance(config, dict):
+        return {prefix: config} if prefix else {}
+    out: Dict[str, Any] = {}
+    for key, value in config.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _name(runs: Sequence[Curve]) -> str:
+    """The runs' common name without a trailing seed number (``dqn_s0``, ``dqn_s1`` -> ``dqn``)."""
+    names = {re.sub(r"[_-]?(seed|s)?\d+$", "", run.run_dir.name) or run.run_dir.name for run in runs}
+    return names.pop() if len(names) == 1 else runs[0].run_dir.name
+
+
+def _draw(groups: Dict[str, List[Curve]], args: argparse.Namespace) -> None:
+    """One mean line and band per experiment on one axes, written to ``args.out`` (Agg, no display needed)."""
+    try:
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError("conveyor plot draws with matplotlib: pip install matplotlib") from None
+    figure = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for label, runs in groups.items():
+        grid = np.unique(np.concatenate([run.x for run in runs]))
+        ys = np.stack([np.interp(grid, run.x, run.y) for run in runs])
+        mean = ys.mean(axis=0)
+        line, = axes.plot(grid, mean, label=label, marker="o" if len(grid) <= 30 else None, markersize=3)
+        if len(runs) > 1:
+            low, high = (ys.min(axis=0), ys.max(axis=0)) if args.band == "minmax" else \
+                (mean - ys.std(axis=0), mean + ys.std(axis=0))
+            axes.fill_between(grid, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    axes.set_xlabel("env steps" if args.x == "env_step" else "wall-clock seconds")
+    axes.set_ylabel(args.metric)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(args.out, dpi=120)

@@ -1,0 +1,73 @@
+"""conveyor eval and conveyor plot on real tiny runs: statistics of a checkpoint, a recorded episode, curves
+of seeds aggregated and experiments overlaid; every bad input one line with exit code 2."""
+import pytest
+
+from conveyor.cli import main
+from tests.cli_helpers import TINY, assert_usage_error
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three tiny DQN runs: seeds 0 and 1 of one config, and seed 0 with another learning rate."""
+    root = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        for name, extra in (("dqn_s0", ["--seed", "0"]), ("dqn_s1", ["--seed", "1"]),
+                            ("fast_s0", ["--seed", "0", "--set", "policy.learn.learning_rate=1e-2"])):
+            assert main(["train", "cartpole/dqn", *TINY, "--exp-name", name, *extra]) == 0
+    return root / "runs"
+
+
+def test_eval_prints_rounded_statistics_of_the_best_checkpoint(runs, capsys):
+    assert main(["eval", str(runs / "dqn_s0"), "--episodes", "3", "--seed", "5"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"{runs / 'dqn_s0' / 'ckpt' / 'eval_best.pth.tar'} on CartPole-v1, 3 episodes (seed 5): ")
+    numbers = [part.split()[-1] for part in out.split(": return ")[1].split(", ")]
+    assert len(numbers) == 4 and all(len(n.partition(".")[2]) <= 3 for n in numbers)  # mean, std, min, max
+
+
+@pytest.mark.parametrize("video", ["episode.gif", "episode.mp4"])
+def test_eval_of_a_checkpoint_file_records_an_episode(video, runs, tmp_path, capsys):
+    out = tmp_path / video
+    assert main(["eval", str(runs / "dqn_s1" / "ckpt" / "final.pth.tar"), "--episodes", "1", "--record",
+                 str(out)]) == 0
+    assert f"to {out}" in capsys.readouterr().out
+    import imageio.v3 as iio
+    frames = iio.imread(out, index=None, **({"plugin": "FFMPEG"} if video.endswith(".mp4") else {}))
+    assert frames.ndim == 4 and frames.shape[0] > 5  # the reset frame and one per step
+
+
+def test_eval_errors_are_one_line(runs, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    (empty / "ckpt").mkdir(parents=True)
+    assert_usage_error(main(["eval", str(empty)]), capsys, "no checkpoint in", "eval_best.pth.tar")
+    assert_usage_error(main(["eval", str(tmp_path / "nothing")]), capsys, "no run directory or checkpoint file at")
+    broken = tmp_path / "broken"
+    (broken / "ckpt").mkdir(parents=True)
+    (broken / "ckpt" / "final.pth.tar").write_bytes((runs / "dqn_s0" / "ckpt" / "final.pth.tar").read_bytes())
+    (broken / "config.json").write_text("{not json")
+    assert_usage_error(main(["eval", str(broken)]), capsys, f"{broken / 'config.json'} is unreadable")
+    (broken / "config.json").write_text((runs / "dqn_s0" / "config.json").read_text())
+    (broken / "ckpt" / "final.pth.tar").write_bytes(b"not a checkpoint")
+    assert_usage_error(main(["eval", str(broken)]), capsys, "cannot load", "into a DQNPolicy")
+    assert_usage_error(main(["eval", str(runs / "dqn_s0"), "--record", "x.avi"]), capsys, "must end in .gif or .mp4")
+    assert_usage_error(main(["eval", str(runs / "dqn_s0"), "--episodes", "0"]), capsys, "--episodes must be > 0")
+
+
+def test_plot_aggregates_seeds_and_overlays_experiments(runs, tmp_path, capsys):
+    out = tmp_path / "curves.png"
+    assert main(["plot", *(str(runs / name) for name in ("dqn_s0", "dqn_s1", "fast_s0")), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}: 2 experiments from 3 runs (eval/return against env_step)"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from conveyor.cli.plot import _experiments, read_curve
+    groups = _experiments([read_curve(runs / name, "eval/return", "wall") for name in ("dqn_s0", "dqn_s1", "fast_s0")])
+    assert {label: len(curves) for label, curves in groups.items()} == {"learning_rate=0.003 (2 runs)": 2,
+                                                                        "learning_rate=0.01": 1}
+
+
+def test_plot_errors_are_one_line(runs, tmp_path, capsys):
+    assert_usage_error(main(["plot", str(runs / "dqn_s0"), "--metric", "eval/retrun"]), capsys,
+                       "logged no 'eval/retrun': did you mean 'eval/return'?")
+    assert_usage_error(main(["plot", str(tmp_path)]), capsys, "no TensorBoard event files in")
+    assert_usage_error(main(["plot", str(tmp_path / "nothing")]), capsys, "no run directory at")
+    assert_usage_error(main(["plot", str(runs / "dqn_s0"), "--out", "curves.txt"]), capsys, "must end in .png")
