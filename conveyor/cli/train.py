@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
     from conveyor.envs import EnvCrashedError
     from conveyor.middleware import EvaluationError
-    from conveyor.zoo._online import RunDirError, TrainingInterrupted
+    from conveyor.zoo._online import RunDirError, TrainingInterrupted, counters
 
     try:
         entry = load_entry(args.entry)
@@ -66,5 +66,5 @@ def run(args: argparse.Namespace) -> int:
     except (EnvCrashedError, EvaluationError) as exc:
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
         return 1
-    print(f"done: env_step={ctx.env_step} train_iter={ctx.train_iter} last_eval_return={ctx.last_eval_value}")
+    print(f"done: {counters(ctx)} last_eval_return={ctx.last_eval_value}")
     return 0
