@@ -277,11 +277,11 @@ class DatasetWriter:
             raise DatasetError(f"dataset id {dataset_id!r} is not a Minari id: use (namespace/)name-v<version>, "
                                f"e.g. 'cartpole/expert-v0'") from None
         self.dataset_id = dataset_id
-        self.path = dataset_root(root) / dataset_id
+        self.path = (dataset_root(root) / dataset_id).absolute()
         if self.path.exists():
             if not overwrite:
                 raise FileExistsError(f"a dataset '{dataset_id}' exists already at {self.path}: choose another id "
-                                      f"(or version), or overwrite it")
+                                      f"(or version), or overwrite it (--overwrite, overwrite=True)")
             import shutil
             shutil.rmtree(self.path)
         self.observation_space, self.action_space = observation_space, action_space
