@@ -14,8 +14,8 @@ from conveyor.data.batch import (
     tree_of_tensors,
 )
 from conveyor.data.buffer import DequeBuffer
-from conveyor.data.offline import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, dataset_root,
-                                   load_dataset, save_dataset)
+from conveyor.data.offline import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, concat_datasets,
+                                   dataset_root, load_dataset, save_dataset)
 
 __all__ = [
     "DatasetError",
@@ -23,6 +23,7 @@ __all__ = [
     "DequeBuffer",
     "OfflineDataset",
     "check_spaces",
+    "concat_datasets",
     "dataset_root",
     "load_dataset",
     "save_dataset",

@@ -22,7 +22,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import gymnasium as gym
 import numpy as np
@@ -30,6 +30,7 @@ import numpy as np
 from conveyor.data.batch import Nested, map_nested
 
 __all__ = ["OfflineDataset", "DatasetError", "DatasetWriter", "load_dataset", "save_dataset", "check_spaces",
+           "concat_datasets",
            "dataset_root",
            "concat_nested", "leaves"]
 
@@ -149,6 +150,26 @@ class OfflineDataset:
         ``terminated``, ``truncated`` (numpy, no copies)."""
         return {"obs": self.observations, "action": self.actions, "reward": self.rewards,
                 "next_obs": self.next_observations, "terminated": self.terminations, "truncated": self.truncations}
+
+
+def concat_datasets(datasets: Sequence[OfflineDataset]) -> OfflineDataset:
+    """The transitions of ``datasets`` one after another (e.g. expert and noisy data into a mixed dataset);
+    their spaces must agree. Episode ids are renumbered so episodes stay apart."""
+    if not datasets:
+        raise ValueError("concat_datasets needs at least one dataset")
+    first = datasets[0]
+    for other in datasets[1:]:
+        check_spaces(other, first.observation_space, first.action_space, where=f"dataset {first.source}")
+    offsets = np.cumsum([0] + [d.num_episodes for d in datasets[:-1]])
+    return OfflineDataset(
+        observations=concat_nested([d.observations for d in datasets]),
+        actions=np.concatenate([d.actions for d in datasets]), rewards=np.concatenate([d.rewards for d in datasets]),
+        next_observations=concat_nested([d.next_observations for d in datasets]),
+        terminations=np.concatenate([d.terminations for d in datasets]),
+        truncations=np.concatenate([d.truncations for d in datasets]),
+        observation_space=first.observation_space, action_space=first.action_space,
+        episode_ids=np.concatenate([d.episode_ids + k for d, k in zip(datasets, offsets)]),
+        source=" + ".join(d.source for d in datasets))
 
 
 def check_spaces(dataset: OfflineDataset, observation_space: Optional[gym.Space] = None,
@@ -277,11 +298,11 @@ class DatasetWriter:
             raise DatasetError(f"dataset id {dataset_id!r} is not a Minari id: use (namespace/)name-v<version>, "
                                f"e.g. 'cartpole/expert-v0'") from None
         self.dataset_id = dataset_id
-        self.path = dataset_root(root) / dataset_id
+        self.path = (dataset_root(root) / dataset_id).absolute()
         if self.path.exists():
             if not overwrite:
                 raise FileExistsError(f"a dataset '{dataset_id}' exists already at {self.path}: choose another id "
-                                      f"(or version), or overwrite it")
+                                      f"(or version), or overwrite it (--overwrite, overwrite=True)")
             import shutil
             shutil.rmtree(self.path)
         self.observation_space, self.action_space = observation_space, action_space

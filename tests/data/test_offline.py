@@ -4,8 +4,8 @@ import h5py
 import numpy as np
 import pytest
 
-from conveyor.data import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, load_dataset,
-                           save_dataset)
+from conveyor.data import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, concat_datasets,
+                           load_dataset, save_dataset)
 
 OBS = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
 ACT = gym.spaces.Discrete(2)
@@ -149,3 +149,33 @@ def test_rows_of_different_lengths_are_refused(tmp_path):
     with pytest.raises(DatasetError, match="'actions' has 14 rows but 'rewards' has 15"):
         OfflineDataset(data.observations, data.actions[:-1], data.rewards, data.next_observations,
                        data.terminations, data.truncations, OBS, ACT)
+
+
+def test_concatenated_datasets_keep_their_episodes_apart(tmp_path):
+    data = recorded(tmp_path)
+    both = concat_datasets([data, data.slice(5, 12)])
+    assert len(both) == 22 and both.num_episodes == 4
+    assert both.episode_returns()[-1] == pytest.approx(data.episode_returns()[1])
+    other = OfflineDataset(data.observations, data.actions, data.rewards, data.next_observations, data.terminations,
+                           data.truncations, OBS, gym.spaces.Discrete(3))
+    with pytest.raises(DatasetError, match=r"action space Discrete\(3\)"):
+        concat_datasets([data, other])
+
+
+def test_dict_observations_round_trip_through_minari_and_the_fetcher(tmp_path):
+    from easydict import EasyDict
+
+    from conveyor.middleware import offline_data_fetcher
+    space = gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,), np.float32), "vel": gym.spaces.Box(-1, 1, (1,), np.float32)})
+    rng = np.random.default_rng(0)
+    obs = {"pos": rng.uniform(-1, 1, (7, 2)).astype(np.float32), "vel": rng.uniform(-1, 1, (7, 1)).astype(np.float32)}
+    episode = dict(obs={k: v[:-1] for k, v in obs.items()}, next_obs={k: v[1:] for k, v in obs.items()},
+                   action=np.arange(6) % 2, reward=np.ones(6), terminated=np.eye(6, dtype=bool)[-1],
+                   truncated=np.zeros(6, bool))
+    with DatasetWriter("test/dict-v0", space, ACT, root=tmp_path) as writer:
+        writer.add_episode(episode)
+    data = load_dataset("test/dict-v0", root=tmp_path)
+    assert data.observation_space == space
+    assert np.array_equal(data.next_observations["vel"], obs["vel"][1:])
+    batch = offline_data_fetcher(EasyDict(seed=0, policy=dict(learn=dict(batch_size=4))), data).next_batch()
+    assert np.array_equal(batch.obs.pos.numpy(), obs["pos"][batch.index.numpy()])
