@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OfflineRLContext, OnlineRLContext, task
+from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OfflineRLContext, OnlineRLContext, declares, task
 from conveyor.middleware.collector import EPISODE_EVENT
 from conveyor.middleware.evaluator import EVAL_EVENT
 
@@ -117,6 +117,7 @@ def offline_logger(logdir: str, train_show_freq: int = 100):
     scalars_of = _Scalars(train_show_freq, counter="train_iter")
     task.on(EVAL_EVENT, lambda result: write(eval_scalars(result), result["train_iter"], result["train_iter"]))
 
+    @declares(reads=("train_output", "train_iter", "train_epoch"))
     def _log(ctx: OfflineRLContext):
         yield
         scalars = scalars_of(ctx)

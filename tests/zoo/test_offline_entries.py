@@ -63,7 +63,12 @@ def test_conveyor_train_runs_an_offline_entry_on_a_recorded_dataset(in_tmp, smal
     final = load_checkpoint(run / "ckpt" / "final.pth.tar")
     assert final["ctx"]["train_iter"] == 20 and final["ctx"]["train_epoch"] >= 1
     assert final["objects"]["policy"]["counters"]["train_iter"] == 20 and final["meta"]["policy"] == "BCPolicy"
-    assert (run / "ckpt" / "eval_best.pth.tar").is_file() and list((run / "tb").glob("events.*"))
+    assert (run / "ckpt" / "eval_best.pth.tar").is_file()
+    # offline_logger: evaluations and the policy's losses, indexed by train iteration
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run / "tb")).Reload()
+    assert [e.step for e in events.Scalars("eval/return")] == [0, 8, 16]
+    assert {"losses/bc", "charts/accuracy", "charts/train_epoch"} <= set(events.Tags()["scalars"])
 
 
 def test_a_resumed_offline_run_ends_exactly_where_a_straight_run_ends(in_tmp, small_bc):

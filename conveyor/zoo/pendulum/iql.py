@@ -26,7 +26,7 @@ main_config = EasyDict(dict(
         discount_factor=0.99,
         model=dict(hidden_sizes=[128, 128]),
         learn=dict(batch_size=256, learning_rate=3e-4, expectile=0.7, beta=3.0, max_weight=100.0,
-                   max_train_iter=10_000),
+                   max_train_iter=5000),
         eval=dict(evaluator=dict(eval_freq=1000)),
         other=dict(dataset=dict(id="pendulum/medium-v0")),
     ),
