@@ -3,8 +3,8 @@
 Per seed, in one run, everything from scratch in a work folder (``runs/`` and ``datasets/`` there):
 
 1. the CartPole expert: the zoo's DQN (``cartpole/dqn``) until its evaluation reaches 475 (``eval_best``);
-2. the expert dataset (``--expert-episodes`` greedy episodes, 100 x 500 = 50k transitions) and the mixed one
-   (the first half of those episodes plus as many episodes with random actions at probability 0.5);
+2. the expert dataset (100 greedy episodes: 50k transitions) and the mixed one: the first half of those
+   episodes and, recorded with random actions at probability 0.5, at least as many transitions again;
 3. ``cartpole/bc`` and ``cartpole/cql`` on each;
 4. the medium Pendulum behaviour policy: the zoo's SAC (``pendulum/sac``) trained in rounds of env steps until
    its greedy return falls in -600..-400 (else the round closest to -500), recorded with Gaussian noise of
@@ -104,20 +104,30 @@ def cartpole_rows(seed: int, budget: Budget, datasets: Path, notes: Dict[str, An
     ckpt = Path("runs") / expert / "ckpt" / "eval_best.pth.tar"
     expert_dir, steps, returns = collect_dataset("cartpole/dqn", ckpt, budget.expert_episodes, seed=seed,
                                                  dataset_id=f"cartpole/expert-s{seed}-v0", dataset_dir=datasets)
-    half = budget.expert_episodes // 2
-    noisy_dir, noisy_steps, noisy_returns = collect_dataset(
-        "cartpole/dqn", ckpt, half, noise=0.5, seed=seed + 1, dataset_id=f"cartpole/noisy-s{seed}-v0",
-        dataset_dir=datasets)
-    expert_data = load_dataset(expert_dir)
-    expert_half = [episode for _, episode in zip(range(half), expert_data.episodes())]
-    mixed = concat_datasets([*expert_half, load_dataset(noisy_dir)])
+    expert_episodes = load_dataset(expert_dir).episodes()
+    expert_half = [episode for _, episode in zip(range(budget.expert_episodes // 2), expert_episodes)]
+    target = sum(len(episode) for episode in expert_half)
+    noisy, count = [], budget.expert_episodes // 2
+    while sum(len(part) for part in noisy) < target:  # noisy episodes are shorter: record until they match
+        part_dir, _, _ = collect_dataset("cartpole/dqn", ckpt, count, noise=0.5, seed=seed + 1 + len(noisy),
+                                         dataset_id=f"cartpole/noisy-s{seed}-{len(noisy)}-v0", dataset_dir=datasets)
+        noisy.append(load_dataset(part_dir))
+        have = sum(len(part) for part in noisy)
+        count = max(1, round((target - have) / (have / sum(part.num_episodes for part in noisy))) + 1)
+    noisy_half, have = [], 0
+    for episode in concat_datasets(noisy).episodes():  # whole episodes, as few as reach the target
+        if have >= target:
+            break
+        noisy_half.append(episode)
+        have += len(episode)
+    mixed = concat_datasets([*expert_half, *noisy_half])
+    mixed_dir = datasets / f"cartpole/mixed-s{seed}-v0"
     with DatasetWriter(f"cartpole/mixed-s{seed}-v0", mixed.observation_space, mixed.action_space,
                        root=datasets) as writer:
         writer.add_dataset(mixed)
-    mixed_dir = datasets / f"cartpole/mixed-s{seed}-v0"
     notes["expert_transitions"], notes["expert_data_return"] = steps, statistics.mean(returns)
-    notes["mixed_transitions"] = sum(len(e) for e in expert_half) + noisy_steps
-    notes["noisy_data_return"] = statistics.mean(noisy_returns)
+    notes["mixed_transitions"], notes["mixed_noisy_share"] = len(mixed), 1 - target / len(mixed)
+    notes["noisy_data_return"] = statistics.mean(float(e.episode_returns()[0]) for e in noisy_half)
     rows = {}
     for data, path in (("expert", expert_dir), ("mixed", mixed_dir)):
         for algo in ("bc", "cql"):

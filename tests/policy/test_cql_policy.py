@@ -61,7 +61,8 @@ def test_continuous_cql_penalty_in_a_learn_step_uses_all_three_proposals_at_s():
                        model=SACModel(TanhGaussianActor(1, 1, hidden_sizes=[4]), _ConstantQ()), seed=0)
     batch = ttorch.Tensor({"obs": torch.zeros(3, 1), "next_obs": torch.ones(3, 1),
                            "action": torch.tensor([[0.5], [-0.5], [0.0]]), "reward": torch.zeros(3),
-                           "terminated": torch.ones(3, dtype=torch.bool), "truncated": torch.zeros(3, dtype=torch.bool)})
+                           "terminated": torch.ones(3, dtype=torch.bool),
+                           "truncated": torch.zeros(3, dtype=torch.bool)})
     # Recompute the penalty from the same draws: the learner's generator, as the step will use it.
     generator = torch.Generator().set_state(policy._learn_generator.get_state())
     policy.actor.sample(batch.next_obs, generator=generator)  # the SAC critic target draws first

@@ -38,7 +38,8 @@ def test_one_learn_step_reports_the_value_critic_and_actor_terms_by_hand():
             p.zero_()
         policy.target_critic.net[-1].weight.zero_()
         policy.target_critic.net[-1].bias.zero_()
-    batch = ttorch.Tensor({"obs": torch.zeros(2, 1), "next_obs": torch.zeros(2, 1), "action": torch.tensor([[1.0], [-1.0]]),
+    batch = ttorch.Tensor({"obs": torch.zeros(2, 1), "next_obs": torch.zeros(2, 1),
+                           "action": torch.tensor([[1.0], [-1.0]]),
                            "reward": torch.tensor([1.0, 2.0]), "terminated": torch.tensor([False, True]),
                            "truncated": torch.zeros(2, dtype=torch.bool)})
     with torch.no_grad():
