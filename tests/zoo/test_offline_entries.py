@@ -95,3 +95,18 @@ def test_an_env_step_budget_for_an_offline_entry_is_a_one_line_error(in_tmp, cap
     assert cli(["train", "pendulum/iql", "--max-env-step", "100", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "max_train_iter" in err
+
+
+@pytest.mark.parametrize("name, dataset_id, env_id", [("cartpole/cql", "cartpole/expert-v0", "CartPole-v1"),
+                                                      ("pendulum/cql", "pendulum/medium-v0", "Pendulum-v1"),
+                                                      ("pendulum/iql", "pendulum/medium-v0", "Pendulum-v1")])
+def test_each_offline_entry_trains_a_few_steps_on_its_dataset(in_tmp, name, dataset_id, env_id):
+    record_random_episodes(in_tmp / "datasets", dataset_id, env_id, 2)
+    entry = load_entry(name)
+    cfg = copy.deepcopy(entry.main_config)
+    cfg.policy.model.hidden_sizes = [16]
+    cfg.policy.learn.batch_size = 16
+    cfg.env.update(evaluator_env_num=1, n_evaluator_episode=1)
+    ctx = entry.main(cfg, max_train_iter=3, progress=False)
+    assert ctx.train_iter == 3 and ctx.last_eval_value is not None
+    assert (in_tmp / "runs" / cfg.exp_name / "ckpt" / "final.pth.tar").is_file()
