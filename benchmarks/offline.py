@@ -67,7 +67,7 @@ class Budget:
     eval_episodes: int  # episodes of each final evaluation
 
 
-FULL = Budget(expert_env_steps=60_000, expert_episodes=100, cartpole_iters=5000, medium_start=1500, medium_round=500,
+FULL = Budget(expert_env_steps=60_000, expert_episodes=100, cartpole_iters=5000, medium_start=1500, medium_round=250,
               medium_max=8000, pendulum_episodes=100, pendulum_iters=5000, eval_episodes=20)
 QUICK = Budget(expert_env_steps=2000, expert_episodes=4, cartpole_iters=50, medium_start=600, medium_round=300,
                medium_max=900, pendulum_episodes=2, pendulum_iters=50, eval_episodes=2)
