@@ -143,6 +143,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
     from conveyor.envs import make_env_manager
     from conveyor.middleware import EpisodeCollector, episode_recorder, load_checkpoint, restore
     from conveyor.zoo import load_entry
+    from conveyor.zoo._online import seed_everything
 
     if not isinstance(episodes, int) or episodes <= 0:
         raise CollectError(f"--episodes must be an int > 0, got {episodes!r}")
@@ -153,6 +154,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
     cls = _policy_class(load_checkpoint(ckpt), ckpt)
     cfg = _run_config(entry, entry_name, cls, ckpt)
     seed = cfg.seed if seed is None else seed
+    seed_everything(seed)  # and one torch thread: a second one only slows small networks down
     policy = cls(cfg.policy, seed=seed)
     try:
         restore(ckpt, policy)

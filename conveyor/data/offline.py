@@ -456,6 +456,8 @@ def _from_arrays(path: Path, arrays: Mapping[str, Any], obs_space: Any, act_spac
 
 
 def _read_npz(path: Path, observation_space: Optional[gym.Space], action_space: Optional[gym.Space]) -> OfflineDataset:
+    if not zipfile.is_zipfile(path):  # else numpy reads it as a pickle and complains about pickles
+        raise DatasetError(f"cannot read {path}: corrupt or truncated .npz file (not a zip archive)")
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {key: npz[key] for key in npz.files}
