@@ -62,6 +62,7 @@ def _minari() -> Any:
 
 
 def leaves(data: Nested) -> List[np.ndarray]:
+    """The arrays of a (nested) dict of arrays, in key order; ``[data]`` for an array."""
     out: List[np.ndarray] = []
     map_nested(out.append, data)
     return out
