@@ -18,6 +18,7 @@ Where datasets come from (:func:`load_dataset`), nothing is ever downloaded:
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -304,7 +305,6 @@ class DatasetWriter:
             if not overwrite:
                 raise FileExistsError(f"a dataset '{dataset_id}' exists already at {self.path}: choose another id "
                                       f"(or version), or overwrite it (--overwrite, overwrite=True)")
-            import shutil
             shutil.rmtree(self.path)
         self.observation_space, self.action_space = observation_space, action_space
         env_spec = gym.spec(env_id) if env_id is not None else None
