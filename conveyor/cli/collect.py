@@ -139,7 +139,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
     docstring); returns ``(dataset folder, transitions, episode returns)``. A failed run leaves no dataset."""
     from easydict import EasyDict
 
-    from conveyor.data import DatasetWriter, load_dataset
+    from conveyor.data import DatasetWriter
     from conveyor.envs import make_env_manager
     from conveyor.middleware import EpisodeCollector, episode_recorder, load_checkpoint, restore
     from conveyor.zoo import load_entry
@@ -176,8 +176,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
             shutil.rmtree(writer.path, ignore_errors=True)
             raise
         writer.close()
-    data = load_dataset(writer.path)
-    return writer.path, len(data), data.episode_returns()
+    return writer.path, writer.steps_written, np.asarray(writer.episode_returns)
 
 
 def _record(collector: Any, recorder: Any, episodes: int, progress: bool) -> None:

@@ -323,6 +323,7 @@ class DatasetWriter:
         self._pending_steps = 0
         self.episodes_written = 0
         self.steps_written = 0
+        self.episode_returns: List[float] = []  # of every episode added, in order
         self._closed = False
 
     def __repr__(self) -> str:
@@ -352,6 +353,7 @@ class DatasetWriter:
             terminations=np.asarray(ep["terminated"], dtype=bool).reshape(-1),
             truncations=np.asarray(ep["truncated"], dtype=bool).reshape(-1)))
         self._pending_steps += steps
+        self.episode_returns.append(float(np.sum(self._pending[-1].rewards)))
         if self._pending_steps >= self._flush_steps:
             self.flush()
 
