@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         path, steps, returns = collect_dataset(
             args.entry, args.ckpt, args.episodes, noise=args.noise, seed=args.seed, dataset_id=args.dataset_id,
             dataset_dir=args.dataset_dir, overwrite=args.overwrite, progress=args.progress and sys.stdout.isatty())
-    except (CollectError, DatasetError, UnknownEntryError, ConfigError, FileNotFoundError, FileExistsError) as exc:
+    except (CollectError, DatasetError, UnknownEntryError, ConfigError, FileNotFoundError, FileExistsError,
+            ImportError) as exc:  # ImportError: minari missing, the message says what to install
         return usage_error(message(exc))
     except OSError as exc:
         return usage_error(os_message(exc))
