@@ -82,3 +82,20 @@ def test_existing_dataset_id_is_exit_2_unless_overwritten(ckpt, capsys):
     one_line_error(capsys, "a dataset 'cartpole/noisy-v0' exists already")
     assert collect(ckpt, "--overwrite", episodes="2") == 0
     assert load_dataset("cartpole/noisy-v0", root="datasets").num_episodes == 2
+
+
+def test_gaussian_noise_moves_continuous_actions_within_the_bounds(tmp_path, monkeypatch):
+    from conveyor.cli.collect import collect_dataset
+    from conveyor.policy import SACPolicy
+    monkeypatch.chdir(tmp_path)
+    cfg = compile_config(load_entry("pendulum/sac").main_config, policy=SACPolicy)
+    ckpt = save_checkpoint(tmp_path / "sac.pth.tar", {"policy": SACPolicy(cfg.policy, seed=0).state_dict(),
+                                                      "meta": {"policy": "SACPolicy"}})
+    runs = {noise: collect_dataset("pendulum/sac", ckpt, 1, dataset_id=f"pendulum/noise{int(noise * 10)}-v0", noise=noise,
+                                   dataset_dir="datasets") for noise in (0.0, 0.2)}
+    greedy, noisy = (load_dataset(path) for path, _, _ in runs.values())
+    _, transitions, returns = runs[0.2]
+    assert transitions == 200 and np.allclose(returns, noisy.episode_returns())
+    assert greedy.truncations[-1] and len(noisy) == len(greedy) == 200
+    assert np.abs(noisy.actions).max() <= 2.0 and not np.array_equal(noisy.actions, greedy.actions)
+    assert np.std(noisy.actions) > np.std(greedy.actions)

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         path, steps, returns = collect_dataset(
             args.entry, args.ckpt, args.episodes, noise=args.noise, seed=args.seed, dataset_id=args.dataset_id,
             dataset_dir=args.dataset_dir, overwrite=args.overwrite, progress=args.progress and sys.stdout.isatty())
-    except (CollectError, DatasetError, UnknownEntryError, ConfigError, FileNotFoundError, FileExistsError) as exc:
+    except (CollectError, DatasetError, UnknownEntryError, ConfigError, FileNotFoundError, FileExistsError,
+            ImportError) as exc:  # ImportError: minari missing, the message says what to install
         return usage_error(message(exc))
     except OSError as exc:
         return usage_error(os_message(exc))
@@ -139,10 +140,11 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
     docstring); returns ``(dataset folder, transitions, episode returns)``. A failed run leaves no dataset."""
     from easydict import EasyDict
 
-    from conveyor.data import DatasetWriter, load_dataset
+    from conveyor.data import DatasetWriter
     from conveyor.envs import make_env_manager
     from conveyor.middleware import EpisodeCollector, episode_recorder, load_checkpoint, restore
     from conveyor.zoo import load_entry
+    from conveyor.zoo._online import seed_everything
 
     if not isinstance(episodes, int) or episodes <= 0:
         raise CollectError(f"--episodes must be an int > 0, got {episodes!r}")
@@ -153,6 +155,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
     cls = _policy_class(load_checkpoint(ckpt), ckpt)
     cfg = _run_config(entry, entry_name, cls, ckpt)
     seed = cfg.seed if seed is None else seed
+    seed_everything(seed)  # and one torch thread: a second one only slows small networks down
     policy = cls(cfg.policy, seed=seed)
     try:
         restore(ckpt, policy)
@@ -174,8 +177,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
             shutil.rmtree(writer.path, ignore_errors=True)
             raise
         writer.close()
-    data = load_dataset(writer.path)
-    return writer.path, len(data), data.episode_returns()
+    return writer.path, writer.steps_written, np.asarray(writer.episode_returns)
 
 
 def _record(collector: Any, recorder: Any, episodes: int, progress: bool) -> None:

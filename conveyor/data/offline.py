@@ -18,6 +18,7 @@ Where datasets come from (:func:`load_dataset`), nothing is ever downloaded:
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ def _minari() -> Any:
 
 
 def leaves(data: Nested) -> List[np.ndarray]:
+    """The arrays of a (nested) dict of arrays, in key order; ``[data]`` for an array."""
     out: List[np.ndarray] = []
     map_nested(out.append, data)
     return out
@@ -303,7 +305,6 @@ class DatasetWriter:
             if not overwrite:
                 raise FileExistsError(f"a dataset '{dataset_id}' exists already at {self.path}: choose another id "
                                       f"(or version), or overwrite it (--overwrite, overwrite=True)")
-            import shutil
             shutil.rmtree(self.path)
         self.observation_space, self.action_space = observation_space, action_space
         env_spec = gym.spec(env_id) if env_id is not None else None
@@ -322,6 +323,7 @@ class DatasetWriter:
         self._pending_steps = 0
         self.episodes_written = 0
         self.steps_written = 0
+        self.episode_returns: List[float] = []  # of every episode added, in order
         self._closed = False
 
     def __repr__(self) -> str:
@@ -351,6 +353,7 @@ class DatasetWriter:
             terminations=np.asarray(ep["terminated"], dtype=bool).reshape(-1),
             truncations=np.asarray(ep["truncated"], dtype=bool).reshape(-1)))
         self._pending_steps += steps
+        self.episode_returns.append(float(np.sum(self._pending[-1].rewards)))
         if self._pending_steps >= self._flush_steps:
             self.flush()
 
@@ -456,6 +459,8 @@ def _from_arrays(path: Path, arrays: Mapping[str, Any], obs_space: Any, act_spac
 
 
 def _read_npz(path: Path, observation_space: Optional[gym.Space], action_space: Optional[gym.Space]) -> OfflineDataset:
+    if not zipfile.is_zipfile(path):  # else numpy reads it as a pickle and complains about pickles
+        raise DatasetError(f"cannot read {path}: corrupt or truncated .npz file (not a zip archive)")
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {key: npz[key] for key in npz.files}

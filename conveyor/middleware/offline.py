@@ -18,7 +18,7 @@ import torch
 from conveyor.data.batch import map_nested, to_numpy, tree_of_tensors
 from conveyor.data.offline import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, concat_nested,
                                    leaves, load_dataset)
-from conveyor.engine import OfflineRLContext, OnlineRLContext, declares
+from conveyor.engine import FINISH_EVENT, OfflineRLContext, OnlineRLContext, declares, task
 
 __all__ = ["OfflineDataFetcher", "offline_data_fetcher", "EpisodeRecorder", "episode_recorder"]
 
@@ -156,11 +156,7 @@ class EpisodeRecorder:
     def __init__(self, writer: DatasetWriter) -> None:
         self._writer = writer
         self._running: List[List[Dict[str, np.ndarray]]] = []
-        from conveyor.engine import FINISH_EVENT, task
-        try:
-            task.on(FINISH_EVENT, lambda *_: writer.close())
-        except RuntimeError:
-            pass  # built outside task.start: the caller closes the writer
+        task.on(FINISH_EVENT, lambda *_: writer.close())
 
     def __repr__(self) -> str:
         return f"EpisodeRecorder({self._writer!r})"

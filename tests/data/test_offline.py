@@ -179,3 +179,9 @@ def test_dict_observations_round_trip_through_minari_and_the_fetcher(tmp_path):
     assert np.array_equal(data.next_observations["vel"], obs["vel"][1:])
     batch = offline_data_fetcher(EasyDict(seed=0, policy=dict(learn=dict(batch_size=4))), data).next_batch()
     assert np.array_equal(batch.obs.pos.numpy(), obs["pos"][batch.index.numpy()])
+
+
+def test_a_file_that_is_no_archive_is_a_clear_error(tmp_path):
+    (tmp_path / "junk.npz").write_bytes(b"not numpy at all")
+    with pytest.raises(DatasetError, match=r"junk.npz: corrupt or truncated .npz file \(not a zip archive\)"):
+        load_dataset(tmp_path / "junk.npz")

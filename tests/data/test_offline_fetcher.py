@@ -107,3 +107,26 @@ def test_a_dqn_learner_trains_on_the_batches_unchanged():
         task.use(lambda ctx: losses.append(ctx.train_output[0]["losses/td"]))
         task.run(max_step=4)
         assert task.ctx.train_iter == 4 and np.isfinite(losses).all()
+
+
+def test_a_sac_learner_trains_on_continuous_batches_unchanged():
+    from conveyor.config import compile_config
+    from conveyor.middleware import trainer
+    from conveyor.policy import SACPolicy
+    cfg = compile_config(EasyDict(dict(exp_name="offline", seed=0, env=dict(env_id="Pendulum-v1"),
+                                       policy=dict(learn=dict(batch_size=8, update_per_collect=1),
+                                                   model=dict(hidden_sizes=[16, 16])))), policy=SACPolicy)
+    env = gym.make("Pendulum-v1")
+    rng = np.random.default_rng(0)
+    obs = rng.uniform(-1, 1, (21, 3)).astype(np.float32)
+    data = OfflineDataset(observations=obs[:-1], actions=rng.uniform(-2, 2, (20, 1)).astype(np.float32),
+                          rewards=-rng.random(20), next_observations=obs[1:], terminations=np.zeros(20, bool),
+                          truncations=np.arange(20) == 19, observation_space=env.observation_space,
+                          action_space=env.action_space)
+    policy = SACPolicy(cfg.policy, seed=0)
+    with task.start(ctx=OfflineRLContext()):
+        task.use(offline_data_fetcher(cfg, data, observation_space=env.observation_space,
+                                      action_space=env.action_space))
+        task.use(trainer(cfg, policy.learn_mode))
+        task.run(max_step=3)
+        assert task.ctx.train_iter == 3

@@ -6,7 +6,7 @@ from easydict import EasyDict
 
 from conveyor import OnlineRLContext, task
 from conveyor.config import compile_config
-from conveyor.data import DatasetWriter, load_dataset, to_numpy
+from conveyor.data import DatasetWriter, concat_datasets, load_dataset, to_numpy
 from conveyor.envs import SyncEnvManager
 from conveyor.middleware import EpisodeCollector, StepCollector, episode_recorder, nstep_reward_enhancer
 from conveyor.policy import DQNPolicy
@@ -23,16 +23,20 @@ def cfg():
         policy=dict(nstep=1, collect=dict(n_sample=16, n_episode=3), model=dict(hidden_sizes=[8])))), policy=DQNPolicy)
 
 
-@pytest.fixture
-def envs(request):
+def make_envs(request):
     # 14-step time limit: random CartPole episodes both fall (terminated) and run out of time (truncated)
     env = SyncEnvManager([lambda: gym.make("CartPole-v1", max_episode_steps=14)] * 2, seed=0)
     request.addfinalizer(env.close)
     return env
 
 
-def writer(tmp_path, envs):
-    return DatasetWriter("test/recorded-v0", envs.observation_space, envs.action_space, root=tmp_path)
+@pytest.fixture
+def envs(request):
+    return make_envs(request)
+
+
+def writer(tmp_path, envs, dataset_id="test/recorded-v0"):
+    return DatasetWriter(dataset_id, envs.observation_space, envs.action_space, root=tmp_path)
 
 
 def episodes_of(columns):
@@ -93,3 +97,30 @@ def test_recorder_after_an_nstep_enhancer_is_refused(cfg, envs, tmp_path):
         task.use(episode_recorder(writer(tmp_path, envs)))
         with pytest.raises(ValueError, match="place the recorder right after the collector"):
             task.run(max_step=3)
+
+
+def record(cfg, request, tmp_path, dataset_id, steps, state=None):
+    """``steps`` iterations of collector + recorder (from ``state`` if given); the pipeline's state at the end."""
+    envs = make_envs(request)
+    policy = DQNPolicy(cfg.policy, seed=0)
+    with task.start(ctx=OnlineRLContext()):
+        task.register_state("policy", policy)
+        task.use(lambda ctx: ctx.collect_kwargs.update(eps=1.0))
+        task.use(StepCollector(cfg, policy.collect_mode, envs))
+        task.use(episode_recorder(writer(tmp_path, envs, dataset_id)))
+        if state is not None:
+            task.load_state_dict(state)
+        task.run(max_step=steps)
+        return task.state_dict()
+
+
+def test_a_resumed_recording_finishes_the_episodes_running_at_the_checkpoint(cfg, request, tmp_path):
+    record(cfg, request, tmp_path, "test/whole-v0", steps=6)
+    state = record(cfg, request, tmp_path, "test/first-v0", steps=3)
+    record(cfg, request, tmp_path, "test/second-v0", steps=3, state=state)
+    whole = load_dataset("test/whole-v0", root=tmp_path)
+    first, second = (load_dataset(f"test/{name}-v0", root=tmp_path) for name in ("first", "second"))
+    assert first.num_episodes and second.num_episodes
+    joined = concat_datasets([first, second])
+    for _, name in FIELDS + (("", "episode_ids"),):
+        assert np.array_equal(getattr(joined, name), getattr(whole, name)), name
