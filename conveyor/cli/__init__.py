@@ -13,7 +13,7 @@ from typing import List, NoReturn, Optional
 
 __all__ = ["main"]
 
-COMMANDS = ("train", "listing", "eval", "plot", "describe")
+COMMANDS = ("train", "listing", "eval", "plot", "collect", "describe")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
 
 

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = _run_dir(cfg if cfg is not None else entry.main_config, args.exp_name)
         ctx = entry.main(cfg, **keywords)
     except TrainingInterrupted as stop:
-        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name} at env step {stop.ctx.env_step} (last "
+        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name} at {_position(stop.ctx)} (last "
               f"eval {number(stop.ctx.last_eval_value)}); final and latest checkpoints written, continue with "
               f"--resume; run directory {run_dir}", file=sys.stderr)
         return 128 + stop.signum
@@ -100,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     except (EnvCrashedError, EvaluationError) as exc:
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
         return 1
-    print(f"{stop_reason(ctx, _stop_value(run_dir, cfg, entry), args.max_env_step, args.max_train_iter)}; "
+    used = _used_config(run_dir, cfg, entry)
+    max_train_iter = args.max_train_iter or used.get("policy", {}).get("learn", {}).get("max_train_iter")
+    print(f"{stop_reason(ctx, used.get('env', {}).get('stop_value'), args.max_env_step, max_train_iter)}; "
           f"run directory {run_dir}")
     return 0
 
@@ -109,16 +111,18 @@ def stop_reason(ctx: Any, stop_value: Optional[float], max_env_step: Optional[in
                 max_train_iter: Optional[int] = None) -> str:
     """Why a run whose final context is ``ctx`` stopped: solved, a budget reached, or neither."""
     last = ctx.last_eval_value
+    at = _position(ctx)
     if last is not None and stop_value is not None and last >= stop_value:
-        return f"solved: eval {number(last)} >= stop value {number(stop_value)} at env step {ctx.env_step}"
+        return f"solved: eval {number(last)} >= stop value {number(stop_value)} at {at}"
     target = "" if stop_value is None else f" (stop value {number(stop_value)})"
     if max_env_step is not None and ctx.env_step >= max_env_step:
         return f"budget reached: env step {ctx.env_step} of --max-env-step {max_env_step}; last eval " \
                f"{number(last)}{target}"
     if max_train_iter is not None and ctx.train_iter >= max_train_iter:
-        return f"budget reached: train iter {ctx.train_iter} of --max-train-iter {max_train_iter}; last eval " \
+        return f"budget reached: train iter {ctx.train_iter} of max_train_iter {max_train_iter}; last eval " \
                f"{number(last)}{target}"
-    return f"stopped at env step {ctx.env_step}, train iter {ctx.train_iter}; last eval {number(last)}{target}"
+    where = f"env step {ctx.env_step}, train iter {ctx.train_iter}" if hasattr(ctx, "env_step") else at
+    return f"stopped at {where}; last eval {number(last)}{target}"
 
 
 def _config(entry: ModuleType, args: argparse.Namespace) -> Optional[Any]:
@@ -171,10 +175,15 @@ def _run_dir(cfg: Any, exp_name: Optional[str]) -> Path:
     return experiment_dir({"exp_name": exp_name})
 
 
-def _stop_value(run_dir: Path, cfg: Optional[Any], entry: ModuleType) -> Optional[float]:
-    """The stop value the run used: from its saved config, else from the config it was given."""
+def _position(ctx: Any) -> str:
+    """Where a run is: its env step, or its train iteration in an offline run (which takes no env steps)."""
+    return f"env step {ctx.env_step}" if hasattr(ctx, "env_step") else f"train iter {ctx.train_iter}"
+
+
+def _used_config(run_dir: Path, cfg: Optional[Any], entry: ModuleType) -> Any:
+    """The config the run used: its saved one, else the one it was given."""
     from conveyor.zoo._online import RunDirError, read_run_config
     try:
-        return read_run_config(run_dir)["config"].get("env", {}).get("stop_value")
+        return read_run_config(run_dir)["config"]
     except (FileNotFoundError, RunDirError):
-        return (cfg if cfg is not None else entry.main_config).get("env", {}).get("stop_value")
+        return cfg if cfg is not None else entry.main_config

@@ -1,4 +1,4 @@
-"""Data: the batch layout every layer shares, and replay buffers.
+"""Data: the batch layout every layer shares, replay buffers and offline datasets.
 
 ``DequeBuffer`` keeps transitions in preallocated numpy rings and samples them as ttorch batches
 (uniformly, or by priority); the batch helpers build and reshape those batches once per batch.
@@ -14,9 +14,19 @@ from conveyor.data.batch import (
     tree_of_tensors,
 )
 from conveyor.data.buffer import DequeBuffer
+from conveyor.data.offline import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, concat_datasets,
+                                   dataset_root, load_dataset, save_dataset)
 
 __all__ = [
+    "DatasetError",
+    "DatasetWriter",
     "DequeBuffer",
+    "OfflineDataset",
+    "check_spaces",
+    "concat_datasets",
+    "dataset_root",
+    "load_dataset",
+    "save_dataset",
     "Nested",
     "as_tree",
     "flatten_batch",

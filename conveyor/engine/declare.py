@@ -215,7 +215,8 @@ def declares(*, reads: Iterable[str] = (), writes: Iterable[str] = (), optional:
     reads and writes; it gets ``.reads`` / ``.writes`` (every field, forward and backward) and
     ``.declared_fields`` (the :class:`Fields`).
 
-    ``optional``: reads (forward or backward) whose default is a fine value. ``backward_*``: what the part
+    ``optional``: reads (forward or backward) whose default is a fine value, or that the context class may
+    lack (the middleware then does without them). ``backward_*``: what the part
     after ``yield`` reads and writes. ``factory=True`` marks a function that builds middleware: it and what
     it returns carry the declaration (unless its product declares its own, more precise one).
 

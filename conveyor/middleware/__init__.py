@@ -8,13 +8,15 @@ from conveyor.middleware.exchanger import ContextExchanger, ModelExchanger
 from conveyor.middleware.evaluator import (EVAL_EVENT, EvaluationError, InteractionEvaluator, evaluate,
                                           interaction_evaluator)
 from conveyor.middleware.learner import OffPolicyLearner, data_pusher
-from conveyor.middleware.logger import online_logger, progress_bar, wandb_online_logger
+from conveyor.middleware.logger import offline_logger, online_logger, progress_bar, wandb_online_logger
+from conveyor.middleware.offline import EpisodeRecorder, OfflineDataFetcher, episode_recorder, offline_data_fetcher
 from conveyor.middleware.termination import termination_checker
 from conveyor.middleware.trainer import MultistepTrainer, Trainer, multistep_trainer, trainer
 
-__all__ = ["CheckpointError", "CkptSaver", "ContextExchanger", "ModelExchanger", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
+__all__ = ["EpisodeRecorder", "OfflineDataFetcher", "episode_recorder", "offline_data_fetcher",
+           "CheckpointError", "CkptSaver", "ContextExchanger", "ModelExchanger", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
            "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "ProcessCollector", "StepCollector", "Trainer",
            "collection_builder", "data_pusher", "eps_greedy_handler", "evaluate", "gae_estimator", "generalized_advantage",
            "interaction_evaluator", "load_checkpoint", "multistep_trainer", "nstep_returns", "nstep_reward_enhancer",
-           "online_logger", "progress_bar", "restore", "save_checkpoint", "termination_checker", "trainer",
+           "offline_logger", "online_logger", "progress_bar", "restore", "save_checkpoint", "termination_checker", "trainer",
            "wandb_online_logger"]

@@ -77,7 +77,7 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
             "crashes": crashes, "dropped": dropped}
 
 
-@declares(reads=("train_iter", "env_step", "last_eval_iter"),
+@declares(reads=("train_iter", "env_step", "last_eval_iter"), optional=("env_step",),
           writes=("eval_value", "eval_output", "last_eval_iter", "last_eval_value"))
 class InteractionEvaluator:
     """Evaluates one pinned version of the policy every ``cfg.policy.eval.evaluator.eval_freq`` train
@@ -91,7 +91,7 @@ class InteractionEvaluator:
     as :data:`EVAL_EVENT` (the checkpoint saver listens to it). Evaluation ``k`` seeds its
     envs with ``seed + 100000 + 1000 k`` (never training seeds); the count survives a resume.
 
-    Reads ctx: ``train_iter``, ``env_step``, ``last_eval_iter``.
+    Reads ctx: ``train_iter``, ``env_step`` (when the context has it), ``last_eval_iter``.
     Writes ctx: ``eval_value`` (mean return), ``eval_output`` (``returns, lengths, mean, std, env_step,
     train_iter, weight_version, crashes, dropped, snapshot, seed, stop_value_reached``), ``last_eval_iter``,
     ``last_eval_value``.
@@ -123,22 +123,23 @@ class InteractionEvaluator:
         self._env_step = int(state["env_step"])
 
     def __call__(self, ctx: OnlineRLContext) -> None:
+        env_step = getattr(ctx, "env_step", None)  # None in an offline pipeline (OfflineRLContext): no env steps
         due = ctx.last_eval_iter is None or ctx.train_iter - ctx.last_eval_iter >= self._freq
-        if self._env_freq is not None and ctx.last_eval_iter is not None:
-            due = due or ctx.env_step - self._env_step >= self._env_freq
+        if self._env_freq is not None and ctx.last_eval_iter is not None and env_step is not None:
+            due = due or env_step - self._env_step >= self._env_freq
         if not due:
             return
         snapshot = self._policy.snapshot() if hasattr(self._policy, "snapshot") else self._policy
         seed = self._base_seed + 1000 * self._evaluations
         result = evaluate(snapshot, self._env, self._n_episode, seed=seed, max_crashes=self._max_crashes)
         if result["crashes"]:
-            log.warning("evaluation at env step %d: %d env crashes, %d episodes dropped and run again",
-                        ctx.env_step, result["crashes"], result["dropped"])
+            log.warning("evaluation at train iter %d: %d env crashes, %d episodes dropped and run again",
+                        ctx.train_iter, result["crashes"], result["dropped"])
         reached = self._stop_value is not None and result["mean"] >= self._stop_value
-        result.update(env_step=ctx.env_step, train_iter=ctx.train_iter, seed=seed, snapshot=snapshot,
+        result.update(env_step=env_step, train_iter=ctx.train_iter, seed=seed, snapshot=snapshot,
                       stop_value_reached=reached, weight_version=getattr(snapshot, "version", None))
         self._evaluations += 1
-        self._env_step = ctx.env_step
+        self._env_step = env_step or 0
         ctx.eval_value = result["mean"]
         ctx.eval_output = result
         ctx.last_eval_iter = ctx.train_iter

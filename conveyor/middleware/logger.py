@@ -14,11 +14,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OnlineRLContext, declares, task
+from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OfflineRLContext, OnlineRLContext, declares, task
 from conveyor.middleware.collector import EPISODE_EVENT
 from conveyor.middleware.evaluator import EVAL_EVENT
 
-__all__ = ["online_logger", "wandb_online_logger", "progress_bar"]
+__all__ = ["online_logger", "offline_logger", "wandb_online_logger", "progress_bar"]
 
 
 def eval_scalars(result: Dict[str, Any]) -> Dict[str, float]:
@@ -29,10 +29,11 @@ def eval_scalars(result: Dict[str, Any]) -> Dict[str, float]:
 
 
 class _Scalars:
-    """Turns what an iteration left in the context into scalars: mean losses, throughput, training
-    episode returns and per-middleware time from ``task.stats()``."""
+    """Turns what an iteration left in the context into scalars: mean losses, throughput (of the context's
+    ``counter``: env steps online, train iterations offline), training episode returns and per-middleware
+    time from ``task.stats()``."""
 
-    def __init__(self, train_show_freq: int) -> None:
+    def __init__(self, train_show_freq: int, counter: str = "env_step") -> None:
         if not isinstance(train_show_freq, int) or train_show_freq <= 0:
             raise ValueError(f"train_show_freq must be an int > 0, got {train_show_freq!r}")
         self._freq = train_show_freq
@@ -40,6 +41,7 @@ class _Scalars:
         self._returns: List[float] = []
         self._last_shown: Optional[int] = None
         self._clock = (time.perf_counter(), 0)
+        self._counter = counter
         task.on(EPISODE_EVENT, self._on_episode)
 
     def _on_episode(self, env_index: int, ret: float, length: int) -> None:
@@ -69,11 +71,11 @@ class _Scalars:
         if self._returns:
             scalars["charts/episode_return"] = float(np.mean(self._returns))
             self._returns = []
-        now, env_step = time.perf_counter(), ctx.env_step
-        then, then_step = self._clock
-        if now > then and env_step > then_step:
-            scalars["charts/env_steps_per_s"] = (env_step - then_step) / (now - then)
-        self._clock = (now, env_step)
+        now, count = time.perf_counter(), getattr(ctx, self._counter)
+        then, then_count = self._clock
+        if now > then and count > then_count:
+            scalars[f"charts/{self._counter}s_per_s"] = (count - then_count) / (now - then)
+        self._clock = (now, count)
         for name, stat in task.stats().items():
             scalars[f"time/{name}_ms"] = stat["mean_s"] * 1000
         return scalars
@@ -91,28 +93,60 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
 
     Reads ctx: ``train_output``, ``env_step``, ``train_iter``.
     """
-    from tensorboardX import SummaryWriter
-
-    writer = SummaryWriter(logdir)
+    write = _tensorboard(logdir, record_train_iter)
     scalars_of = _Scalars(train_show_freq)
-
-    def write(scalars: Dict[str, float], env_step: int, train_iter: int) -> None:
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, env_step)
-            if record_train_iter:
-                writer.add_scalar(f"{key}_iter", value, train_iter)
-        if scalars:
-            writer.flush()
-
     task.on(EVAL_EVENT, lambda result: write(eval_scalars(result), result["env_step"], result["train_iter"]))
-    task.on(FINISH_EVENT, lambda error: writer.flush())
-    task.once(CLOSE_EVENT, writer.close)
 
     def _log(ctx: OnlineRLContext):
         yield
         write(scalars_of(ctx), ctx.env_step, ctx.train_iter)
 
     return _log
+
+
+@declares(backward_reads=("train_output", "train_iter", "train_epoch"), optional=("train_output",), factory=True)
+def offline_logger(logdir: str, train_show_freq: int = 100):
+    """Writes scalars of an offline pipeline (``OfflineRLContext``) to TensorBoard under ``logdir``, indexed by
+    train iteration; the writer lives as :func:`online_logger`'s does.
+
+    Logged: after each evaluation the ``eval/...`` scalars of :func:`online_logger`; every ``train_show_freq``
+    train iterations the mean of the policy's metrics (``losses/...``, ``charts/...``), ``charts/train_epoch``,
+    ``charts/train_iters_per_s`` and ``time/<middleware>_ms``.
+
+    Reads ctx: ``train_output``, ``train_iter``, ``train_epoch``.
+    """
+    write = _tensorboard(logdir)
+    scalars_of = _Scalars(train_show_freq, counter="train_iter")
+    task.on(EVAL_EVENT, lambda result: write(eval_scalars(result), result["train_iter"], result["train_iter"]))
+
+    def _log(ctx: OfflineRLContext):
+        yield
+        scalars = scalars_of(ctx)
+        if scalars:
+            scalars["charts/train_epoch"] = float(ctx.train_epoch)
+        write(scalars, ctx.train_iter, ctx.train_iter)
+
+    return _log
+
+
+def _tensorboard(logdir: str, record_train_iter: bool = False) -> Callable[[Dict[str, float], int, int], None]:
+    """``write(scalars, step, train_iter)`` to a tensorboardX writer under ``logdir`` (also by train iteration,
+    as ``<key>_iter``, with ``record_train_iter``); flushed when a run ends, closed with the task."""
+    from tensorboardX import SummaryWriter
+
+    writer = SummaryWriter(logdir)
+    task.on(FINISH_EVENT, lambda error: writer.flush())
+    task.once(CLOSE_EVENT, writer.close)
+
+    def write(scalars: Dict[str, float], step: int, train_iter: int) -> None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+            if record_train_iter:
+                writer.add_scalar(f"{key}_iter", value, train_iter)
+        if scalars:
+            writer.flush()
+
+    return write
 
 
 @declares(backward_reads=("train_output", "env_step", "train_iter"), optional=("train_output",), factory=True)
@@ -144,16 +178,19 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
 
 @declares(backward_reads=("env_step",), factory=True)
 def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
-                 make_bar: Optional[Callable[..., Any]] = None, *, stop_value: Optional[float] = None):
-    """A terminal progress bar of env steps (out of ``total_env_step`` when there is a budget) with the latest
-    eval return (against ``stop_value`` when given; and its env crashes and dropped episodes, when there were
-    any) and env steps/s (tqdm, on stderr; it stays silent when stderr is not a terminal).
+                 make_bar: Optional[Callable[..., Any]] = None, *, stop_value: Optional[float] = None,
+                 counter: str = "env_step"):
+    """A terminal progress bar of env steps (or of the context's ``counter``, e.g. ``train_iter`` offline; out of
+    ``total_env_step`` when there is a budget) with the latest eval return (against ``stop_value`` when given; and
+    its env crashes and dropped episodes, when there were any) and steps/s (tqdm, on stderr; it stays silent when
+    stderr is not a terminal).
 
-    Reads ctx: ``env_step``.
+    Reads ctx: ``env_step`` (or ``counter``).
     """
     if make_bar is None:
         from tqdm import tqdm as make_bar
-    bar = make_bar(total=total_env_step, desc=desc, unit="step", dynamic_ncols=True, disable=None)
+    bar = make_bar(total=total_env_step, desc=desc, unit="step" if counter == "env_step" else "iter",
+                   dynamic_ncols=True, disable=None)
     crashes = [0, 0]  # env crashes and dropped episodes over all evaluations
 
     def on_eval(result: Dict[str, Any]) -> None:
@@ -170,11 +207,13 @@ def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
     task.once(CLOSE_EVENT, bar.close)
     shown = [0]
 
+    @declares(backward_reads=(counter,))
     def _progress(ctx: OnlineRLContext):
         yield
-        if total_env_step is not None and ctx.env_step > total_env_step:
-            bar.total = ctx.env_step  # the last collection overshoots the budget by less than one round
-        bar.update(ctx.env_step - shown[0])
-        shown[0] = ctx.env_step
+        count = getattr(ctx, counter)
+        if total_env_step is not None and count > total_env_step:
+            bar.total = count  # the last collection overshoots the budget by less than one round
+        bar.update(count - shown[0])
+        shown[0] = count
 
     return _progress

@@ -64,7 +64,11 @@ class _LrSchedule:
 
 @declares(reads=("train_data", "train_iter", "env_step"), writes=("train_iter", "train_output"))
 class _Trainer:
-    """What both trainers share: the learn view check, the lr schedule, the checkpointed state."""
+    """What both trainers share: the learn view check, the lr schedule, the checkpointed state.
+
+    ``env_step`` is read only to anneal the learning rate by env steps; an instance that does not declares
+    without it, so it fits contexts that have none (``OfflineRLContext``).
+    """
 
     def __init__(self, cfg: Any, policy: LearnPolicy, where: str) -> None:
         _check_learn_view(policy, where)
@@ -73,6 +77,8 @@ class _Trainer:
         if self._schedule.steps is not None and not callable(getattr(policy, "set_lr_factor", None)):
             raise TypeError(f"{where}: cfg.policy.learn.lr_anneal_steps needs a learn view with set_lr_factor(), "
                             f"such as policy.learn_mode; got {policy!r}")
+        if self._schedule.steps is None or self._schedule.unit != "env_step":
+            declares(reads=("train_data", "train_iter"), writes=("train_iter", "train_output"))(self)
         self._rng = np.random.default_rng(cfg.get("seed"))
 
     def state_dict(self) -> Dict[str, Any]:

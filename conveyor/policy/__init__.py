@@ -17,6 +17,7 @@ from conveyor.policy.base import (
     soft_update,
 )
 from conveyor.policy.actor_critic import ActorCritic
+from conveyor.policy.bc import BCPolicy
 from conveyor.policy.continuous import (
     ActionScaler,
     EnsembleLinear,
@@ -25,11 +26,14 @@ from conveyor.policy.continuous import (
     tanh_gaussian_log_prob,
     tanh_log_det_jacobian,
 )
+from conveyor.policy.cql import CQLPolicy, DiscreteCQLPolicy, continuous_cql_penalty, discrete_cql_penalty
 from conveyor.policy.dqn import DQNPolicy
-from conveyor.policy.model import MLP, ConvEncoder, DictEncoder, FlattenMLP, ObsShape, QNetwork, build_encoder
+from conveyor.policy.iql import IQLModel, IQLPolicy, expectile_loss
+from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, FlattenMLP, ObsShape, QNetwork,
+                                   build_encoder)
 from conveyor.policy.normaliser import ObsNormaliser, RunningMeanStd
 from conveyor.policy.ppo import PPOPolicy
-from conveyor.policy.sac import SACModel, SACPolicy
+from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
 
 __all__ = [
     "Policy",
@@ -64,4 +68,14 @@ __all__ = [
     "EnsembleLinear",
     "tanh_gaussian_log_prob",
     "tanh_log_det_jacobian",
+    "TanhActorCriticPolicy",
+    "EncoderHead",
+    "BCPolicy",
+    "CQLPolicy",
+    "DiscreteCQLPolicy",
+    "discrete_cql_penalty",
+    "continuous_cql_penalty",
+    "IQLPolicy",
+    "IQLModel",
+    "expectile_loss",
 ]

@@ -474,6 +474,24 @@ def replay_buffer_schema(size: int) -> dict:
     }
 
 
+def offline_schema(max_train_iter: int) -> dict:
+    """The options every offline policy adds: its dataset, its gradient-step budget, one step per minibatch."""
+    return {
+        "learn": {
+            "max_train_iter": Option(max_train_iter, "Gradient steps of an offline run (the zoo entry stops there).",
+                                     check=schema.positive),
+            "update_per_collect": Option(1, "Gradient steps per minibatch the offline data fetcher hands over.",
+                                         check=schema.positive),
+        },
+        "other": {
+            "dataset": {
+                "id": Option(None, "Dataset to train on: a Minari dataset id (in the local Minari root), or the path "
+                                   "of a Minari dataset directory, .npz or HDF5 transition file.", type=str),
+            },
+        },
+    }
+
+
 def fused_adam(device: torch.device) -> bool:
     """Whether Adam's fused kernel can run on ``device``: CUDA, or CPU from torch 2.4 on. On a small MLP it
     steps about 3x faster than the per-tensor loop."""

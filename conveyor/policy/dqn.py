@@ -143,9 +143,11 @@ class DQNPolicy(Policy):
 
         prioritized = "weight" in batch
         if prioritized:
-            loss = (self._loss_fn(q, target, reduction="none") * batch.weight).mean()
+            td_loss = (self._loss_fn(q, target, reduction="none") * batch.weight).mean()
         else:
-            loss = self._loss_fn(q, target)
+            td_loss = self._loss_fn(q, target)
+        extra = self._extra_losses(batch, q_all, q)
+        loss = td_loss + sum(extra.values()) if extra else td_loss
 
         grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
         self.train_iter += 1
@@ -153,7 +155,8 @@ class DQNPolicy(Policy):
 
         q = q.detach()
         out: dict[str, Any] = {
-            "losses/td": loss.item(),
+            "losses/td": td_loss.item(),
+            **{name: term.item() for name, term in extra.items()},
             "charts/q_mean": q.mean().item(),
             "charts/target_q_mean": target.mean().item(),
         }
@@ -162,6 +165,11 @@ class DQNPolicy(Policy):
         if prioritized:
             out["priority"] = (q - target).abs().cpu().numpy()
         return out
+
+    def _extra_losses(self, batch: ttorch.Tensor, q_all: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Loss terms added to the TD loss, by metric name, from the batch's Q-values ``q_all`` ``[B, A]`` and
+        those of its actions ``q`` ``[B]`` (DQN adds none; conservative Q-learning adds its penalty)."""
+        return {}
 
     def _update_target(self) -> None:
         """Soft update every step when ``target_theta`` is set, else a hard copy every ``target_update_freq``."""

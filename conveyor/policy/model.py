@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["ObsShape", "MLP", "FlattenMLP", "ConvEncoder", "DictEncoder", "build_encoder", "QNetwork"]
+__all__ = ["ObsShape", "MLP", "FlattenMLP", "ConvEncoder", "DictEncoder", "build_encoder", "QNetwork", "EncoderHead"]
 
 ObsShape = Union[int, Sequence[int], Mapping[str, Any]]
 """An observation shape: an int (a vector), a tuple, or a dict of shapes for ``Dict`` observations."""
@@ -176,3 +176,16 @@ class QNetwork(nn.Module):
         """``[..., action_num]`` Q-values for a batch of observations."""
         out = self.head(self.encoder(obs))
         return out @ self.dueling_combine if self.dueling else out
+
+
+class EncoderHead(nn.Module):
+    """An encoder picked from ``obs_shape`` and one linear layer to ``out_dim`` outputs (``[..., out_dim]``):
+    action logits, a regressed action, or a state value with ``out_dim=1``."""
+
+    def __init__(self, obs_shape: ObsShape, out_dim: int, *, hidden_sizes: Sequence[int] = (256, 256)) -> None:
+        super().__init__()
+        self.encoder = build_encoder(obs_shape, hidden_sizes)
+        self.head = nn.Linear(self.encoder.output_dim, out_dim)
+
+    def forward(self, obs: Any) -> torch.Tensor:
+        return self.head(self.encoder(obs))

@@ -33,7 +33,7 @@ from conveyor.policy.base import (Acting, Policy, TargetSync, _hidden_sizes_chec
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor
 from conveyor.schema import ConfigError, Option
 
-__all__ = ["SACPolicy", "SACModel"]
+__all__ = ["SACPolicy", "SACModel", "TanhActorCriticPolicy"]
 
 
 def _theta_check(value: Any) -> str | None:
@@ -92,25 +92,21 @@ class _Temperature(nn.Module):
         self.log_alpha = nn.Parameter(torch.tensor(math.log(alpha), dtype=torch.float32))
 
 
-class SACPolicy(Policy):
-    """Soft actor-critic for 1-D ``Box`` action spaces (see the module doc for the losses).
+class TanhActorCriticPolicy(Policy):
+    """What the actor-critic policies for 1-D ``Box`` actions share (SAC, IQL, continuous CQL): a
+    :class:`TanhGaussianActor`, an :class:`EnsembleQ` of critics with a Polyak-averaged target copy, the
+    env's action bounds, one Adam optimizer for the actor and one for the critics, and acting.
 
     ``collect_mode.forward(obs)`` samples ``a ~ pi(.|s)`` (noise from the seeded :attr:`rng`);
     ``eval_mode.forward(obs)`` acts with the mean ``tanh(mu(s))``. Both return actions scaled to the
     bounds ``model.action_low`` / ``model.action_high`` (``compile_config`` fills them from the env).
-    ``learn_mode.forward(batch)`` updates the critics, the actor and (with ``learn.auto_alpha``) the
-    temperature, then the target critics, and returns ``losses/q``, ``losses/actor``, ``losses/alpha``,
-    ``charts/alpha``, ``charts/entropy``, ``charts/q_mean``, ``charts/target_q_mean`` and, when the
-    batch has importance ``weight`` (prioritized replay), ``priority`` (mean ``|TD error|`` of the critics).
-
-    Checkpointed: ``model`` (actor and critics), ``target_critic``, ``actor_optimizer``,
-    ``critic_optimizer``, ``temperature`` (log-alpha), ``alpha_optimizer``, the exploration ``rng``, the
-    learner's ``learn_rng`` and ``train_iter``.
+    Subclasses write ``_forward_learn``. Checkpointed: ``model``, ``target_critic``, ``actor_optimizer``,
+    ``critic_optimizer``, the exploration ``rng`` and ``train_iter``.
     """
 
     @classmethod
     def config_schema(cls) -> dict:
-        """Base options plus SAC's (defaults are the SAC paper's: 256x256 networks, lr 3e-4, batch 256)."""
+        """Base options plus the actor's and critics' (defaults are the SAC paper's: 256x256, lr 3e-4, batch 256)."""
         return schema.merge_schemas(super().config_schema(), {
             "nstep": nstep_option(),
             "model": {
@@ -129,22 +125,14 @@ class SACPolicy(Policy):
             },
             "learn": {
                 "batch_size": Option(256, "Transitions per gradient step.", check=schema.positive),
-                "learning_rate": Option(3e-4, "Adam learning rate of the actor, the critics and the temperature "
-                                              "(unless set apiece below).", type=float, check=schema.positive),
+                "learning_rate": Option(3e-4, "Adam learning rate of every network (unless set apiece below).",
+                                        type=float, check=schema.positive),
                 "actor_learning_rate": Option(None, "Actor learning rate (None: learning_rate).", type=float,
                                               check=_optional_positive),
                 "critic_learning_rate": Option(None, "Critic learning rate (None: learning_rate).", type=float,
                                                check=_optional_positive),
-                "alpha_learning_rate": Option(None, "Temperature learning rate (None: learning_rate).", type=float,
-                                              check=_optional_positive),
                 "target_theta": Option(0.005, "Soft target update rate of the critics per gradient step.",
                                        type=float, check=_theta_check),
-                "auto_alpha": Option(True, "Learn the entropy temperature alpha against target_entropy; False "
-                                           "keeps alpha fixed."),
-                "alpha": Option(0.2, "Entropy temperature: its fixed value, or the initial one with auto_alpha.",
-                                type=float, check=schema.positive),
-                "target_entropy": Option(None, "Entropy the temperature steers the policy to, in nats of the "
-                                               "[-1, 1]-squashed action (None: -action_dim).", type=float),
                 "learning_starts": Option(1000, "Transitions in the replay buffer before training starts "
                                                 "(at least batch_size).", check=schema.non_negative),
             },
@@ -182,9 +170,9 @@ class SACPolicy(Policy):
         learn, model_cfg = self.cfg.learn, self.cfg.model
         if not (isinstance(getattr(self.model, "actor", None), nn.Module)
                 and isinstance(getattr(self.model, "critic", None), nn.Module)):
-            raise TypeError(f"SACPolicy needs a model with an 'actor' (sample, mode, forward -> (mean, log_std)) "
-                            f"and a 'critic' (forward(obs, action) -> [critic_num, B]), such as SACModel; got "
-                            f"{type(self.model).__name__}")
+            raise TypeError(f"{type(self).__name__} needs a model with an 'actor' (sample, mode, forward -> "
+                            f"(mean, log_std)) and a 'critic' (forward(obs, action) -> [critic_num, B]), such as "
+                            f"SACModel; got {type(self.model).__name__}")
         self.actor: nn.Module = self.model.actor
         self.critic: nn.Module = self.model.critic
         self.target_critic = make_target(self.critic)
@@ -196,34 +184,20 @@ class SACPolicy(Policy):
         except ValueError as exc:
             raise ConfigError(f"policy.model.action_low/action_high: {exc}") from None
         self.action_dim = action_dim
-        self.target_entropy = float(-action_dim if learn.target_entropy is None else learn.target_entropy)
-        self.temperature = _Temperature(learn.alpha).to(self.device)
-        self.temperature.requires_grad_(learn.auto_alpha)
-
-        fused = fused_adam(self.device)
         lr = learn.learning_rate
         self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=learn.actor_learning_rate or lr,
-                                                fused=fused)
+                                                fused=fused_adam(self.device))
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=learn.critic_learning_rate or lr,
-                                                 fused=fused)
-        self.alpha_optimizer = torch.optim.Adam(self.temperature.parameters(), lr=learn.alpha_learning_rate or lr,
-                                                fused=fused)
-        self._learn_generator = torch.Generator(device=self.device)
-        self._learn_generator.manual_seed(int(self.rng.integers(0, 2**62)))
-
+                                                 fused=fused_adam(self.device))
         self.register_state("target_critic", self.target_critic)
         self.register_state("actor_optimizer", self.actor_optimizer)
         self.register_state("critic_optimizer", self.critic_optimizer)
-        self.register_state("temperature", self.temperature)
-        self.register_state("alpha_optimizer", self.alpha_optimizer)
-        self.register_state("learn_rng", _TorchGeneratorState(self._learn_generator))
         self._actor_params = list(self.actor.parameters())
         self._critic_params = list(self.critic.parameters())
 
-    @property
-    def alpha(self) -> float:
-        """The current entropy temperature."""
-        return float(self.temperature.log_alpha.detach().exp())
+    def _data_action(self, batch: ttorch.Tensor) -> torch.Tensor:
+        """The batch's actions (in the env's bounds) mapped to ``[-1, 1]``, as ``[B, action_dim]``."""
+        return self.action_scaler.from_env(batch.action).reshape(-1, self.action_dim)
 
     # --- acting ----------------------------------------------------------------------------------
     def _forward_collect(self, acting: Acting, obs: Any) -> dict[str, Any]:
@@ -237,13 +211,65 @@ class SACPolicy(Policy):
         """The deterministic actions ``tanh(mu)`` in the env's bounds, as float32 numpy."""
         return {"action": self.action_scaler.to_env(acting.model.actor.mode(obs)).cpu().numpy()}
 
+
+class SACPolicy(TanhActorCriticPolicy):
+    """Soft actor-critic for 1-D ``Box`` action spaces (see the module doc for the losses; acting as in
+    :class:`TanhActorCriticPolicy`).
+
+    ``learn_mode.forward(batch)`` updates the critics, the actor and (with ``learn.auto_alpha``) the
+    temperature, then the target critics, and returns ``losses/q``, ``losses/actor``, ``losses/alpha``,
+    ``charts/alpha``, ``charts/entropy``, ``charts/q_mean``, ``charts/target_q_mean`` and, when the
+    batch has importance ``weight`` (prioritized replay), ``priority`` (mean ``|TD error|`` of the critics).
+
+    Checkpointed: ``model`` (actor and critics), ``target_critic``, ``actor_optimizer``,
+    ``critic_optimizer``, ``temperature`` (log-alpha), ``alpha_optimizer``, the exploration ``rng``, the
+    learner's ``learn_rng`` and ``train_iter``.
+    """
+
+    @classmethod
+    def config_schema(cls) -> dict:
+        """The actor-critic options plus the entropy temperature's."""
+        return schema.merge_schemas(super().config_schema(), {
+            "learn": {
+                "alpha_learning_rate": Option(None, "Temperature learning rate (None: learning_rate).", type=float,
+                                              check=_optional_positive),
+                "auto_alpha": Option(True, "Learn the entropy temperature alpha against target_entropy; False "
+                                           "keeps alpha fixed."),
+                "alpha": Option(0.2, "Entropy temperature: its fixed value, or the initial one with auto_alpha.",
+                                type=float, check=schema.positive),
+                "target_entropy": Option(None, "Entropy the temperature steers the policy to, in nats of the "
+                                               "[-1, 1]-squashed action (None: -action_dim).", type=float),
+            },
+        })
+
+    def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
+                 device: str | torch.device | None = None, seed: int | None = None) -> None:
+        super().__init__(cfg, model, device=device, seed=seed)
+        learn = self.cfg.learn
+        self.target_entropy = float(-self.action_dim if learn.target_entropy is None else learn.target_entropy)
+        self.temperature = _Temperature(learn.alpha).to(self.device)
+        self.temperature.requires_grad_(learn.auto_alpha)
+        self.alpha_optimizer = torch.optim.Adam(self.temperature.parameters(),
+                                                lr=learn.alpha_learning_rate or learn.learning_rate,
+                                                fused=fused_adam(self.device))
+        self._learn_generator = torch.Generator(device=self.device)
+        self._learn_generator.manual_seed(int(self.rng.integers(0, 2**62)))
+        self.register_state("temperature", self.temperature)
+        self.register_state("alpha_optimizer", self.alpha_optimizer)
+        self.register_state("learn_rng", _TorchGeneratorState(self._learn_generator))
+
+    @property
+    def alpha(self) -> float:
+        """The current entropy temperature."""
+        return float(self.temperature.log_alpha.detach().exp())
+
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
         """Critic, actor and temperature updates on one flat batch, then the soft target update."""
         discount = self._bootstrap_discount(batch)
         log_alpha = self.temperature.log_alpha
         alpha = log_alpha.detach().exp()
-        action = self.action_scaler.from_env(batch.action).reshape(-1, self.action_dim)
+        action = self._data_action(batch)
         generator = self._learn_generator
 
         # Critics: regress every Q_i(s, a) on the entropy-regularised bootstrap of the target critics.
@@ -257,7 +283,9 @@ class SACPolicy(Policy):
         prioritized = "weight" in batch
         per_sample = td_error.pow(2).sum(0)  # each critic's squared error, summed over critics
         q_loss = (per_sample * batch.weight).mean() if prioritized else per_sample.mean()
-        critic_grad_norm = self._apply_gradients(q_loss, self.critic_optimizer, self._critic_params)
+        extra = self._extra_critic_losses(batch, action, q)
+        critic_loss = q_loss + sum(extra.values()) if extra else q_loss
+        critic_grad_norm = self._apply_gradients(critic_loss, self.critic_optimizer, self._critic_params)
 
         # Actor: maximise min_i Q_i(s, a) + alpha * entropy, with a ~ pi(.|s) reparameterised. The
         # critics' weights take no gradient from this loss.
@@ -284,6 +312,7 @@ class SACPolicy(Policy):
         td_error = td_error.detach()
         out: dict[str, Any] = {
             "losses/q": q_loss.item(),
+            **{name: term.item() for name, term in extra.items()},
             "losses/actor": actor_loss.item(),
             "losses/alpha": alpha_loss.item(),
             "charts/alpha": alpha.item(),
@@ -297,3 +326,9 @@ class SACPolicy(Policy):
         if prioritized:
             out["priority"] = td_error.abs().mean(0).cpu().numpy()
         return out
+
+    def _extra_critic_losses(self, batch: ttorch.Tensor, action: torch.Tensor,
+                             q: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Loss terms added to the critics' TD loss, by metric name, from the batch, its actions in ``[-1, 1]``
+        and their Q-values ``q`` ``[critic_num, B]`` (SAC adds none; conservative Q-learning adds its penalty)."""
+        return {}

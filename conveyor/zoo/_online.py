@@ -32,8 +32,8 @@ from conveyor.middleware.collector_process import ProcessCollector, collection_b
 from conveyor.schema import ConfigError
 
 __all__ = ["prepare", "experiment_dir", "read_run_config", "seed_everything", "collection_and_evaluator_env",
-           "use_reporting", "train_online", "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name",
-           "stop_on_signals"]
+           "use_reporting", "train_online", "run_pipeline", "counters", "GlobalRNG", "RunDirError",
+           "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
 
 RUNS = Path("runs")
 CONFIG_FILE = "config.json"
@@ -52,8 +52,12 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.ctx = ctx
         self.ckpt_dir = ckpt_dir
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at env_step={ctx.env_step} train_iter={ctx.train_iter}; "
-                         f"final and latest checkpoints in {ckpt_dir}")
+        super().__init__(f"stopped by {name} at {counters(ctx)}; final and latest checkpoints in {ckpt_dir}")
+
+
+def counters(ctx: Any) -> str:
+    """``env_step=... train_iter=...`` of a final context (no ``env_step`` for an offline one)."""
+    return " ".join(f"{key}={getattr(ctx, key)}" for key in ("env_step", "train_iter") if hasattr(ctx, key))
 
 
 def check_exp_name(name: Any) -> str:
@@ -252,26 +256,39 @@ def train_online(cfg: EasyDict, policy: Any, collection: Collection, build: Call
                  max_train_iter: Optional[int] = None) -> OnlineRLContext:
     """Run an entry's pipeline: ``build(stage, evaluator_env)`` adds its middleware, with ``stage`` the
     collection middleware of :func:`collection_and_evaluator_env` in its place, then come the
-    checkpoint saver, the logger, the budgets (``max_env_step``, ``max_train_iter``) and the progress bar.
-    The policy, the buffer and the global RNGs are registered with the task, so checkpoints hold them;
-    ``resume`` loads ``latest`` into all of it.
+    checkpoint saver, the logger, the budgets (``max_env_step``, ``max_train_iter``) and the progress bar (see
+    :func:`run_pipeline`).
+    """
+    with collection_and_evaluator_env(cfg, policy, collection, async_mode=async_mode) as (stage, evaluator_env):
+        return run_pipeline(cfg, policy, OnlineRLContext(), lambda: build(stage, evaluator_env),
+                            lambda: use_reporting(cfg, max_env_step, progress, max_train_iter=max_train_iter),
+                            resume=resume, async_mode=async_mode,
+                            ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval, buffer=buffer)
+
+
+def run_pipeline(cfg: EasyDict, policy: Any, ctx: Any, build: Callable[[], None], report: Callable[[], None], *,
+                 resume: bool, async_mode: bool, ckpt_freq: int, ckpt_interval: Optional[float],
+                 buffer: Any = None) -> Any:
+    """Run a pipeline in ``ctx`` (an online or offline context): ``build()`` adds its middleware, then come the
+    checkpoint saver and ``report()``'s (logger, budget, progress bar). The policy, the buffer and the global
+    RNGs are registered with the task, so checkpoints hold them; ``resume`` loads ``latest`` into all of it.
+    Returns the final context; a signal raises :class:`TrainingInterrupted` once the final checkpoints are written.
     """
     exp_dir = experiment_dir(cfg)
     meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
-    with collection_and_evaluator_env(cfg, policy, collection, async_mode=async_mode) as (stage, evaluator_env):
-        with task.start(async_mode=async_mode, ctx=OnlineRLContext()):
-            task.register_state("policy", policy)
-            if buffer is not None:
-                task.register_state("buffer", buffer)
-            task.register_state("rng", GlobalRNG())
-            build(stage, evaluator_env)
-            task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
-            use_reporting(cfg, max_env_step, progress, max_train_iter=max_train_iter)
-            if resume:
-                _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
-            with stop_on_signals() as stop:
-                task.run()
-            ctx = task.ctx
+    with task.start(async_mode=async_mode, ctx=ctx):
+        task.register_state("policy", policy)
+        if buffer is not None:
+            task.register_state("buffer", buffer)
+        task.register_state("rng", GlobalRNG())
+        build()
+        task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
+        report()
+        if resume:
+            _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
+        with stop_on_signals() as stop:
+            task.run()
+        ctx = task.ctx
     if stop.signum is not None:
         raise TrainingInterrupted(stop.signum, ctx, exp_dir / "ckpt")
     return ctx

@@ -39,3 +39,16 @@ def through_bytes(state: Any) -> Any:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+def offline_batch(seed: int, n: int = 32, obs_dim: int = 3, action_shape: int = 2, *, discrete: bool = False,
+                  low: float = -1.0, high: float = 1.0) -> ttorch.Tensor:
+    """A random batch shaped like ``DequeBuffer.sample``'s: ``action_shape`` discrete actions (``int64 [n]``)
+    or a continuous action of that dimension in ``[low, high]`` (``float32 [n, action_shape]``)."""
+    g = torch.Generator().manual_seed(seed)
+    action = torch.randint(0, action_shape, (n,), generator=g) if discrete else \
+        low + (high - low) * torch.rand(n, action_shape, generator=g)
+    return ttorch.Tensor({
+        "obs": torch.randn(n, obs_dim, generator=g), "next_obs": torch.randn(n, obs_dim, generator=g),
+        "action": action, "reward": torch.randn(n, generator=g), "terminated": torch.rand(n, generator=g) < 0.2,
+        "truncated": torch.zeros(n, dtype=torch.bool), "index": torch.arange(n)})

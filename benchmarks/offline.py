@@ -1,0 +1,205 @@
+"""Offline RL bars of issue 9: BC and CQL on CartPole datasets, CQL and IQL on a medium Pendulum dataset.
+
+Per seed, in one run, everything from scratch in a work folder (``runs/`` and ``datasets/`` there):
+
+1. the CartPole expert: the zoo's DQN (``cartpole/dqn``) until its evaluation reaches 475 (``eval_best``);
+2. the expert dataset (100 greedy episodes: 50k transitions) and the mixed one: the first half of those
+   episodes and, recorded with random actions at probability 0.5, at least as many transitions again;
+3. ``cartpole/bc`` and ``cartpole/cql`` on each;
+4. the medium Pendulum behaviour policy: the zoo's SAC (``pendulum/sac``) trained in rounds of env steps until
+   its greedy return falls in -600..-400 (else the round closest to -500), recorded with Gaussian noise of
+   std 0.1 of the action range; ``behaviour_pendulum`` is the mean episode return of that dataset;
+5. ``pendulum/cql`` and ``pendulum/iql`` on it.
+
+Each offline row is the mean return of the run's final policy over ``--eval-episodes`` fresh episodes; the
+table shows every seed, the JSON line the median over seeds. ``fetch_ratio`` comes from
+benchmarks/offline_fetch.py (minibatches/s of ``offline_data_fetcher`` over direct indexing, same run).
+The entries' configs were tuned on seeds 0-2, so the default seeds are others.
+
+    python benchmarks/offline.py                      # seeds 3 4 5, full budgets (long: tens of minutes a seed)
+    python benchmarks/offline.py --seeds 0 --quick    # tiny budgets: checks that everything runs
+    python benchmarks/offline.py --workdir /tmp/off   # keep runs and datasets
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+import conveyor.policy
+from conveyor.cli.collect import collect_dataset
+from conveyor.config import compile_config
+from conveyor.data import DatasetWriter, concat_datasets, load_dataset
+from conveyor.envs import make_env_manager
+from conveyor.middleware import evaluate, load_checkpoint, restore
+from conveyor.zoo import load_entry
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_fetch import measure_fetch  # noqa: E402  (a sibling benchmark script)
+
+ROWS = ("bc_expert", "cql_expert", "bc_mixed", "cql_mixed", "behaviour_pendulum", "cql_pendulum", "iql_pendulum")
+MEDIUM = (-600.0, -400.0)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much each step of one seed may do."""
+
+    expert_env_steps: int  # the DQN expert's env-step budget (it stops earlier at 475)
+    expert_episodes: int  # episodes in the expert dataset; the mixed one takes half of them plus as many noisy
+    cartpole_iters: int  # gradient steps of each CartPole offline run
+    medium_start: int  # SAC env steps of the first round towards the medium Pendulum policy
+    medium_round: int  # env steps added per further round
+    medium_max: int  # SAC env steps at most
+    pendulum_episodes: int  # episodes in the medium dataset
+    pendulum_iters: int  # gradient steps of each Pendulum offline run
+    eval_episodes: int  # episodes of each final evaluation
+
+
+FULL = Budget(expert_env_steps=60_000, expert_episodes=100, cartpole_iters=5000, medium_start=1500, medium_round=250,
+              medium_max=8000, pendulum_episodes=100, pendulum_iters=5000, eval_episodes=20)
+QUICK = Budget(expert_env_steps=2000, expert_episodes=4, cartpole_iters=50, medium_start=600, medium_round=300,
+               medium_max=900, pendulum_episodes=2, pendulum_iters=50, eval_episodes=2)
+
+
+def final_return(run: Path, ckpt: str, episodes: int, seed: int) -> float:
+    """Mean return of the policy in ``run/ckpt/<ckpt>`` over ``episodes`` greedy episodes on fresh evaluator envs."""
+    saved = json.loads((run / "config.json").read_text())
+    policy_cls = getattr(conveyor.policy, saved["policy"])
+    compiled = compile_config(saved["config"], policy=policy_cls)
+    policy = policy_cls(compiled.policy, seed=seed)
+    restore(run / "ckpt" / ckpt, policy)
+    with make_env_manager(compiled.env, "evaluator", seed=seed) as env:
+        return evaluate(policy.eval_mode, env, episodes, seed=seed + 7_000_000)["mean"]
+
+
+def offline_run(entry_name: str, dataset: Path, seed: int, iters: int, budget: Budget) -> float:
+    """Train ``entry_name`` on ``dataset`` for ``iters`` gradient steps; its final policy's mean return."""
+    entry = load_entry(entry_name)
+    cfg = copy.deepcopy(entry.main_config)
+    cfg.policy.other.dataset.id = str(dataset)
+    exp_name = f"{entry_name.replace('/', '_')}_{dataset.name}_{seed}"
+    entry.main(cfg, seed=seed, exp_name=exp_name, max_train_iter=iters, progress=False)
+    return final_return(Path("runs") / exp_name, "final.pth.tar", budget.eval_episodes, seed)
+
+
+def cartpole_rows(seed: int, budget: Budget, datasets: Path, notes: Dict[str, Any]) -> Dict[str, float]:
+    """The expert, its two datasets, and BC and CQL on each."""
+    expert = f"expert_{seed}"
+    ctx = load_entry("cartpole/dqn").main(seed=seed, exp_name=expert, max_env_step=budget.expert_env_steps,
+                                          progress=False)
+    best = load_checkpoint(Path("runs") / expert / "ckpt" / "eval_best.pth.tar")["eval"]
+    notes["expert_return"], notes["expert_env_steps"] = best["mean"], ctx.env_step
+    ckpt = Path("runs") / expert / "ckpt" / "eval_best.pth.tar"
+    expert_dir, steps, returns = collect_dataset("cartpole/dqn", ckpt, budget.expert_episodes, seed=seed,
+                                                 dataset_id=f"cartpole/expert-s{seed}-v0", dataset_dir=datasets)
+    expert_episodes = load_dataset(expert_dir).episodes()
+    expert_half = [episode for _, episode in zip(range(budget.expert_episodes // 2), expert_episodes)]
+    target = sum(len(episode) for episode in expert_half)
+    noisy, count = [], budget.expert_episodes // 2
+    while sum(len(part) for part in noisy) < target:  # noisy episodes are shorter: record until they match
+        part_dir, _, _ = collect_dataset("cartpole/dqn", ckpt, count, noise=0.5, seed=seed + 1 + len(noisy),
+                                         dataset_id=f"cartpole/noisy-s{seed}-{len(noisy)}-v0", dataset_dir=datasets)
+        noisy.append(load_dataset(part_dir))
+        have = sum(len(part) for part in noisy)
+        count = max(1, round((target - have) / (have / sum(part.num_episodes for part in noisy))) + 1)
+    noisy_half, have = [], 0
+    for episode in concat_datasets(noisy).episodes():  # whole episodes, as few as reach the target
+        if have >= target:
+            break
+        noisy_half.append(episode)
+        have += len(episode)
+    mixed = concat_datasets([*expert_half, *noisy_half])
+    mixed_dir = datasets / f"cartpole/mixed-s{seed}-v0"
+    with DatasetWriter(f"cartpole/mixed-s{seed}-v0", mixed.observation_space, mixed.action_space,
+                       root=datasets) as writer:
+        writer.add_dataset(mixed)
+    notes["expert_transitions"], notes["expert_data_return"] = steps, statistics.mean(returns)
+    notes["mixed_transitions"], notes["mixed_noisy_share"] = len(mixed), 1 - target / len(mixed)
+    notes["noisy_data_return"] = statistics.mean(float(e.episode_returns()[0]) for e in noisy_half)
+    rows = {}
+    for data, path in (("expert", expert_dir), ("mixed", mixed_dir)):
+        for algo in ("bc", "cql"):
+            rows[f"{algo}_{data}"] = offline_run(f"cartpole/{algo}", path, seed, budget.cartpole_iters, budget)
+    return rows
+
+
+def pendulum_rows(seed: int, budget: Budget, datasets: Path, notes: Dict[str, Any]) -> Dict[str, float]:
+    """The medium SAC policy, its dataset, and CQL and IQL on it."""
+    sac = load_entry("pendulum/sac")
+    name, steps, rounds = f"medium_{seed}", budget.medium_start, []
+    run = Path("runs") / name
+    sac.main(seed=seed, exp_name=name, max_env_step=steps, progress=False)
+    while True:
+        score = final_return(run, "final.pth.tar", budget.eval_episodes, seed)
+        kept = f"round_{steps}.pth.tar"
+        shutil.copy(run / "ckpt" / "final.pth.tar", run / "ckpt" / kept)
+        rounds.append((abs(score - sum(MEDIUM) / 2), steps, score, kept))
+        if score >= MEDIUM[0] or steps + budget.medium_round > budget.medium_max:
+            break  # in the band or past it: more training only improves it
+        steps += budget.medium_round
+        sac.main(exp_name=name, max_env_step=steps, resume=True, progress=False)
+    _, notes["medium_env_steps"], notes["medium_greedy_return"], kept = min(rounds)
+    medium_dir, transitions, returns = collect_dataset(
+        "pendulum/sac", run / "ckpt" / kept, budget.pendulum_episodes, noise=0.1, seed=seed,
+        dataset_id=f"pendulum/medium-s{seed}-v0", dataset_dir=datasets)
+    notes["medium_transitions"] = transitions
+    rows = {"behaviour_pendulum": statistics.mean(returns)}
+    for algo in ("cql", "iql"):
+        rows[f"{algo}_pendulum"] = offline_run(f"pendulum/{algo}", medium_dir, seed, budget.pendulum_iters, budget)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5], help="seeds (default 3 4 5)")
+    parser.add_argument("--quick", action="store_true", help="tiny budgets and one seed unless --seeds is given")
+    parser.add_argument("--workdir", default=None, help="keep runs/ and datasets/ here (default: a tmp folder)")
+    args = parser.parse_args()
+    budget = QUICK if args.quick else FULL
+    seeds = args.seeds if not args.quick or "--seeds" in sys.argv else args.seeds[:1]
+    torch.set_num_threads(1)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="conveyor_offline_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    home = os.getcwd()
+    os.chdir(work)
+    results: Dict[int, Dict[str, float]] = {}
+    notes: Dict[int, Dict[str, Any]] = {}
+    try:
+        for seed in seeds:
+            start = time.perf_counter()
+            notes[seed] = {}
+            results[seed] = {**cartpole_rows(seed, budget, work / "datasets", notes[seed]),
+                             **pendulum_rows(seed, budget, work / "datasets", notes[seed])}
+            notes[seed]["seconds"] = time.perf_counter() - start
+    finally:
+        os.chdir(home)
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    fetch = measure_fetch(batches=20, repeats=3) if args.quick else measure_fetch()
+
+    print(f"{'row':<20}" + "".join(f"{f'seed {s}':>12}" for s in seeds) + f"{'median':>12}")
+    medians = {}
+    for row in ROWS:
+        values = [results[s][row] for s in seeds]
+        medians[row] = statistics.median(values)
+        print(f"{row:<20}" + "".join(f"{v:>12.1f}" for v in values) + f"{medians[row]:>12.1f}")
+    for key in notes[seeds[0]]:
+        print(f"{key:<20}" + "".join(f"{notes[s][key]:>12.1f}" for s in seeds))
+    print(f"{'fetch_ratio':<20}{fetch['fetch_ratio']:>12.2f}")
+    print(json.dumps({**{row: round(medians[row], 1) for row in ROWS}, "fetch_ratio": round(fetch["fetch_ratio"], 3)}))
+
+
+if __name__ == "__main__":
+    main()

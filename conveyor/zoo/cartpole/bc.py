@@ -1,0 +1,48 @@
+"""Behaviour cloning on CartPole-v1 from an expert dataset (50k transitions of a DQN scoring >= 475).
+
+Build the dataset from the zoo's DQN expert, then train (from one folder: runs/ lives there):
+
+    conveyor train cartpole/dqn --exp-name cartpole_expert
+    conveyor collect cartpole/dqn --ckpt runs/cartpole_expert/ckpt/eval_best.pth.tar --episodes 100 \\
+        --dataset-id cartpole/expert-v0
+    conveyor train cartpole/bc [--seed N] [--exp-name NAME] [--max-train-iter N] [--resume]
+
+The dataset goes to the local Minari folder (``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets``), where
+this entry looks for it; point ``policy.other.dataset.id`` at another id or at a file to train on other data.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from easydict import EasyDict
+
+from conveyor.engine import OfflineRLContext
+from conveyor.policy import BCPolicy
+from conveyor.zoo._offline import train_offline
+
+BUILD_DATASET = ("conveyor train cartpole/dqn --exp-name cartpole_expert && conveyor collect cartpole/dqn --ckpt "
+                 "runs/cartpole_expert/ckpt/eval_best.pth.tar --episodes 100 --dataset-id cartpole/expert-v0")
+"""The commands that record this entry's dataset (quoted when it is missing)."""
+
+main_config = EasyDict(dict(
+    exp_name="cartpole_bc",
+    seed=0,
+    env=dict(env_id="CartPole-v1", evaluator_env_num=10, n_evaluator_episode=10, stop_value=500.0),
+    policy=dict(
+        model=dict(action_space="discrete", hidden_sizes=[128, 128]),
+        learn=dict(batch_size=256, learning_rate=1e-3, max_train_iter=5000),
+        eval=dict(evaluator=dict(eval_freq=500)),
+        other=dict(dataset=dict(id="cartpole/expert-v0")),
+    ),
+))
+"""The default config; every key is documented in BCPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
+         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
+         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OfflineRLContext:
+    """Train BC on the CartPole dataset; returns the final context (``train_iter``, ``train_epoch``,
+    ``last_eval_value``). ``max_env_step`` is refused: offline runs are bounded by ``max_train_iter``."""
+    return train_offline(main_config, BCPolicy, cfg, build_dataset=BUILD_DATASET, seed=seed, exp_name=exp_name,
+                         max_env_step=max_env_step, max_train_iter=max_train_iter, resume=resume,
+                         async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)

@@ -1,0 +1,46 @@
+"""Discrete CQL (DQN plus the conservative penalty) on CartPole-v1 from an expert dataset.
+
+Build the dataset from the zoo's DQN expert (the one cartpole/bc uses), then train:
+
+    conveyor train cartpole/dqn --exp-name cartpole_expert
+    conveyor collect cartpole/dqn --ckpt runs/cartpole_expert/ckpt/eval_best.pth.tar --episodes 100 \\
+        --dataset-id cartpole/expert-v0
+    conveyor train cartpole/cql [--seed N] [--exp-name NAME] [--max-train-iter N] [--resume]
+
+For the "mixed" data of benchmarks/offline.py (half the episodes with random actions at probability 0.5), record
+``--noise 0.5`` episodes as well and train on both (benchmarks/offline.py shows how it joins them).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from easydict import EasyDict
+
+from conveyor.engine import OfflineRLContext
+from conveyor.policy import DiscreteCQLPolicy
+from conveyor.zoo._offline import train_offline
+from conveyor.zoo.cartpole.bc import BUILD_DATASET
+
+main_config = EasyDict(dict(
+    exp_name="cartpole_cql",
+    seed=0,
+    env=dict(env_id="CartPole-v1", evaluator_env_num=10, n_evaluator_episode=10, stop_value=500.0),
+    policy=dict(
+        discount_factor=0.99,
+        model=dict(hidden_sizes=[128, 128], dueling=True),
+        learn=dict(batch_size=256, learning_rate=1e-3, target_theta=0.01, cql_alpha=1.0, max_train_iter=5000),
+        eval=dict(evaluator=dict(eval_freq=500)),
+        other=dict(dataset=dict(id="cartpole/expert-v0")),
+    ),
+))
+"""The default config; every key is documented in DiscreteCQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
+         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
+         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OfflineRLContext:
+    """Train discrete CQL on the CartPole dataset; returns the final context (``train_iter``, ``train_epoch``,
+    ``last_eval_value``). ``max_env_step`` is refused: offline runs are bounded by ``max_train_iter``."""
+    return train_offline(main_config, DiscreteCQLPolicy, cfg, build_dataset=BUILD_DATASET, seed=seed,
+                         exp_name=exp_name, max_env_step=max_env_step, max_train_iter=max_train_iter, resume=resume,
+                         async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)

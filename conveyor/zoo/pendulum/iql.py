@@ -1,0 +1,44 @@
+"""IQL on Pendulum-v1 from the "medium" dataset pendulum/cql uses.
+
+Build the dataset (as for pendulum/cql), then train:
+
+    conveyor train pendulum/sac --exp-name pendulum_medium --max-env-step 3000
+    conveyor collect pendulum/sac --ckpt runs/pendulum_medium/ckpt/final.pth.tar --episodes 100 \\
+        --dataset-id pendulum/medium-v0
+    conveyor train pendulum/iql [--seed N] [--exp-name NAME] [--max-train-iter N] [--resume]
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from easydict import EasyDict
+
+from conveyor.engine import OfflineRLContext
+from conveyor.policy import IQLPolicy
+from conveyor.zoo._offline import train_offline
+from conveyor.zoo.pendulum.cql import BUILD_DATASET
+
+main_config = EasyDict(dict(
+    exp_name="pendulum_iql",
+    seed=0,
+    env=dict(env_id="Pendulum-v1", evaluator_env_num=5, n_evaluator_episode=10, stop_value=-150.0),
+    policy=dict(
+        discount_factor=0.99,
+        model=dict(hidden_sizes=[128, 128]),
+        learn=dict(batch_size=256, learning_rate=3e-4, expectile=0.7, beta=3.0, max_weight=100.0,
+                   max_train_iter=5000),
+        eval=dict(evaluator=dict(eval_freq=1000)),
+        other=dict(dataset=dict(id="pendulum/medium-v0")),
+    ),
+))
+"""The default config; every key is documented in IQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
+         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
+         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OfflineRLContext:
+    """Train IQL on the Pendulum dataset; returns the final context (``train_iter``, ``train_epoch``,
+    ``last_eval_value``). ``max_env_step`` is refused: offline runs are bounded by ``max_train_iter``."""
+    return train_offline(main_config, IQLPolicy, cfg, build_dataset=BUILD_DATASET, seed=seed, exp_name=exp_name,
+                         max_env_step=max_env_step, max_train_iter=max_train_iter, resume=resume,
+                         async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)
