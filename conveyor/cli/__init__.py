@@ -13,7 +13,7 @@ from typing import List, Optional
 
 __all__ = ["main"]
 
-COMMANDS = ("train", "listing")
+COMMANDS = ("train", "listing", "task")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
 
 
