@@ -15,11 +15,11 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from conveyor.cli._common import message, usage_error
 
-__all__ = ["load_main", "register", "run", "runner_options"]
+__all__ = ["add_launch_arguments", "launch_options", "load_main", "register", "run", "runner_options"]
 
 TOPOLOGIES = ("star", "mesh", "alone")
 PROTOCOLS = ("ipc", "tcp")
@@ -31,23 +31,46 @@ def register(commands: "argparse._SubParsersAction") -> None:
                                  description="Run FUNC() on N worker processes joined by routers (Parallel.runner).")
     parser.add_argument("--package", default=".", metavar="DIR", help="folder MODULE is imported from (default .)")
     parser.add_argument("--main", required=True, metavar="MODULE.FUNC", help="the function every worker runs")
-    parser.add_argument("--parallel-workers", type=int, default=1, metavar="N", help="worker processes here (default 1)")
+    parser.add_argument("--parallel-workers", type=int, default=1, metavar="N",
+                        help="worker processes here (default 1)")
     parser.add_argument("--topology", default="star", help=f"one of {', '.join(TOPOLOGIES)} (default star)")
+    add_launch_arguments(parser)
+    parser.add_argument("--labels", default=None, metavar="L", help="comma-separated labels of every worker here")
+    parser.add_argument("--no-slurm", dest="slurm", action="store_false",
+                        help="ignore Slurm's environment (SLURM_PROCID ...) even when it is set")
+    parser.set_defaults(run=run)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say where a launch's workers listen and whom they join (``conveyor task`` and
+    ``conveyor train --collectors``): --protocol, --address, --ports, --node-ids, --attach-to, --secret-file."""
     parser.add_argument("--protocol", default="ipc", help=f"one of {', '.join(PROTOCOLS)} (default ipc)")
     parser.add_argument("--address", default=None,
                         help="tcp: the host to listen on (default 127.0.0.1); ipc: the folder of the socket files")
     parser.add_argument("--ports", default=None, metavar="P",
                         help="tcp: the first port (worker i listens on P+i) or one per worker, comma-separated")
     parser.add_argument("--node-ids", default=None, metavar="I",
-                        help="the first node id or one per worker, comma-separated (default 0..N-1)")
+                        help="the first node id or one per worker here, comma-separated (default 0..N-1)")
     parser.add_argument("--attach-to", default=None, metavar="URLS",
                         help="comma-separated addresses of nodes started elsewhere, e.g. tcp://10.0.0.1:50515")
-    parser.add_argument("--labels", default=None, metavar="L", help="comma-separated labels of every worker here")
     parser.add_argument("--secret-file", default=None, metavar="F",
                         help="file holding the shared secret (the same on every host); default $CONVEYOR_SECRET")
-    parser.add_argument("--no-slurm", dest="slurm", action="store_false",
-                        help="ignore Slurm's environment (SLURM_PROCID ...) even when it is set")
-    parser.set_defaults(run=run)
+
+
+def launch_options(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """``Parallel.runner`` keyword arguments of :func:`add_launch_arguments`' options (``secret`` only when a
+    file or ``$CONVEYOR_SECRET`` gives one); ValueError with a one-line reason for a bad one."""
+    from conveyor.engine.parallel.frame import SECRET_ENV, load_secret
+
+    if args.protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol {args.protocol!r}: must be one of {', '.join(PROTOCOLS)}"
+                         f"{_closest(args.protocol, PROTOCOLS)}")
+    env = os.environ if environ is None else environ
+    options = {"protocol": args.protocol, "address": args.address, "ports": _ints("--ports", args.ports),
+               "node_ids": _ints("--node-ids", args.node_ids), "attach_to": _words(args.attach_to)}
+    if args.secret_file is not None or SECRET_ENV in env:
+        options["secret"] = load_secret(args.secret_file, environ=env, generate=False)  # SecretError is a ValueError
+    return options
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,23 +94,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def runner_options(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def runner_options(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """``Parallel.runner`` keyword arguments from the command line (and Slurm's environment); ValueError
     with a one-line reason for a bad one."""
     from conveyor.engine.parallel.cluster import DEFAULT_PORT, slurm_task
-    from conveyor.engine.parallel.frame import SECRET_ENV, load_secret
 
     if args.parallel_workers < 1:
         raise ValueError(f"--parallel-workers must be >= 1, got {args.parallel_workers}")
-    for flag, value, choices in (("--topology", args.topology, TOPOLOGIES), ("--protocol", args.protocol, PROTOCOLS)):
-        if value not in choices:
-            raise ValueError(f"{flag} {value!r}: must be one of {', '.join(choices)}{_closest(value, choices)}")
-    env = os.environ if environ is None else environ
-    options: Dict[str, Any] = {
-        "n_parallel_workers": args.parallel_workers, "topology": args.topology, "protocol": args.protocol,
-        "address": args.address, "ports": _ints("--ports", args.ports), "node_ids": _ints("--node-ids", args.node_ids),
-        "attach_to": _words(args.attach_to), "labels": _words(args.labels)}
-    slurm = slurm_task(env) if args.slurm else None
+    if args.topology not in TOPOLOGIES:
+        raise ValueError(f"--topology {args.topology!r}: must be one of {', '.join(TOPOLOGIES)}"
+                         f"{_closest(args.topology, TOPOLOGIES)}")
+    options = {"n_parallel_workers": args.parallel_workers, "topology": args.topology,
+               "labels": _words(args.labels), **launch_options(args, environ)}
+    slurm = slurm_task(os.environ if environ is None else environ) if args.slurm else None
     if slurm is not None:
         if args.parallel_workers != 1 or args.node_ids is not None or args.address is not None:
             raise ValueError("under srun each Slurm task is one node (id = SLURM_PROCID, address = its host): leave "
@@ -98,8 +117,6 @@ def runner_options(args: argparse.Namespace, environ: Optional[Dict[str, str]] =
         extra, placed = options["attach_to"], slurm.runner_arguments(port)
         options.update(placed, attach_to=placed["attach_to"] + extra,
                        topology="mesh" if args.topology == "alone" else args.topology)
-    if args.secret_file is not None or SECRET_ENV in env:
-        options["secret"] = load_secret(args.secret_file, environ=env, generate=False)  # SecretError is a ValueError
     return options
 
 

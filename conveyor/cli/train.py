@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from conveyor.cli import _distributed as distributed
 from conveyor.cli._common import message, os_message, usage_error
 
 __all__ = ["register", "run"]
@@ -33,6 +34,7 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--async", dest="async_mode", action="store_true",
                        help="overlap collection of the next iteration with training on this one")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    distributed.add_arguments(train)
     train.set_defaults(run=run)
 
 
@@ -50,9 +52,13 @@ def run(args: argparse.Namespace) -> int:
     from conveyor.zoo._online import RunDirError, TrainingInterrupted
 
     try:
-        entry = load_entry(args.entry)
-        ctx = entry.main(seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step, resume=args.resume,
-                         async_mode=args.async_mode, progress=args.progress, ckpt_interval=args.ckpt_interval)
+        if distributed.requested(args):  # learner, collectors and evaluators as processes (cli/_distributed.py)
+            ctx = distributed.train(args)
+        else:
+            entry = load_entry(args.entry)
+            ctx = entry.main(seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
+                             resume=args.resume, async_mode=args.async_mode, progress=args.progress,
+                             ckpt_interval=args.ckpt_interval)
     except TrainingInterrupted as stop:
         print(f"conveyor: {stop}", file=sys.stderr)
         return 128 + stop.signum

@@ -32,6 +32,7 @@ from conveyor.middleware.collector_process import ProcessCollector, collection_b
 from conveyor.schema import ConfigError
 
 __all__ = ["prepare", "experiment_dir", "seed_everything", "collection_and_evaluator_env", "use_reporting", "train_online",
+           "use_saving",
            "GlobalRNG", "RunDirError", "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
 
 RUNS = Path("runs")
@@ -80,6 +81,8 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
     raw = EasyDict(copy.deepcopy(dict(cfg if cfg is not None else main_config)))
     if exp_name is not None:
         raw.exp_name = exp_name
+    if not task.has_role(task.role.LEARNER):  # a node of a distributed run: the run directory is the learner's
+        return compile_config(raw if seed is None else EasyDict(raw, seed=seed), policy=policy)
     run_dir = experiment_dir(raw)
     if resume:
         return _saved_config(run_dir, policy, None if cfg is None else raw, seed)
@@ -234,25 +237,39 @@ def train_online(cfg: EasyDict, policy: Any, collection: Collection, build: Call
     checkpoint saver, the logger, the budget and the progress bar. The policy, the buffer and the global
     RNGs are registered with the task, so checkpoints hold them; ``resume`` loads ``latest`` into all of it.
     """
+    if task.roles:  # one node of a distributed run (conveyor/zoo/_distributed.py)
+        from conveyor.zoo._distributed import train_node
+        return train_node(cfg, policy, collection, build, buffer=buffer, resume=resume, async_mode=async_mode,
+                          max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq,
+                          ckpt_interval=ckpt_interval)
     exp_dir = experiment_dir(cfg)
-    meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
     with collection_and_evaluator_env(cfg, policy, collection, async_mode=async_mode) as (stage, evaluator_env):
         with task.start(async_mode=async_mode, ctx=OnlineRLContext()):
-            task.register_state("policy", policy)
-            if buffer is not None:
-                task.register_state("buffer", buffer)
-            task.register_state("rng", GlobalRNG())
             build(stage, evaluator_env)
-            task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
-            use_reporting(cfg, max_env_step, progress)
-            if resume:
-                _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
+            use_saving(cfg, policy, buffer=buffer, resume=resume, max_env_step=max_env_step, progress=progress,
+                       ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
             with stop_on_signals() as stop:
                 task.run()
             ctx = task.ctx
     if stop.signum is not None:
         raise TrainingInterrupted(stop.signum, ctx, exp_dir / "ckpt")
     return ctx
+
+
+def use_saving(cfg: EasyDict, policy: Any, *, buffer: Any, resume: bool, max_env_step: Optional[int], progress: bool,
+               ckpt_freq: int, ckpt_interval: Optional[float]) -> None:
+    """The learner's end of a pipeline, after its other middleware: the policy, the buffer and the global RNGs
+    registered as saved state, the checkpoint saver, :func:`use_reporting`; ``resume`` loads ``latest`` into all."""
+    exp_dir = experiment_dir(cfg)
+    meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
+    task.register_state("policy", policy)
+    if buffer is not None:
+        task.register_state("buffer", buffer)
+    task.register_state("rng", GlobalRNG())
+    task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
+    use_reporting(cfg, max_env_step, progress)
+    if resume:
+        _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
 
 
 def _resume(path: Path, policy_name: str) -> None:

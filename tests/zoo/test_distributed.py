@@ -1,0 +1,85 @@
+"""Distributed zoo runs: 1 learner, collectors and evaluators as processes; nodes.json, resume, the CLI's flags."""
+import json
+
+import pytest
+
+from conveyor.cli import main as cli_main
+from conveyor.engine import Role
+from conveyor.middleware import load_checkpoint
+from conveyor.schema import ConfigError
+from conveyor.zoo._distributed import Layout, train_distributed
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def by_role(run, role):
+    return [node for node in run.nodes if node["role"] == role]
+
+
+def test_dqn_learner_trains_on_both_collectors_and_nodes_json_names_every_worker(in_tmp):
+    run = train_distributed("cartpole/dqn", collectors=2, evaluators=1, exp_name="dist", max_env_step=300,
+                            progress=False)
+    learner, = by_role(run, "learner")
+    collectors = by_role(run, "collector")
+    assert run.env_step == learner["env_step"] >= 300 and run.train_iter > 0 and run.last_eval_value is not None
+    assert len(collectors) == 2 and all(c["collected"] > 0 for c in collectors)
+    assert run.env_step > max(c["collected"] for c in collectors)  # more than any one collector brought
+    rows = json.loads((in_tmp / "runs" / "dist" / "nodes.json").read_text())
+    assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["learner"]), (1, ["collector"]), (2, ["collector"]),
+                                                          (3, ["evaluator"])]
+    assert sorted(r["pid"] for r in rows) == sorted(n["pid"] for n in run.nodes)
+    assert all(r["address"].startswith("ipc://") for r in rows)
+    final = load_checkpoint(in_tmp / "runs" / "dist" / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["env_step"] == run.env_step and final["ctx"]["last_eval_value"] == run.last_eval_value
+    assert (in_tmp / "runs" / "dist" / "ckpt" / "eval_best.pth.tar").is_file()
+
+
+@pytest.mark.slow
+def test_resume_continues_a_distributed_run_from_the_learners_checkpoint(in_tmp):
+    first = train_distributed("cartpole/dqn", collectors=2, exp_name="again", max_env_step=200, progress=False)
+    saved = load_checkpoint(in_tmp / "runs" / "again" / "ckpt" / "latest.pth.tar")
+    assert saved["ctx"]["env_step"] == first.env_step
+    second = train_distributed("cartpole/dqn", collectors=2, exp_name="again", max_env_step=500, resume=True,
+                               progress=False)
+    assert second.env_step >= 500 and second.train_iter > first.train_iter
+    collected = sum(c["collected"] for c in by_role(second, "collector"))
+    assert second.env_step - first.env_step <= collected < second.env_step  # counting went on from the checkpoint
+
+
+@pytest.mark.slow
+def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
+    run = train_distributed("cartpole/ppo", collectors=2, evaluators=1, exp_name="ppo", max_env_step=1024,
+                            progress=False)
+    assert run.env_step >= 1024 and run.train_iter > 0 and run.last_eval_value is not None
+    assert all(c["collected"] > 0 for c in by_role(run, "collector"))
+
+
+def test_roles_follow_node_ids():
+    layout = Layout(collectors=2, evaluators=1)
+    assert [layout.role(i) for i in range(layout.n_nodes)] == [Role.LEARNER, Role.COLLECTOR, Role.COLLECTOR,
+                                                               Role.EVALUATOR]
+    with pytest.raises(ConfigError, match="nodes 0..3"):
+        layout.role(4)
+    with pytest.raises(ConfigError, match="--collectors 0"):
+        Layout(collectors=0)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--evaluators", "1"], "needs --collectors"),
+    (["--collectors", "0"], "--collectors 0: must be an int >= 1"),
+    (["--collectors", "2", "--evaluators", "-1"], "--evaluators -1"),
+    (["--collectors", "2", "--async"], "--async is for one process"),
+    (["--collectors", "2", "--node-ids", "1,5"], "node id 5: this run has nodes 0..2"),
+    (["--collectors", "2", "--protocol", "tpc"], "did you mean 'tcp'"),
+    (["--collectors", "2", "--protocol", "tcp", "--address", "192.0.2.1"], "refusing tcp://192.0.2.1"),
+    (["--collectors", "2", "--secret-file", "/no/such/secret"], "cannot read the secret file"),
+])
+def test_bad_distributed_flags_are_one_line_errors_before_any_process_starts(in_tmp, capsys, argv, fragment):
+    assert cli_main(["train", "cartpole/dqn", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+    assert not (in_tmp / "runs").exists()
