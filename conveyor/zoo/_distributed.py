@@ -124,9 +124,10 @@ _node: Optional[_Node] = None
 
 @dataclass
 class DistributedRun:
-    """What :func:`train_distributed` returns: the learner's counters (None when the learner ran on another
-    host) and a summary of every node started here (``node_id``, ``role``, ``pid``, ``env_step``,
-    ``train_iter``, ``collected``: env steps a collector collected)."""
+    """What :func:`train_distributed` returns: the learner's counters and last evaluation (when the learner
+    ran on another host: the newest the nodes here heard of), and a summary of every node started here
+    (``node_id``, ``role``, ``pid``, ``env_step``, ``train_iter``, ``last_eval_value``, ``collected``: env
+    steps a collector collected)."""
 
     env_step: Optional[int] = None
     train_iter: Optional[int] = None
@@ -161,12 +162,12 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     results = Parallel.runner(len(ids), topology="star", protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret,
                               ready_timeout_s=ready_timeout_s)(_node_main, entry, layout, options)
-    run = DistributedRun(nodes=[r for r in results if r is not None])
-    for summary in run.nodes:
-        if summary["role"] == Role.LEARNER.value:
-            run.env_step, run.train_iter = summary["env_step"], summary["train_iter"]
-            run.last_eval_value = summary["last_eval_value"]
-    return run
+    nodes = [r for r in results if r is not None]
+    told = [n for n in nodes if n["role"] == Role.LEARNER.value] or nodes  # else: as the nodes here heard it
+    newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)
+    if newest is None:
+        return DistributedRun()
+    return DistributedRun(newest["env_step"], newest["train_iter"], newest["last_eval_value"], nodes)
 
 
 def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,5 +1,10 @@
 """Distributed zoo runs: 1 learner, collectors and evaluators as processes; nodes.json, resume, the CLI's flags."""
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +13,9 @@ from conveyor.engine import Role
 from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo._distributed import Layout, train_distributed
+from tests.test_cli_task import free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -48,6 +56,39 @@ def test_resume_continues_a_distributed_run_from_the_learners_checkpoint(in_tmp)
     assert second.env_step >= 500 and second.train_iter > first.train_iter
     collected = sum(c["collected"] for c in by_role(second, "collector"))
     assert second.env_step - first.env_step <= collected < second.env_step  # counting went on from the checkpoint
+
+
+@pytest.mark.slow
+def test_two_launches_on_loopback_tcp_share_one_run(tmp_path):
+    """As two hosts would: the learner and the evaluator in one launch, the collectors in another, one secret."""
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 64)
+    runs = {"A": tmp_path / "a", "B": tmp_path / "b"}
+    port = free_ports(4)
+    common = ["train", "cartpole/dqn", "--collectors", "2", "--evaluators", "1", "--protocol", "tcp", "--address",
+              "127.0.0.1", "--secret-file", str(secret), "--max-env-step", "200", "--no-progress", "--exp-name", "two"]
+    argv = {"A": [*common, "--node-ids", "0,3", "--ports", f"{port},{port + 1}"],
+            "B": [*common, "--node-ids", "1,2", "--ports", f"{port + 2},{port + 3}", "--attach-to",
+                  f"tcp://127.0.0.1:{port}"]}
+    procs = {}
+    try:
+        for host, folder in runs.items():
+            folder.mkdir()
+            procs[host] = subprocess.Popen([sys.executable, "-m", "conveyor", *argv[host]], cwd=folder,
+                                           env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = {host: proc.communicate(timeout=300) for host, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    assert [procs[h].returncode for h in "AB"] == [0, 0], outs
+    rows = json.loads((runs["A"] / "runs" / "two" / "nodes.json").read_text())
+    assert [(r["node_id"], r["address"].rsplit(":", 1)[1]) for r in rows] == [
+        (0, str(port)), (1, str(port + 2)), (2, str(port + 3)), (3, str(port + 1))]
+    assert not (runs["B"] / "runs").exists()  # the collectors' host writes nothing
+    assert "done: env_step=" in outs["A"][0] and "env_step=None" not in outs["B"][0]
 
 
 @pytest.mark.slow
