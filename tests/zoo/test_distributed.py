@@ -99,6 +99,14 @@ def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
     assert all(c["collected"] > 0 for c in by_role(run, "collector"))
 
 
+@pytest.mark.slow
+def test_a_name_that_holds_a_run_is_refused_in_one_line(in_tmp, capsys):
+    (in_tmp / "runs" / "taken").mkdir(parents=True)
+    (in_tmp / "runs" / "taken" / "config.json").write_text("{}")
+    assert cli_main(["train", "cartpole/dqn", "--collectors", "1", "--exp-name", "taken", "--no-progress"]) == 2
+    assert "already holds a run: continue it with --resume" in capsys.readouterr().err
+
+
 def test_roles_follow_node_ids():
     layout = Layout(collectors=2, evaluators=1)
     assert [layout.role(i) for i in range(layout.n_nodes)] == [Role.LEARNER, Role.COLLECTOR, Role.COLLECTOR,
