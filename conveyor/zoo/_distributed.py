@@ -29,6 +29,7 @@ import copy
 import logging
 import math
 import os
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -42,7 +43,7 @@ from conveyor.envs import make_env_manager
 from conveyor.middleware import EVAL_EVENT, ContextExchanger, ModelExchanger
 from conveyor.policy.base import Snapshot
 from conveyor.schema import ConfigError
-from conveyor.zoo._online import (Collection, TrainingInterrupted, experiment_dir, stop_on_signals, use_saving)
+from conveyor.zoo._online import Collection, experiment_dir, stop_on_signals, use_saving
 
 __all__ = ["DistributedRun", "EvaluatedWeights", "Layout", "LearnerClock", "NODES_FILE", "PROGRESS_TOPIC",
            "RemoteEvaluations", "train_distributed", "train_node"]
@@ -141,12 +142,15 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
                       protocol: str = "ipc", address: Optional[str] = None,
                       ports: Union[int, Sequence[int], None] = None,
                       node_ids: Optional[Sequence[int]] = None, attach_to: Optional[Sequence[str]] = None,
-                      secret: Optional[bytes] = None, ready_timeout_s: float = 60.0) -> DistributedRun:
+                      secret: Optional[bytes] = None, ready_timeout_s: float = 60.0,
+                      grace_s: float = 30.0) -> DistributedRun:
     """Train zoo ``entry`` with 1 learner, ``collectors`` collectors and ``evaluators`` evaluators, each its
     own process; the other arguments are the entry ``main()``'s and ``Parallel.runner``'s.
 
     ``node_ids``: the nodes to start here (default all); give each host its share and the others'
     addresses (``attach_to``), with the same secret on every host, to spread one run over several.
+    ``grace_s``: how long a stopped launch (SIGTERM, Ctrl-C) lets its nodes finish their iteration, the
+    learner write its final checkpoint, before they are killed.
     """
     from conveyor.engine import Parallel
     from conveyor.zoo import load_entry
@@ -161,7 +165,7 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
                "ckpt_interval": ckpt_interval}
     results = Parallel.runner(len(ids), topology="star", protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret,
-                              ready_timeout_s=ready_timeout_s)(_node_main, entry, layout, options)
+                              ready_timeout_s=ready_timeout_s, grace_s=grace_s)(_node_main, entry, layout, options)
     nodes = [r for r in results if r is not None]
     told = [n for n in nodes if n["role"] == Role.LEARNER.value] or nodes  # else: as the nodes here heard it
     newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)
@@ -230,12 +234,15 @@ def train_node(cfg: EasyDict, policy: Any, collection: Collection, build: Callab
                 task.use(RemoteEvaluations(policy))  # before the saver and the loggers: it sees each result first
                 use_saving(cfg, policy, buffer=buffer, resume=resume, max_env_step=max_env_step, progress=progress,
                            ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
-            with stop_on_signals() as stop:
+            with stop_on_signals() as stop:  # SIGTERM from the launcher: finish the iteration, the learner saves
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher sends SIGTERM, one signal
                 task.run()
             ctx = task.ctx
     node.collected = clock.collected
     if stop.signum is not None:
-        raise TrainingInterrupted(stop.signum, ctx, experiment_dir(cfg) / "ckpt")
+        log.warning("node %s stopped by %s at env_step=%d train_iter=%d", task.router.node_id,
+                    signal.Signals(stop.signum).name, ctx.env_step, ctx.train_iter)
     return ctx
 
 
