@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,38 @@ def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
                             progress=False)
     assert run.env_step >= 1024 and run.train_iter > 0 and run.last_eval_value is not None
     assert all(c["collected"] > 0 for c in by_role(run, "collector"))
+
+
+def wait_for(condition, timeout_s, what):
+    """Poll ``condition`` (a file another process writes) until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s}s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves_no_process(in_tmp):
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                             "--evaluators", "1", "--exp-name", "sig", "--no-progress"], cwd=in_tmp,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ckpt = in_tmp / "runs" / "sig" / "ckpt"
+        nodes = in_tmp / "runs" / "sig" / "nodes.json"
+        wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
+        wait_for(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, err[-2000:]
+    final = load_checkpoint(ckpt / "final.pth.tar")
+    assert final["ctx"]["env_step"] > 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
 
 
 @pytest.mark.slow
