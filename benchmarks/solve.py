@@ -6,6 +6,11 @@ Each seed trains the entry from scratch, evaluating every ``--eval-every`` env s
     python benchmarks/solve.py cartpole/dqn --seeds 5
     python benchmarks/solve.py cartpole/dqn --quick        # 2 seeds, smaller budget
     python benchmarks/solve.py cartpole/dqn --seeds 10 --first-seed 10 --set policy.learn.learning_rate=2e-3
+    python benchmarks/solve.py cartpole/dqn --distributed 1,2,1 --seeds 3
+
+``--distributed 1,C,E`` trains each seed twice, in one process and as 1 learner, C collector and E evaluator
+processes (their start-up counts); the figures are the distributed runs', plus ``single_median_wall_s`` and
+``wall_ratio`` (distributed median wall / single-process median wall).
 """
 from __future__ import annotations
 
@@ -16,12 +21,15 @@ import statistics
 import tempfile
 import time
 
+from typing import Optional, Tuple
+
 from conveyor.config import ConfigError, apply_overrides
 from conveyor.zoo import load_entry
+from conveyor.zoo._distributed import train_distributed
 
 
 def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int,
-               async_mode: bool = False, overrides: tuple = ()) -> dict:
+               async_mode: bool = False, overrides: tuple = (), distributed: Optional[Tuple[int, int]] = None) -> dict:
     cfg = apply_overrides(entry.main_config, overrides)  # typed like `conveyor train --set`; main() validates
     cfg.seed = seed
     cfg.exp_name = f"solve_seed{seed}"
@@ -31,11 +39,29 @@ def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_ever
     cfg.policy.eval.evaluator.eval_freq = 10**9  # evaluate by env steps only
     cfg.policy.eval.evaluator.eval_env_step_freq = eval_every
     start = time.perf_counter()
-    ctx = entry.main(cfg, max_env_step=max_env_step, progress=False, async_mode=async_mode)
+    if distributed is None:
+        ctx = entry.main(cfg, max_env_step=max_env_step, progress=False, async_mode=async_mode)
+    else:
+        cfg.exp_name += "_distributed"
+        name = entry.__name__.removeprefix("conveyor.zoo.").replace(".", "/")
+        ctx = train_distributed(name, collectors=distributed[0], evaluators=distributed[1], cfg=cfg,
+                                max_env_step=max_env_step, progress=False)
     wall = time.perf_counter() - start
     solved = ctx.last_eval_value is not None and ctx.last_eval_value >= stop_value
     return {"seed": seed, "solved": solved, "env_steps": ctx.env_step, "wall_s": wall,
             "last_eval": ctx.last_eval_value}
+
+
+def parse_layout(text: str) -> Tuple[int, int]:
+    """``(collectors, evaluators)`` of ``--distributed 1,C,E``."""
+    try:
+        learners, collectors, evaluators = (int(part) for part in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--distributed expects 1,C,E (learners, collectors, evaluators), got {text!r}") from None
+    if learners != 1 or collectors < 1 or evaluators < 1:
+        raise SystemExit(f"--distributed {text}: one learner, at least one collector and one evaluator (it "
+                         f"decides when the env is solved)")
+    return collectors, evaluators
 
 
 def warm_up_imports() -> None:
@@ -58,27 +84,33 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 seeds and a quarter of the budget")
     parser.add_argument("--async", dest="async_mode", action="store_true",
                         help="run the pipeline in async mode (collection and evaluation overlap training)")
+    parser.add_argument("--distributed", default=None, metavar="1,C,E",
+                        help="also train each seed as 1 learner, C collectors and E >= 1 evaluators (processes)")
     args = parser.parse_args()
+    distributed = parse_layout(args.distributed) if args.distributed else None
     entry = load_entry(args.entry)
     stop_value = args.stop_value if args.stop_value is not None else entry.main_config.env.stop_value
     seeds = 2 if args.quick else args.seeds
     budget = args.max_env_step // 4 if args.quick else args.max_env_step
 
     warm_up_imports()
-    results = []
+    results, singles = [], []
     with tempfile.TemporaryDirectory() as workdir:
         cwd = os.getcwd()
         os.chdir(workdir)  # runs/ of each seed lands in a scratch folder
         try:
             for seed in range(args.first_seed, args.first_seed + seeds):
-                results.append(solve_once(entry, seed, stop_value, budget, args.eval_every, args.eval_episodes,
-                                          args.async_mode, tuple(args.overrides)))
+                run = (entry, seed, stop_value, budget, args.eval_every, args.eval_episodes, args.async_mode,
+                       tuple(args.overrides))
+                if distributed is not None:
+                    singles.append(solve_once(*run))
+                results.append(solve_once(*run, distributed=distributed))
         except ConfigError as exc:  # a bad --set: the entry's validation names the key and the fix
             parser.error(str(exc))
         finally:
             os.chdir(cwd)
 
-    mode = "async" if args.async_mode else "sync"
+    mode = f"distributed {args.distributed}" if distributed else "async" if args.async_mode else "sync"
     changed = f"; with {', '.join(args.overrides)}" if args.overrides else ""
     print(f"{args.entry} ({mode}{changed}): mean of {args.eval_episodes} eval episodes >= {stop_value} "
           f"within {budget} env steps")
@@ -90,6 +122,13 @@ def main() -> None:
     summary = {"entry": args.entry, "seeds": seeds, "first_seed": args.first_seed, "overrides": args.overrides, "solved_seeds": sum(r["solved"] for r in results),
                "env_steps": env_steps, "wall_s": walls, "median_env_steps": statistics.median(env_steps),
                "median_wall_s": round(statistics.median(walls), 2)}
+    if distributed is not None:
+        single_walls = [round(r["wall_s"], 2) for r in singles]
+        single = round(statistics.median(single_walls), 2)
+        summary.update(single_solved_seeds=sum(r["solved"] for r in singles), single_wall_s=single_walls,
+                       single_median_wall_s=single, wall_ratio=round(summary["median_wall_s"] / single, 3))
+        print(f"one process: solved {summary['single_solved_seeds']}/{seeds}, median {single} s; distributed / "
+              f"single median wall: {summary['wall_ratio']} (bar <= 1.25)")
     print(f"solved {summary['solved_seeds']}/{seeds}; median {summary['median_env_steps']} env steps, "
           f"{summary['median_wall_s']} s")
     print(json.dumps(summary))

@@ -21,6 +21,9 @@ CASES = {
     "sac_learn_step": (["--quick"], {"rows", "geomean_speedup"}),
     "learning_curve": (["cartpole/dqn", "--quick"], {"entry", "final_returns", "mean_final_return"}),
     "transport": (["--quick"], {"ratio_1k", "ratio_64k", "ratio_1m"}),
+    "distributed_throughput": (["--quick"], {"one_collector_steps_per_s", "two_collectors_steps_per_s", "ratio"}),
+    "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
+                            {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio"}),
 }
 
 
@@ -28,7 +31,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_benchmark_runs_and_ends_with_its_json_line(name, tmp_path):
     args, keys = CASES[name]
-    out = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=tmp_path,
+    out = subprocess.run([sys.executable, str(BENCHMARKS / f"{name.split()[0]}.py"), *args], cwd=tmp_path,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ from typing import List, NoReturn, Optional
 
 __all__ = ["main"]
 
-COMMANDS = ("train", "listing", "eval", "plot", "collect", "describe")
+COMMANDS = ("train", "listing", "eval", "plot", "collect", "describe", "task")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
 
+from conveyor.cli import _distributed as distributed
 from conveyor.cli._common import message, number, os_message, usage_error
 
 __all__ = ["register", "run", "stop_reason", "CKPT_INTERVAL"]
@@ -59,6 +60,7 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--async", dest="async_mode", action="store_true",
                        help="overlap collection of the next iteration with training on this one")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    distributed.add_arguments(train)
     train.set_defaults(run=run)
 
 
@@ -82,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         entry = load_entry(args.entry)
         cfg = _config(entry, args)
-        keywords = _keywords(entry, args)
         run_dir = _run_dir(cfg if cfg is not None else entry.main_config, args.exp_name)
-        ctx = entry.main(cfg, **keywords)
+        if distributed.requested(args):  # learner, collectors and evaluators as processes (cli/_distributed.py)
+            ctx = distributed.train(args, cfg)
+        else:
+            ctx = entry.main(cfg, **_keywords(entry, args))
     except TrainingInterrupted as stop:
         print(f"conveyor: interrupted by {signal.Signals(stop.signum).name} at {_position(stop.ctx)} (last "
               f"eval {number(stop.ctx.last_eval_value)}); final and latest checkpoints written, continue with "

@@ -29,7 +29,7 @@ __all__ = ["ContextExchanger", "ModelExchanger", "DATA_TOPIC", "TRAIN_ITER_TOPIC
            "MODEL_REQUEST_TOPIC"]
 
 DATA_TOPIC = "conveyor.exchange.data"
-"""Collectors -> learners: ``{"trajectories", "episodes", "env_step", "env_episode"}`` (increments)."""
+"""Collectors -> learners: ``{"trajectories", "episodes", "train_data", "env_step", "env_episode"}`` (increments)."""
 TRAIN_ITER_TOPIC = "conveyor.exchange.train_iter"
 """Learners -> collectors and evaluators: ``{"train_iter": int}``."""
 MODEL_TOPIC = "conveyor.exchange.model"
@@ -104,16 +104,16 @@ def _merge_trajectories(batches: List[Any]) -> Any:
 
 
 @declares(reads=("train_iter", "env_step", "env_episode"),
-          writes=("train_iter", "trajectories", "episodes", "env_step", "env_episode"),
-          backward_reads=("trajectories", "episodes", "env_step", "env_episode", "train_iter"),
-          optional=("trajectories", "episodes"))  # both sides: see the docstring
+          writes=("train_iter", "trajectories", "episodes", "train_data", "env_step", "env_episode"),
+          backward_reads=("trajectories", "episodes", "train_data", "env_step", "env_episode", "train_iter"),
+          optional=("trajectories", "episodes", "train_data"))  # both sides: see the docstring
 class ContextExchanger:
     """Collectors send what they collected to learners; learners send ``train_iter`` back.
 
-    Reads ctx (collector, after the collector ran): ``trajectories``, ``episodes``, ``env_step``,
-    ``env_episode``. Writes ctx (collector, before): ``train_iter`` (the newest a learner sent).
-    Writes ctx (learner, before): ``trajectories`` (received ones concatenated on their first dim),
-    ``episodes`` (lists joined), ``env_step`` / ``env_episode`` (+ the collectors' increments).
+    Reads ctx (collector, after the collector ran): ``trajectories``, ``episodes``, ``train_data`` (what an
+    advantage estimator made of them), ``env_step``, ``env_episode``. Writes ctx (collector, before):
+    ``train_iter`` (the newest a learner sent). Writes ctx (learner, before): ``trajectories`` and
+    ``train_data`` (received ones concatenated on their first dim), ``episodes`` (lists joined), ``env_step`` / ``env_episode`` (+ the collectors' increments).
     Reads ctx (learner, after): ``train_iter``.
 
     A learner waits at most ``timeout_s`` for the first batch of an iteration; a collector waits at most
@@ -158,9 +158,11 @@ class ContextExchanger:
                     ctx.train_iter = self._train_iter
             env_step, env_episode = ctx.env_step, ctx.env_episode
             yield
-            if self._collector and (ctx.trajectories is not None or ctx.episodes is not None):
+            if self._collector and (ctx.trajectories is not None or ctx.episodes is not None
+                                    or ctx.train_data is not None):
                 self._send({"trajectories": ctx.trajectories, "episodes": ctx.episodes,
-                            "env_step": int(ctx.env_step - env_step), "env_episode": int(ctx.env_episode - env_episode)})
+                            "train_data": ctx.train_data, "env_step": int(ctx.env_step - env_step),
+                            "env_episode": int(ctx.env_episode - env_episode)})
 
     def _receive(self, ctx: OnlineRLContext) -> None:
         with self._cond:
@@ -170,6 +172,7 @@ class ContextExchanger:
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
+        ctx.train_data = _merge_trajectories([p["train_data"] for p in got if p.get("train_data") is not None])
         episodes = [ep for p in got if p["episodes"] is not None for ep in p["episodes"]]
         ctx.episodes = episodes or None
 
@@ -295,8 +298,8 @@ class ModelExchanger:
 
     def _await_version(self, newer_than: int, what: str) -> None:
         with self._cond:
-            _wait(self._cond, lambda: self._heard > newer_than, self.timeout_s, what, "learner", self._router,
-                  poke=self._request)
+            _wait(self._cond, lambda: self._heard > newer_than or task.finish, self.timeout_s, what, "learner",
+                  self._router, poke=self._request)  # a run told to finish stops waiting for weights
 
     def _load_newest(self) -> None:
         with self._cond:

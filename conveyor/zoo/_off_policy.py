@@ -32,14 +32,14 @@ def train_off_policy(main_config: Mapping[str, Any], policy_cls: Type[Any], cfg:
     buffer_ = DequeBuffer(replay.size, prioritized=replay.prioritized, alpha=replay.alpha, beta=replay.beta,
                           beta_end=replay.beta_end, beta_anneal_steps=replay.beta_anneal_steps, seed=cfg.seed)
 
-    def build(collection: List[Any], evaluator_env: Any) -> None:
-        task.use(interaction_evaluator(cfg, policy.eval_mode, evaluator_env))
+    def build(collection: List[Any], evaluator_env: Any) -> None:  # roles: what each node of a distributed run keeps
+        task.use(interaction_evaluator(cfg, policy.eval_mode, evaluator_env), role=task.role.EVALUATOR)
         if "eps" in cfg.policy.other:
-            task.use(eps_greedy_handler(cfg))
+            task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
         for mw in collection:
-            task.use(mw)
-        task.use(data_pusher(cfg, buffer_))
-        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer_))  # policy and buffer lock internally
+            task.use(mw, role=task.role.COLLECTOR)
+        task.use(data_pusher(cfg, buffer_), role=task.role.LEARNER)
+        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer_), role=task.role.LEARNER)  # both lock internally
 
     return train_online(cfg, policy, off_policy_collection, build, buffer=buffer_, resume=resume,
                         async_mode=async_mode, max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq,

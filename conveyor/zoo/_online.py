@@ -32,7 +32,7 @@ from conveyor.middleware.collector_process import ProcessCollector, collection_b
 from conveyor.schema import ConfigError
 
 __all__ = ["prepare", "experiment_dir", "read_run_config", "seed_everything", "collection_and_evaluator_env",
-           "use_reporting", "train_online", "run_pipeline", "counters", "GlobalRNG", "RunDirError",
+           "use_reporting", "use_saving", "train_online", "run_pipeline", "counters", "GlobalRNG", "RunDirError",
            "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
 
 RUNS = Path("runs")
@@ -85,6 +85,8 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
     raw = EasyDict(copy.deepcopy(dict(cfg if cfg is not None else main_config)))
     if exp_name is not None:
         raw.exp_name = exp_name
+    if not task.has_role(task.role.LEARNER):  # a node of a distributed run: the run directory is the learner's
+        return compile_config(raw if seed is None else EasyDict(raw, seed=seed), policy=policy)
     run_dir = experiment_dir(raw)
     if resume:
         return _saved_config(run_dir, policy, None if cfg is None else raw, seed)
@@ -257,41 +259,55 @@ def train_online(cfg: EasyDict, policy: Any, collection: Collection, build: Call
     """Run an entry's pipeline: ``build(stage, evaluator_env)`` adds its middleware, with ``stage`` the
     collection middleware of :func:`collection_and_evaluator_env` in its place, then come the
     checkpoint saver, the logger, the budgets (``max_env_step``, ``max_train_iter``) and the progress bar (see
-    :func:`run_pipeline`).
+    :func:`run_pipeline`). In a process with roles (one node of a distributed run) :func:`train_node` builds
+    this node's part instead.
     """
+    def report() -> None:
+        use_reporting(cfg, max_env_step, progress, max_train_iter=max_train_iter)
+
+    if task.roles:  # one node of a distributed run (conveyor/zoo/_distributed.py)
+        from conveyor.zoo._distributed import train_node
+        return train_node(cfg, policy, collection, build, report, buffer=buffer, resume=resume, async_mode=async_mode,
+                          ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
     with collection_and_evaluator_env(cfg, policy, collection, async_mode=async_mode) as (stage, evaluator_env):
-        return run_pipeline(cfg, policy, OnlineRLContext(), lambda: build(stage, evaluator_env),
-                            lambda: use_reporting(cfg, max_env_step, progress, max_train_iter=max_train_iter),
-                            resume=resume, async_mode=async_mode,
-                            ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval, buffer=buffer)
+        return run_pipeline(cfg, policy, OnlineRLContext(), lambda: build(stage, evaluator_env), report,
+                            resume=resume, async_mode=async_mode, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval,
+                            buffer=buffer)
 
 
 def run_pipeline(cfg: EasyDict, policy: Any, ctx: Any, build: Callable[[], None], report: Callable[[], None], *,
                  resume: bool, async_mode: bool, ckpt_freq: int, ckpt_interval: Optional[float],
                  buffer: Any = None) -> Any:
-    """Run a pipeline in ``ctx`` (an online or offline context): ``build()`` adds its middleware, then come the
-    checkpoint saver and ``report()``'s (logger, budget, progress bar). The policy, the buffer and the global
-    RNGs are registered with the task, so checkpoints hold them; ``resume`` loads ``latest`` into all of it.
+    """Run a pipeline in ``ctx`` (an online or offline context): ``build()`` adds its middleware, then
+    :func:`use_saving` the checkpoint saver and ``report()``'s (logger, budget, progress bar).
     Returns the final context; a signal raises :class:`TrainingInterrupted` once the final checkpoints are written.
     """
-    exp_dir = experiment_dir(cfg)
-    meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
     with task.start(async_mode=async_mode, ctx=ctx):
-        task.register_state("policy", policy)
-        if buffer is not None:
-            task.register_state("buffer", buffer)
-        task.register_state("rng", GlobalRNG())
         build()
-        task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
-        report()
-        if resume:
-            _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
+        use_saving(cfg, policy, report, buffer=buffer, resume=resume, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
         with stop_on_signals() as stop:
             task.run()
         ctx = task.ctx
     if stop.signum is not None:
-        raise TrainingInterrupted(stop.signum, ctx, exp_dir / "ckpt")
+        raise TrainingInterrupted(stop.signum, ctx, experiment_dir(cfg) / "ckpt")
     return ctx
+
+
+def use_saving(cfg: EasyDict, policy: Any, report: Callable[[], None], *, buffer: Any, resume: bool, ckpt_freq: int,
+               ckpt_interval: Optional[float]) -> None:
+    """The learner's end of a pipeline, after its other middleware: the policy, the buffer and the global RNGs
+    registered as saved state, the checkpoint saver, then ``report()``'s middleware (logger, budgets, progress
+    bar); ``resume`` loads ``latest`` into all of it."""
+    exp_dir = experiment_dir(cfg)
+    meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
+    task.register_state("policy", policy)
+    if buffer is not None:
+        task.register_state("buffer", buffer)
+    task.register_state("rng", GlobalRNG())
+    task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
+    report()
+    if resume:
+        _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
 
 
 def _resume(path: Path, policy_name: str) -> None:

@@ -28,11 +28,11 @@ def train_ppo(main_config: Mapping[str, Any], cfg: Optional[Mapping[str, Any]] =
     seed_everything(cfg.seed)
     policy = PPOPolicy(cfg.policy)
 
-    def build(collection: List[Any], evaluator_env: Any) -> None:
-        task.use(interaction_evaluator(cfg, policy.eval_mode, evaluator_env))
+    def build(collection: List[Any], evaluator_env: Any) -> None:  # roles: what each node of a distributed run keeps
+        task.use(interaction_evaluator(cfg, policy.eval_mode, evaluator_env), role=task.role.EVALUATOR)
         for mw in collection:
-            task.use(mw)
-        task.use(multistep_trainer(cfg, policy.learn_mode))  # the policy locks its updates against checkpoints
+            task.use(mw, role=task.role.COLLECTOR)
+        task.use(multistep_trainer(cfg, policy.learn_mode), role=task.role.LEARNER)  # locks against checkpoints
 
     return train_online(cfg, policy, ppo_collection, build, resume=resume, async_mode=async_mode,
                         max_env_step=max_env_step, progress=progress, ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval,

@@ -1,0 +1,171 @@
+"""Where the nodes of a job are: Slurm's environment read into ``Parallel.runner`` arguments, and the table of
+every node's id, roles, pid and address (``nodes.json``).
+
+Slurm: ``srun -N2 -n4 conveyor task ...`` starts the same command once per task. Each task reads
+``SLURM_PROCID`` (its rank), ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST`` (else ``SLURM_NODELIST``) and, when
+several tasks share a host, ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PER_NODE``); tasks are laid
+out on the hosts in Slurm's default block order. Each task becomes one node: node id = its rank, listening
+on its host at ``port + rank``, dialing every other task. Across hosts every task must load the same
+secret (``--secret-file`` on a shared file system, or ``$CONVEYOR_SECRET``).
+
+Node table: every node publishes its :func:`node_record` on :data:`NODES_TOPIC`; a :class:`NodeTable`
+(on one node, e.g. the learner) gathers them and rewrites a JSON file as nodes join, so users can see
+which process is which.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from conveyor.engine.task import Role, task
+
+__all__ = ["DEFAULT_PORT", "NODES_TOPIC", "NodeTable", "SlurmError", "SlurmTask", "node_record", "slurm_task"]
+
+DEFAULT_PORT = 29650
+"""The first port of a Slurm job's nodes when none is given (task ``r`` listens on ``DEFAULT_PORT + r``)."""
+
+NODES_TOPIC = "conveyor.cluster.nodes"
+"""Every node -> the node keeping the table: its :func:`node_record`."""
+
+_COUNTS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+class SlurmError(ValueError):
+    """Slurm's environment is missing a variable or holds one that cannot be read."""
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """This process's place in a Slurm job step: its rank and the host of every task, by rank."""
+
+    rank: int
+    hosts: List[str]
+
+    @property
+    def n_tasks(self) -> int:
+        """How many tasks the step has."""
+        return len(self.hosts)
+
+    def runner_arguments(self, port: int = DEFAULT_PORT) -> Dict[str, Any]:
+        """``Parallel.runner`` keyword arguments that make this task node ``rank``: one worker listening on its
+        host at ``port + rank`` and attached to every other task."""
+        if not isinstance(port, int) or not 0 < port or port + self.n_tasks > 65536:
+            raise SlurmError(f"port {port!r}: tasks listen on port + rank, so it must be an int in "
+                             f"1..{65536 - self.n_tasks}")
+        urls = [f"tcp://{_bracketed(host)}:{port + rank}" for rank, host in enumerate(self.hosts)]
+        return {"n_parallel_workers": 1, "protocol": "tcp", "address": self.hosts[self.rank],
+                "ports": [port + self.rank], "node_ids": [self.rank],
+                "attach_to": urls[:self.rank] + urls[self.rank + 1:]}
+
+
+def slurm_task(environ: Optional[Mapping[str, str]] = None) -> Optional[SlurmTask]:
+    """This process's Slurm task, read from ``environ`` (default ``os.environ``); None outside a Slurm step
+    (``SLURM_PROCID`` unset) or in a step of one task."""
+    env = os.environ if environ is None else environ
+    if "SLURM_PROCID" not in env:
+        return None
+    rank, n_tasks = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    if n_tasks < 1 or not 0 <= rank < n_tasks:
+        raise SlurmError(f"SLURM_PROCID={rank} is not a rank of SLURM_NTASKS={n_tasks} tasks")
+    if n_tasks == 1:
+        return None
+    name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_NODELIST"
+    if name not in env:
+        raise SlurmError("SLURM_PROCID is set but neither SLURM_STEP_NODELIST nor SLURM_NODELIST is: run under srun")
+    import hostlist  # python-hostlist: Slurm's own syntax, node[01-03,07],gpu5, with its edge cases
+    try:
+        nodes = hostlist.expand_hostlist(env[name])
+    except hostlist.BadHostlist as e:
+        raise SlurmError(f"{name}={env[name]!r} is not a Slurm host list: {e}") from None
+    per_node = _tasks_per_node(env, len(nodes), n_tasks)
+    hosts = [host for host, count in zip(nodes, per_node) for _ in range(count)]
+    if len(hosts) != n_tasks:
+        raise SlurmError(f"{name} and the tasks per node give {len(hosts)} tasks, but SLURM_NTASKS={n_tasks}")
+    return SlurmTask(rank, hosts)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except KeyError:
+        raise SlurmError(f"SLURM_PROCID is set but {name} is not: run under srun") from None
+    except ValueError:
+        raise SlurmError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _tasks_per_node(env: Mapping[str, str], n_nodes: int, n_tasks: int) -> List[int]:
+    """Tasks on each node, from Slurm's compressed ``2(x3),1`` form, else spread evenly in blocks."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if name in env:
+            counts: List[int] = []
+            for part in env[name].split(","):
+                match = _COUNTS.match(part.strip())
+                if match is None:
+                    raise SlurmError(f"{name}={env[name]!r}: expected counts such as '2(x3),1'")
+                counts += [int(match.group(1))] * int(match.group(2) or 1)
+            if len(counts) != n_nodes:
+                raise SlurmError(f"{name}={env[name]!r} names {len(counts)} nodes, the node list {n_nodes}")
+            return counts
+    if n_tasks % n_nodes:
+        raise SlurmError(f"{n_tasks} tasks on {n_nodes} nodes: set SLURM_STEP_TASKS_PER_NODE (srun does) to say "
+                         f"which node runs which task")
+    return [n_tasks // n_nodes] * n_nodes
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def node_record() -> Dict[str, Any]:
+    """This process as one row of the node table: ``node_id``, ``roles``, ``pid``, ``host``, ``address``,
+    ``labels``. Roles: those added with ``task.add_role`` (every role when none was)."""
+    router = task.router
+    roles = task.roles or frozenset(Role)
+    return {"node_id": getattr(router, "node_id", 0), "roles": sorted(role.value for role in roles),
+            "pid": os.getpid(), "host": socket.gethostname(), "address": getattr(router, "address", None),
+            "labels": sorted(task.labels)}
+
+
+class NodeTable:
+    """Gathers every node's :func:`node_record` and keeps them in the JSON file ``path`` (rewritten atomically
+    as nodes join), beginning with this node's own. The other nodes call :meth:`announce`."""
+
+    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._rows: Dict[int, Dict[str, Any]] = {}
+        router = task.router
+        if router is not None and getattr(router, "is_active", True):
+            router.on(NODES_TOPIC, self._add)
+        self._add(node_record())
+
+    @property
+    def rows(self) -> List[Dict[str, Any]]:
+        """The records gathered so far, by node id."""
+        with self._lock:
+            return [self._rows[k] for k in sorted(self._rows)]
+
+    def _add(self, record: Dict[str, Any]) -> None:
+        with self._lock:
+            self._rows[int(record["node_id"])] = dict(record)
+            text = json.dumps([self._rows[k] for k in sorted(self._rows)], indent=2) + "\n"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+
+    @staticmethod
+    def announce(timeout_s: float = 60.0) -> None:
+        """Send this node's record to the node keeping the table, once it listens (``TimeoutError`` after
+        ``timeout_s``)."""
+        router = task.router
+        router.wait_for_subscribers(NODES_TOPIC, 1, timeout=timeout_s)
+        router.publish(NODES_TOPIC, node_record())

@@ -1,0 +1,167 @@
+"""Distributed zoo runs: 1 learner, collectors and evaluators as processes; nodes.json, resume, the CLI's flags."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main as cli_main
+from conveyor.engine import Role
+from conveyor.middleware import load_checkpoint
+from conveyor.schema import ConfigError
+from conveyor.zoo._distributed import Layout, train_distributed
+from tests.test_cli_task import free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def by_role(run, role):
+    return [node for node in run.nodes if node["role"] == role]
+
+
+def test_dqn_learner_trains_on_both_collectors_and_nodes_json_names_every_worker(in_tmp):
+    run = train_distributed("cartpole/dqn", collectors=2, evaluators=1, exp_name="dist", max_env_step=300,
+                            progress=False)
+    learner, = by_role(run, "learner")
+    collectors = by_role(run, "collector")
+    assert run.env_step == learner["env_step"] >= 300 and run.train_iter > 0 and run.last_eval_value is not None
+    assert len(collectors) == 2 and all(c["collected"] > 0 for c in collectors)
+    assert run.env_step > max(c["collected"] for c in collectors)  # more than any one collector brought
+    rows = json.loads((in_tmp / "runs" / "dist" / "nodes.json").read_text())
+    assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["learner"]), (1, ["collector"]), (2, ["collector"]),
+                                                          (3, ["evaluator"])]
+    assert sorted(r["pid"] for r in rows) == sorted(n["pid"] for n in run.nodes)
+    assert all(r["address"].startswith("ipc://") for r in rows)
+    final = load_checkpoint(in_tmp / "runs" / "dist" / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["env_step"] == run.env_step and final["ctx"]["last_eval_value"] == run.last_eval_value
+    assert (in_tmp / "runs" / "dist" / "ckpt" / "eval_best.pth.tar").is_file()
+
+
+@pytest.mark.slow
+def test_resume_continues_a_distributed_run_from_the_learners_checkpoint(in_tmp):
+    first = train_distributed("cartpole/dqn", collectors=2, exp_name="again", max_env_step=200, progress=False)
+    saved = load_checkpoint(in_tmp / "runs" / "again" / "ckpt" / "latest.pth.tar")
+    assert saved["ctx"]["env_step"] == first.env_step
+    second = train_distributed("cartpole/dqn", collectors=2, exp_name="again", max_env_step=500, resume=True,
+                               progress=False)
+    assert second.env_step >= 500 and second.train_iter > first.train_iter
+    collected = sum(c["collected"] for c in by_role(second, "collector"))
+    assert second.env_step - first.env_step <= collected < second.env_step  # counting went on from the checkpoint
+
+
+@pytest.mark.slow
+def test_two_launches_on_loopback_tcp_share_one_run(tmp_path):
+    """As two hosts would: the learner and the evaluator in one launch, the collectors in another, one secret."""
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 64)
+    runs = {"A": tmp_path / "a", "B": tmp_path / "b"}
+    port = free_ports(4)
+    common = ["train", "cartpole/dqn", "--collectors", "2", "--evaluators", "1", "--protocol", "tcp", "--address",
+              "127.0.0.1", "--secret-file", str(secret), "--max-env-step", "200", "--no-progress", "--exp-name", "two"]
+    argv = {"A": [*common, "--node-ids", "0,3", "--ports", f"{port},{port + 1}"],
+            "B": [*common, "--node-ids", "1,2", "--ports", f"{port + 2},{port + 3}", "--attach-to",
+                  f"tcp://127.0.0.1:{port}"]}
+    procs = {}
+    try:
+        for host, folder in runs.items():
+            folder.mkdir()
+            procs[host] = subprocess.Popen([sys.executable, "-m", "conveyor", *argv[host]], cwd=folder,
+                                           env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = {host: proc.communicate(timeout=300) for host, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    assert [procs[h].returncode for h in "AB"] == [0, 0], outs
+    rows = json.loads((runs["A"] / "runs" / "two" / "nodes.json").read_text())
+    assert [(r["node_id"], r["address"].rsplit(":", 1)[1]) for r in rows] == [
+        (0, str(port)), (1, str(port + 2)), (2, str(port + 3)), (3, str(port + 1))]
+    assert not (runs["B"] / "runs").exists()  # the collectors' host writes nothing
+    assert "done: env_step=" in outs["A"][0] and "env_step=None" not in outs["B"][0]
+
+
+@pytest.mark.slow
+def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
+    run = train_distributed("cartpole/ppo", collectors=2, evaluators=1, exp_name="ppo", max_env_step=1024,
+                            progress=False)
+    assert run.env_step >= 1024 and run.train_iter > 0 and run.last_eval_value is not None
+    assert all(c["collected"] > 0 for c in by_role(run, "collector"))
+
+
+def wait_for(condition, timeout_s, what):
+    """Poll ``condition`` (a file another process writes) until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s}s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves_no_process(in_tmp):
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                             "--evaluators", "1", "--exp-name", "sig", "--no-progress"], cwd=in_tmp,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ckpt = in_tmp / "runs" / "sig" / "ckpt"
+        nodes = in_tmp / "runs" / "sig" / "nodes.json"
+        wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
+        wait_for(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, err[-2000:]
+    final = load_checkpoint(ckpt / "final.pth.tar")
+    assert final["ctx"]["env_step"] > 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+
+
+@pytest.mark.slow
+def test_a_name_that_holds_a_run_is_refused_in_one_line(in_tmp, capsys):
+    (in_tmp / "runs" / "taken").mkdir(parents=True)
+    (in_tmp / "runs" / "taken" / "config.json").write_text("{}")
+    assert cli_main(["train", "cartpole/dqn", "--collectors", "1", "--exp-name", "taken", "--no-progress"]) == 2
+    assert "already holds a run: continue it with --resume" in capsys.readouterr().err
+
+
+def test_roles_follow_node_ids():
+    layout = Layout(collectors=2, evaluators=1)
+    assert [layout.role(i) for i in range(layout.n_nodes)] == [Role.LEARNER, Role.COLLECTOR, Role.COLLECTOR,
+                                                               Role.EVALUATOR]
+    with pytest.raises(ConfigError, match="nodes 0..3"):
+        layout.role(4)
+    with pytest.raises(ConfigError, match="--collectors 0"):
+        Layout(collectors=0)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--evaluators", "1"], "needs --collectors"),
+    (["--collectors", "0"], "--collectors 0: must be an int >= 1"),
+    (["--collectors", "2", "--evaluators", "-1"], "--evaluators -1"),
+    (["--collectors", "2", "--async"], "--async is for one process"),
+    (["--collectors", "2", "--node-ids", "1,5"], "node id 5: this run has nodes 0..2"),
+    (["--collectors", "2", "--protocol", "tpc"], "did you mean 'tcp'"),
+    (["--collectors", "2", "--protocol", "tcp", "--address", "192.0.2.1"], "refusing tcp://192.0.2.1"),
+    (["--collectors", "2", "--secret-file", "/no/such/secret"], "cannot read the secret file"),
+])
+def test_bad_distributed_flags_are_one_line_errors_before_any_process_starts(in_tmp, capsys, argv, fragment):
+    assert cli_main(["train", "cartpole/dqn", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+    assert not (in_tmp / "runs").exists()
