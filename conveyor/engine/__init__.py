@@ -7,10 +7,11 @@ from conveyor.engine.compose import Middleware, MiddlewareError, compose
 from conveyor.engine.declare import declares
 from conveyor.engine.context import Context, OfflineRLContext, OnlineRLContext
 from conveyor.engine.events import EventBus
-from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Role, Task, task
+from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, Role, Task, task
 
 __all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Role", "Task",
-           "compose", "declares", "task"]  # and Parallel, imported on first use (see __getattr__)
+           "compose", "declares", "task"]
+__all__ += ["PEER_LOST_EVENT", "STOP_EVENT"]  # and Parallel, imported on first use (see __getattr__)
 
 
 def __getattr__(name: str):

@@ -51,6 +51,12 @@ class _Router:
     def on(self, topic, fn):
         self.handlers.setdefault(topic, []).append(fn)
 
+    def off(self, topic, fn):
+        self.handlers[topic].remove(fn)
+
+    def subscribers(self, topic):
+        return []
+
     def publish(self, topic, payload):
         self.sent.append((topic, payload))
         return 0
@@ -107,7 +113,7 @@ def test_a_learner_merges_what_several_collectors_sent(fake_router):
         task.use(exchanger).use(lambda ctx: got.append((ctx.trajectories, ctx.episodes, ctx.env_step, ctx.env_episode)))
         for k in (1, 2):
             [handler] = fake_router.handlers[DATA_TOPIC]
-            handler({"trajectories": ttorch.Tensor({"obs": torch.full((2, 3), float(k))}), "episodes": [k],
+            handler({"node": str(k), "trajectories": ttorch.Tensor({"obs": torch.full((2, 3), float(k))}), "episodes": [k],
                      "env_step": 2, "env_episode": 1})
         task.run(max_step=1)
     [(trajectories, episodes, env_step, env_episode)] = got
