@@ -15,7 +15,7 @@ from conveyor.engine.parallel import encode, generate_secret, seal
 from conveyor.middleware import CkptSaver
 from conveyor.middleware.exchanger import DATA_TOPIC, ContextExchanger, ModelExchanger
 
-WAIT = 30  # seconds: the bound on every wait in a worker; a healthy run takes a second or two
+WAIT = 60  # seconds: the bound on every wait in a worker; a healthy run takes a second or two (idle machine)
 MAX_STEP = 10 ** 6  # iterations: runs end on their conditions, or when a learner has run for 2 * WAIT seconds
 
 
@@ -110,12 +110,15 @@ def learn_through_faults(kills, until, grace_s=WAIT, save_dir=None):
 
 def _done(record, until):
     """Whether the learner may stop: ``("trained_after_loss", k)``: k train iterations after the first peer
-    was lost; ``("restarted_sent", node, n)``: n batches from the restarted collector ``node``; ``None``: never.
+    was lost; ``("restarted_sent", node, n)``: n batches from the restarted collector ``node``;
+    ``("sent_by_each", nodes, n)``: n batches from each collector of ``nodes``; ``None``: never.
     Always after 2 * WAIT seconds (the test then fails on what the record shows)."""
     if time.monotonic() > record["deadline"]:
         return True
     if until is None:
         return False
+    if until[0] == "sent_by_each":  # ("sent_by_each", nodes, n): n batches from each of those collectors
+        return all(sum(b["node"] == node for b in record["batches"]) >= until[2] for node in until[1])
     if until[0] == "trained_after_loss":
         return bool(record["lost"]) and record["train_iter"] >= record["train_iter_at_loss"][0] + until[1]
     return sum(b["node"] == until[1] and b["restarts"] > 0 for b in record["batches"]) >= until[2]

@@ -24,12 +24,13 @@ def kill_group(proc, timeout):
 
 @contextlib.contextmanager
 def script_groups(timeout):
-    """Yields ``start(script, *args)``: runs a Python script of this repository in its own session, stdout
-    piped; every group started is killed (and checked to be gone) at the end."""
+    """Yields ``start(script, *args, prefix=())``: runs a Python script of this repository (after the command
+    ``prefix``, e.g. ``ip netns exec NS``) in its own session, stdout piped; every group started is killed
+    (and checked to be gone) at the end."""
     procs = []
 
-    def start(script, *args):
-        proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
+    def start(script, *args, prefix=()):
+        proc = subprocess.Popen([*prefix, sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
         procs.append(proc)
         return proc
