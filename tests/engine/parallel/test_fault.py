@@ -41,6 +41,7 @@ def test_a_killed_collector_is_lost_at_once_and_the_learner_trains_on_with_the_o
     assert len(collector["sent"]) >= 5  # and it ended when the learner did
 
 
+@pytest.mark.slow  # three workers started, then one again
 def test_auto_recover_restarts_a_killed_collector_which_collects_on_the_newest_weights():
     learner, _, restarted = runner(3, auto_recover=True, max_retries=1)(
         mains.learn_through_faults, {2: 2}, ("restarted_sent", 2, 3))
