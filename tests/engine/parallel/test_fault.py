@@ -73,13 +73,27 @@ def test_auto_recover_arguments_are_checked():
 def launcher(tmp_path):
     """Start ``_fault_launcher.py`` in its own session; kill its process group at the end."""
     with script_groups(WAIT) as start:
-        yield lambda ipc_dir: start(LAUNCHER, tmp_path, ipc_dir)
+        yield lambda protocol, where: start(LAUNCHER, tmp_path, protocol, where)
 
 
-def test_sigterm_to_the_launcher_ends_the_run_with_a_final_checkpoint_and_leaves_nothing(tmp_path, launcher):
+def free_ports(n):
+    """``n`` consecutive tcp ports on 127.0.0.1 that nothing listens on now."""
+    for first in range(47400, 48400, n):
+        try:
+            for port in range(first, first + n):
+                Router("probe", generate_secret(), listen=f"tcp://127.0.0.1:{port}").close()
+        except OSError:
+            continue
+        return list(range(first, first + n))
+    raise RuntimeError("no free tcp ports in 47400-48400")
+
+
+@pytest.mark.parametrize("protocol", ["ipc", "tcp"])
+def test_sigterm_to_the_launcher_ends_the_run_with_a_final_checkpoint_and_leaves_nothing(tmp_path, launcher, protocol):
     ipc_dir = tmp_path / "ipc"
     ipc_dir.mkdir()
-    proc = launcher(ipc_dir)
+    ports = free_ports(2) if protocol == "tcp" else []
+    proc = launcher(protocol, ipc_dir if protocol == "ipc" else ports[0])
     ready, _, _ = select.select([proc.stdout], [], [], 2 * WAIT)
     assert ready and proc.stdout.readline() == b"training\n", f"not training (launcher exit code {proc.poll()})"
     proc.send_signal(signal.SIGTERM)
@@ -87,6 +101,9 @@ def test_sigterm_to_the_launcher_ends_the_run_with_a_final_checkpoint_and_leaves
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # no worker is left
     assert list(ipc_dir.iterdir()) == []
+    if protocol == "tcp":
+        for port in ports:  # the ports are free for the next run
+            Router("next", generate_secret(), listen=f"tcp://127.0.0.1:{port}").close()
     final = torch.load(tmp_path / "ckpt" / "final.pth.tar", weights_only=False)
     assert final["ctx"]["train_iter"] >= 2
 
