@@ -246,7 +246,7 @@ class ContextExchanger(_Exchanger):
         if self._router.publish(DATA_TOPIC, payload) > 0:
             self._had_learner = True
             return
-        if self._had_learner:  # every learner it sent to is gone: finished, or dead
+        if self._had_learner:  # every learner it sent to has left: unsubscribed (finished), or lost
             log.info("node %s: no learner left to send collected data to; the collector stops",
                      self._router.node_id)
             task.finish = True
