@@ -321,7 +321,8 @@ class ModelExchanger(_Exchanger):
             raise ValueError(f"ModelExchanger(timeout_s={timeout_s!r}): must be a number of seconds > 0")
         self.max_staleness, self.timeout_s = max_staleness, float(timeout_s)
         self._learners: Set[str] = set()  # receiver: the live learners seen subscribed to requests
-        self._learners_gone = False  # receiver: every learner seen is lost
+        self._left: Set[str] = set()  # receiver: peers that finished or were lost (never counted as learners again)
+        self._learners_gone = False  # receiver: every learner seen has left
         self._newest: Optional[Dict[str, Any]] = None  # receiver: the newest version received, not yet loaded
         self._heard = -1  # receiver: the newest version number heard of
         self._loaded: Optional[int] = None
@@ -371,12 +372,12 @@ class ModelExchanger(_Exchanger):
         self._note_learners()
 
     def _note_learners(self) -> None:
-        found = self._router.subscribers(MODEL_REQUEST_TOPIC)
+        found = self._router.subscribers(MODEL_REQUEST_TOPIC)  # a learner that finished may still be listed
         with self._cond:
-            self._learners.update(found)
-            self._learners_gone = self._learners_gone and not found
+            self._learners.update(node for node in found if node not in self._left)
 
     def _forget(self, node: str) -> None:
+        self._left.add(node)
         if node in self._learners:
             self._learners.discard(node)
             self._learners_gone = not self._learners
