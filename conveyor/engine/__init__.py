@@ -7,11 +7,11 @@ from conveyor.engine.compose import Middleware, MiddlewareError, compose
 from conveyor.engine.declare import Fields, PipelineError, PipelineTable, declares, fields_of
 from conveyor.engine.context import Context, OfflineRLContext, OnlineRLContext
 from conveyor.engine.events import EventBus
-from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, Inspection, Role, Task, task
+from conveyor.engine.task import CLOSE_EVENT, FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, Inspection, Role, Task, task
 
-__all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Middleware", "MiddlewareError", "OfflineRLContext", "OnlineRLContext", "Role", "Task",
-           "compose", "declares", "task"]
-__all__ += ["Fields", "Inspection", "PipelineError", "PipelineTable", "fields_of"]  # and Parallel, imported on first use (see __getattr__)
+__all__ = ["CLOSE_EVENT", "Context", "EventBus", "FINISH_EVENT", "Fields", "Inspection", "Middleware", "MiddlewareError",
+           "OfflineRLContext", "OnlineRLContext", "PEER_LOST_EVENT", "PipelineError", "PipelineTable", "Role",
+           "STOP_EVENT", "Task", "compose", "declares", "fields_of", "task"]  # and Parallel, imported on first use
 
 
 def __getattr__(name: str):

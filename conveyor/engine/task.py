@@ -20,13 +20,23 @@ from conveyor.engine.declare import PipelineError, PipelineTable, Row, fields_of
 from conveyor.engine.events import EventBus
 from conveyor.engine.pipeline import AsyncPipeline
 
-__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Inspection", "Role", "Task", "task"]
+__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Inspection", "PEER_LOST_EVENT", "Role", "STOP_EVENT", "Task", "task"]
 
 FINISH_EVENT = "finish"
 """Emitted locally when :meth:`Task.run` ends, with one argument: the exception that ended it, or None."""
 
 CLOSE_EVENT = "close"
 """Emitted locally, no args, when the ``with task.start():`` block exits: close files and bars here."""
+
+STOP_EVENT = "stop"
+"""Emitted locally, no args, when this process is asked to stop (SIGTERM to a ``Parallel`` worker inside
+:meth:`Task.run`): ``task.finish`` is already set; a middleware that waits for a message stops waiting."""
+
+PEER_LOST_EVENT = "peer_lost"
+"""Emitted locally, with the node id, when a peer leaves: the attached router lost it (dead, disconnected
+or closed) or, in a ``Parallel`` worker, its ``main`` returned (then again when it closes)."""
+
+_LOCAL_EVENTS = (FINISH_EVENT, CLOSE_EVENT, STOP_EVENT, PEER_LOST_EVENT)
 
 LockArg = Union[bool, ContextManager]
 
@@ -59,7 +69,8 @@ class Task:
         self._local = threading.local()
         self._between_lock = threading.Lock()
         self._router: Any = None
-        self._routed: set = set()
+        self._routed: Dict[str, Callable[[Any], Any]] = {}
+        self._route_lock = threading.RLock()
         self._inspection: Optional[Inspection] = None
         self._reset()
 
@@ -113,6 +124,7 @@ class Task:
             finally:
                 if self._executor is not None:
                     self._executor.shutdown(wait=True)
+                self._unroute(list(self._routed))
                 self._reset()
 
     @property
@@ -605,49 +617,79 @@ class Task:
         From then on :meth:`emit` also publishes to the nodes that listen to the event (``only_local``
         keeps it here, ``only_remote`` skips this node's handlers), and :meth:`on` / :meth:`once` /
         :meth:`wait_for` subscribe this node to it; remote events run the handlers on the router's
-        receive thread. :data:`FINISH_EVENT` and :data:`CLOSE_EVENT` stay local. The router outlives
-        ``task.start()`` blocks; :meth:`detach_router` undoes this (the router's subscriptions stay).
+        receive thread. :data:`FINISH_EVENT`, :data:`CLOSE_EVENT`, :data:`STOP_EVENT` and
+        :data:`PEER_LOST_EVENT` stay local; the router's lost peers are emitted as :data:`PEER_LOST_EVENT`.
+        The router outlives ``task.start()`` blocks, its subscriptions do not: leaving a block, or removing
+        an event's last handler with :meth:`off`, unsubscribes. :meth:`detach_router` undoes all this.
         """
         if not (callable(getattr(router, "publish", None)) and callable(getattr(router, "on", None))):
             raise TypeError(f"task.attach_router({router!r}): needs a router with publish() and on()")
         if self._router is not None and self._router is not router:
             raise RuntimeError("task.attach_router(): a router is already attached; detach_router() first")
+        if self._router is router:
+            return
         self._router = router
+        if callable(getattr(router, "on_peer_lost", None)):
+            router.on_peer_lost(self._peer_lost)
         for name in self._events.names():
             self._route(name)
 
     def detach_router(self) -> None:
-        """Stop sending events to other nodes and delivering theirs."""
-        self._router, self._routed = None, set()
+        """Stop sending events to other nodes and delivering theirs (the router's subscriptions are removed)."""
+        router = self._router
+        if router is None:
+            return
+        self._unroute(list(self._routed))
+        if callable(getattr(router, "off_peer_lost", None)):
+            router.off_peer_lost(self._peer_lost)
+        self._router = None
+
+    def _peer_lost(self, node: Any) -> None:
+        self._events.emit(PEER_LOST_EVENT, node)
 
     def _route(self, name: str) -> None:
         """Deliver ``name`` from other nodes to this node's handlers (subscribing once per name)."""
-        router = self._router
-        if router is None or name in self._routed or name in (FINISH_EVENT, CLOSE_EVENT):
-            return
-        self._routed.add(name)
-        router.on(name, lambda args: self._router is router and self._events.emit(name, *args))
+        with self._route_lock:
+            router = self._router
+            if router is None or name in self._routed or name in _LOCAL_EVENTS:
+                return
+            handler = self._routed[name] = lambda args: self._router is router and self._events.emit(name, *args)
+            router.on(name, handler)
+
+    def _unroute(self, names: List[str], only_unused: bool = False) -> None:
+        """Remove the router's handlers of ``names`` (only of those with no local handler left, if ``only_unused``)."""
+        with self._route_lock:
+            for name in names:
+                if name in self._routed and not (only_unused and self._events.handlers(name)):
+                    handler = self._routed.pop(name)
+                    off = getattr(self._router, "off", None)
+                    if callable(off):
+                        off(name, handler)
 
     def on(self, name: str, fn: Callable[..., Any]) -> None:
         """Call ``fn(*args)`` whenever ``name`` is emitted (on any node, once a router is attached)."""
-        self._events.on(name, fn)
-        self._route(name)
+        with self._route_lock:
+            self._events.on(name, fn)
+            self._route(name)
 
     def once(self, name: str, fn: Callable[..., Any]) -> None:
         """Call ``fn(*args)`` the next time ``name`` is emitted."""
-        self._events.once(name, fn)
-        self._route(name)
+        with self._route_lock:
+            self._events.once(name, fn)
+            self._route(name)
 
     def off(self, name: str, fn: Optional[Callable[..., Any]] = None) -> None:
-        """Unsubscribe ``fn`` (or every handler) from ``name``."""
-        self._events.off(name, fn)
+        """Unsubscribe ``fn`` (or every handler) from ``name``; other nodes stop sending it once none is left."""
+        with self._route_lock:
+            self._events.off(name, fn)
+            self._unroute([name], only_unused=True)
 
     def emit(self, name: str, *args: Any, only_local: bool = False, only_remote: bool = False) -> None:
         """Emit an event: to this node's handlers unless ``only_remote``, and, with a router attached, to
         the other nodes listening to ``name`` unless ``only_local`` (``args`` must then be encodable)."""
         if only_local and only_remote:
             raise ValueError("task.emit(): only_local and only_remote cannot both be True")
-        if self._router is not None and not only_local and name not in (FINISH_EVENT, CLOSE_EVENT):
+        if self._router is not None and not only_local and name not in _LOCAL_EVENTS:
             self._router.publish(name, args)
         if not only_remote:
             self._events.emit(name, *args)

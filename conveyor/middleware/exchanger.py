@@ -14,22 +14,38 @@ trees travel as raw bytes, nothing is unpickled. Every wait is bounded by ``time
 Place them first in the chain, ``ModelExchanger`` before ``ContextExchanger``: on a collector the weights
 are loaded, then the learner's ``train_iter`` read, before collecting; on the learner ``train_iter`` is
 sent, then the new weights, after training (so a collector that has a version also knows its iteration).
+
+Faults (membership comes from the router: a peer that dies, disconnects or closes is lost at once, see
+:data:`conveyor.engine.PEER_LOST_EVENT`; no wait runs into its timeout for a peer known to be gone):
+
+- A learner trains on whatever its live collectors send. When the last collector it heard from is lost,
+  it logs a warning and waits ``grace_s`` for one to (re)join (``Parallel.runner(auto_recover=True)``
+  restarts a killed one); if none sends, it ends the run normally (``task.finish``), so a ``CkptSaver``
+  writes its final checkpoint.
+- A collector or an evaluator whose learners are all gone (finished or dead) ends its run normally at once.
+- :data:`conveyor.engine.STOP_EVENT` (SIGTERM to a worker) ends every wait at once; the run then ends
+  normally with ``task.finish``.
+- Both unsubscribe from their topics when the ``with task.start():`` block that made them closes.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
-from conveyor.engine import OnlineRLContext, declares, task
+from conveyor.engine import CLOSE_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, declares, task
 from conveyor.engine.parallel import codec
 from conveyor.policy.normaliser import FrozenNormaliser
 
 __all__ = ["ContextExchanger", "ModelExchanger", "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC",
            "MODEL_REQUEST_TOPIC"]
 
+log = logging.getLogger(__name__)
+
 DATA_TOPIC = "conveyor.exchange.data"
-"""Collectors -> learners: ``{"trajectories", "episodes", "train_data", "env_step", "env_episode"}`` (increments)."""
+"""Collectors -> learners: ``{"node", "trajectories", "episodes", "train_data", "env_step", "env_episode"}``
+(increments)."""
 TRAIN_ITER_TOPIC = "conveyor.exchange.train_iter"
 """Learners -> collectors and evaluators: ``{"train_iter": int}``."""
 MODEL_TOPIC = "conveyor.exchange.model"
@@ -52,44 +68,82 @@ def _active_router() -> Any:
     return router
 
 
-def _side(router: Any, name: str, learner_topic: str, learner_fn: Callable[[Any], Any], other_topic: str,
-          other_fn: Callable[[Any], Any]) -> tuple:
-    """``(is_learner, is_collector)`` from this process's roles; subscribes ``learner_fn`` or ``other_fn``."""
-    if router is None:
-        return False, False
-    if not task.roles:
-        raise RuntimeError(f"{name} in a multi-process run needs this process's role: call "
-                           f"task.add_role(task.role.LEARNER) (or COLLECTOR / EVALUATOR) before making it")
-    learner = task.has_role(task.role.LEARNER)
-    if learner and task.has_role(task.role.COLLECTOR):
-        raise RuntimeError(f"{name}: this process has both the LEARNER and the COLLECTOR role; in a multi-process "
-                           f"run a learner takes its data from collector processes (its own collector would "
-                           f"overwrite what they sent): give collecting to other workers, or run one process")
-    if learner:
-        router.on(learner_topic, learner_fn)
-    else:
-        router.on(other_topic, other_fn)
-    return learner, not learner and task.has_role(task.role.COLLECTOR)
+class _Exchanger:
+    """What both exchangers share: the side this process plays, its router subscription, the stop and
+    lost-peer wake-ups, and unsubscribing when the ``task.start`` block closes."""
 
+    def __init__(self, name: str, learner_topic: str, learner_fn: Callable[[Any], Any], other_topic: str,
+                 other_fn: Callable[[Any], Any]) -> None:
+        self._router = _active_router()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._learner = self._collector = False
+        self._subscribed: tuple = ()
+        if self._router is None:
+            return
+        if not task.roles:
+            raise RuntimeError(f"{name} in a multi-process run needs this process's role: call "
+                               f"task.add_role(task.role.LEARNER) (or COLLECTOR / EVALUATOR) before making it")
+        self._learner = task.has_role(task.role.LEARNER)
+        if self._learner and task.has_role(task.role.COLLECTOR):
+            raise RuntimeError(f"{name}: this process has both the LEARNER and the COLLECTOR role; in a multi-process "
+                               f"run a learner takes its data from collector processes (its own collector would "
+                               f"overwrite what they sent): give collecting to other workers, or run one process")
+        self._collector = not self._learner and task.has_role(task.role.COLLECTOR)
+        self._subscribed = (learner_topic, learner_fn) if self._learner else (other_topic, other_fn)
+        self._router.on(*self._subscribed)
+        task.on(STOP_EVENT, self._stop)
+        task.on(PEER_LOST_EVENT, self._peer_lost)
+        task.on(CLOSE_EVENT, self.close)
 
-def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout_s: float, what: str, sender: str,
-          router: Any, poke: Optional[Callable[[], None]] = None) -> None:
-    """Wait on ``cond`` (held by the caller) until ``ready()``; ``poke()`` every ``_RETRY_S``; TimeoutError."""
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            peers = router.peers() if callable(getattr(router, "peers", None)) else "?"
-            raise TimeoutError(f"node {getattr(router, 'node_id', '?')}: no {what} within {timeout_s}s (live peers: "
-                               f"{peers}); is a {sender} running, with this exchanger in its chain? Raise "
-                               f"timeout_s if it is just slow")
-        if poke is not None:
-            cond.release()
-            try:
-                poke()
-            finally:
-                cond.acquire()
-        cond.wait(min(left, _RETRY_S) if poke is not None else left)
+    def close(self) -> None:
+        """Unsubscribe from the router (called when the ``with task.start():`` block closes)."""
+        if self._subscribed:
+            self._router.off(*self._subscribed)
+            self._subscribed = ()
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _peer_lost(self, node: Any) -> None:
+        with self._cond:
+            self._forget(str(node))
+            self._cond.notify_all()
+
+    def _forget(self, node: str) -> None:
+        """A peer is lost (called holding ``_cond``)."""
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, poke: Optional[Callable[[], None]] = None) -> Optional[bool]:
+        """Wait (holding ``_cond``) until ``ready()``: True; until asked to stop: False; ``timeout_s`` over:
+        None. ``poke()`` runs every ``_RETRY_S`` while waiting."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self._stopping:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if poke is not None:
+                self._cond.release()
+                try:
+                    poke()
+                finally:
+                    self._cond.acquire()
+            self._cond.wait(min(left, _RETRY_S) if poke is not None else left)
+        return True
+
+    def _timeout(self, what: str, sender: str, timeout_s: float) -> TimeoutError:
+        return TimeoutError(f"node {self._router.node_id}: no {what} within {timeout_s}s (live peers: "
+                            f"{self._router.peers()}); is a {sender} running, with this exchanger in its chain? "
+                            f"Raise timeout_s if it is just slow")
+
+    def _end_run(self, level: int, why: str) -> None:
+        """End the run normally after this iteration, entering no further middleware in it."""
+        log.log(level, "node %s: %s", self._router.node_id, why)
+        task.finish = True
+        task.end_iteration()
 
 
 def _merge_trajectories(batches: List[Any]) -> Any:
@@ -107,7 +161,7 @@ def _merge_trajectories(batches: List[Any]) -> Any:
           writes=("train_iter", "trajectories", "episodes", "train_data", "env_step", "env_episode"),
           backward_reads=("trajectories", "episodes", "train_data", "env_step", "env_episode", "train_iter"),
           optional=("trajectories", "episodes", "train_data"))  # both sides: see the docstring
-class ContextExchanger:
+class ContextExchanger(_Exchanger):
     """Collectors send what they collected to learners; learners send ``train_iter`` back.
 
     Reads ctx (collector, after the collector ran): ``trajectories``, ``episodes``, ``train_data`` (what an
@@ -116,34 +170,43 @@ class ContextExchanger:
     ``train_data`` (received ones concatenated on their first dim), ``episodes`` (lists joined), ``env_step`` / ``env_episode`` (+ the collectors' increments).
     Reads ctx (learner, after): ``train_iter``.
 
-    A learner waits at most ``timeout_s`` for the first batch of an iteration; a collector waits at most
-    ``timeout_s`` for a learner to subscribe before sending.
+    A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
+    heard from is lost it waits ``grace_s`` for one to (re)join, then ends the run normally. A collector
+    waits at most ``timeout_s`` for a learner to subscribe before its first send, and ends its run when
+    the learners it sent to are gone.
     """
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ValueError(f"ContextExchanger(timeout_s={timeout_s!r}): must be a number of seconds > 0")
-        self.timeout_s = float(timeout_s)
-        self._router = _active_router()
-        self._cond = threading.Condition()
+    def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0) -> None:
+        for name, value in (("timeout_s", timeout_s), ("grace_s", grace_s)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ContextExchanger({name}={value!r}): must be a number of seconds > 0")
+        self.timeout_s, self.grace_s = float(timeout_s), float(grace_s)
         self._inbox: List[Dict[str, Any]] = []
         self._train_iter: Optional[int] = None
-        self._learner, self._collector = _side(self._router, "ContextExchanger", DATA_TOPIC, self._got_data,
-                                               TRAIN_ITER_TOPIC, self._got_train_iter)
+        self._collectors: Set[str] = set()  # learner: the live collectors that have sent data
+        self._lost: List[str] = []  # learner: collectors lost since the last batch
+        self._had_learner = False  # collector: a send reached a learner
+        super().__init__("ContextExchanger", DATA_TOPIC, self._got_data, TRAIN_ITER_TOPIC, self._got_train_iter)
 
     def __repr__(self) -> str:
         side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
             else "evaluator"
-        return f"ContextExchanger({side}, timeout_s={self.timeout_s})"
+        return f"ContextExchanger({side}, timeout_s={self.timeout_s}, grace_s={self.grace_s})"
 
     def _got_data(self, payload: Dict[str, Any]) -> None:
         with self._cond:
             self._inbox.append(payload)
+            self._collectors.add(str(payload["node"]))
             self._cond.notify_all()
 
     def _got_train_iter(self, payload: Dict[str, Any]) -> None:
         with self._cond:
             self._train_iter = max(self._train_iter or 0, int(payload["train_iter"]))
+
+    def _forget(self, node: str) -> None:
+        if node in self._collectors:
+            self._collectors.discard(node)
+            self._lost.append(node)
 
     def __call__(self, ctx: OnlineRLContext) -> Iterator[None]:
         if self._router is None:
@@ -160,15 +223,26 @@ class ContextExchanger:
             yield
             if self._collector and (ctx.trajectories is not None or ctx.episodes is not None
                                     or ctx.train_data is not None):
-                self._send({"trajectories": ctx.trajectories, "episodes": ctx.episodes,
-                            "train_data": ctx.train_data, "env_step": int(ctx.env_step - env_step),
+                self._send({"node": str(self._router.node_id), "trajectories": ctx.trajectories,
+                            "episodes": ctx.episodes, "train_data": ctx.train_data,
+                            "env_step": int(ctx.env_step - env_step),
                             "env_episode": int(ctx.env_episode - env_episode)})
 
     def _receive(self, ctx: OnlineRLContext) -> None:
         with self._cond:
-            _wait(self._cond, lambda: bool(self._inbox), self.timeout_s, f"collected data on {DATA_TOPIC!r}",
-                  "collector", self._router)
-            got, self._inbox = self._inbox, []
+            got = self._wait(lambda: bool(self._inbox) or bool(self._lost and not self._collectors), self.timeout_s)
+            if got is None:
+                raise self._timeout(f"collected data on {DATA_TOPIC!r}", "collector", self.timeout_s)
+            if got and not self._inbox:
+                log.warning("node %s: no collector left (lost: %s); the learner stops in %ss unless one joins",
+                            self._router.node_id, ", ".join(self._lost), self.grace_s)
+                self._lost = []
+                got = self._wait(lambda: bool(self._inbox), self.grace_s)
+            if not got:
+                return self._end_run(logging.INFO if self._stopping else logging.WARNING,
+                                     "asked to stop" if self._stopping else
+                                     f"no collector joined within grace_s={self.grace_s}s; the learner stops")
+            got, self._inbox, self._lost = self._inbox, [], []
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
@@ -177,11 +251,19 @@ class ContextExchanger:
         ctx.episodes = episodes or None
 
     def _send(self, payload: Dict[str, Any]) -> None:
-        if self._router.publish(DATA_TOPIC, payload) == 0:  # no learner has subscribed yet, or it was lost
-            self._router.wait_for_subscribers(DATA_TOPIC, 1, timeout=self.timeout_s)
-            if self._router.publish(DATA_TOPIC, payload) == 0:
-                raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
-                                   f"to (live peers: {self._router.peers()})")
+        if self._router.publish(DATA_TOPIC, payload) > 0:
+            self._had_learner = True
+            return
+        if self._had_learner:  # every learner it sent to has left: unsubscribed (finished), or lost
+            log.info("node %s: no learner left to send collected data to; the collector stops",
+                     self._router.node_id)
+            task.finish = True
+            return
+        self._router.wait_for_subscribers(DATA_TOPIC, 1, timeout=self.timeout_s)  # no learner has subscribed yet
+        if self._router.publish(DATA_TOPIC, payload) == 0:
+            raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
+                               f"to (live peers: {self._router.peers()})")
+        self._had_learner = True
 
 
 class _ModelVersions:
@@ -211,7 +293,7 @@ class _ModelVersions:
 
 
 @declares()  # no context field: it reads and writes the policy's weights
-class ModelExchanger:
+class ModelExchanger(_Exchanger):
     """The learner sends its newest weights; collectors and evaluators act on the newest they received.
 
     ``model_or_policy``: a policy (``version``, ``acting_state()``, ``load_acting_state()``, as
@@ -226,7 +308,8 @@ class ModelExchanger:
     ``max_staleness + 1`` collect iterations, so no batch is collected on weights more than
     ``max_staleness`` versions older than what the learner has made of the earlier ones; the next waits for
     a newer version (``0``: every batch on fresh weights, on-policy). ``None``: never waits after the
-    first. Every wait is bounded by ``timeout_s``.
+    first. Every wait is bounded by ``timeout_s``. A receiver whose learners are all gone (finished or
+    lost) ends its run normally at once, at the start of an iteration or in a wait.
 
     Reads / writes ctx: nothing; it reads and writes the policy's weights.
     """
@@ -246,8 +329,9 @@ class ModelExchanger:
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"ModelExchanger(timeout_s={timeout_s!r}): must be a number of seconds > 0")
         self.max_staleness, self.timeout_s = max_staleness, float(timeout_s)
-        self._router = _active_router()
-        self._cond = threading.Condition()
+        self._learners: Set[str] = set()  # receiver: the live learners seen subscribed to requests
+        self._left: Set[str] = set()  # receiver: peers that finished or were lost (never counted as learners again)
+        self._learners_gone = False  # receiver: every learner seen has left
         self._newest: Optional[Dict[str, Any]] = None  # receiver: the newest version received, not yet loaded
         self._heard = -1  # receiver: the newest version number heard of
         self._loaded: Optional[int] = None
@@ -255,8 +339,7 @@ class ModelExchanger:
         self._sent = -1
         self._last: Optional[Dict[str, Any]] = None  # learner: the last version sent
         self._send_lock = threading.Lock()
-        self._learner, self._collector = _side(self._router, "ModelExchanger", MODEL_REQUEST_TOPIC,
-                                               self._answer, MODEL_TOPIC, self._got_model)
+        super().__init__("ModelExchanger", MODEL_REQUEST_TOPIC, self._answer, MODEL_TOPIC, self._got_model)
 
     def __repr__(self) -> str:
         side = "inactive" if self._router is None else "learner" if self._learner else "receiver"
@@ -295,11 +378,41 @@ class ModelExchanger:
 
     def _request(self) -> None:
         self._router.publish(MODEL_REQUEST_TOPIC, {"node": str(self._router.node_id)})
+        self._note_learners()
 
-    def _await_version(self, newer_than: int, what: str) -> None:
+    def _note_learners(self) -> None:
+        found = self._router.subscribers(MODEL_REQUEST_TOPIC)  # a learner that finished may still be listed
         with self._cond:
-            _wait(self._cond, lambda: self._heard > newer_than or task.finish, self.timeout_s, what, "learner",
-                  self._router, poke=self._request)  # a run told to finish stops waiting for weights
+            self._learners.update(node for node in found if node not in self._left)
+
+    def _forget(self, node: str) -> None:
+        self._left.add(node)
+        if node in self._learners:
+            self._learners.discard(node)
+            self._learners_gone = not self._learners
+
+    def _await_version(self, newer_than: int, what: str) -> bool:
+        """Wait for a version newer than ``newer_than``; False if asked to stop or every learner is gone."""
+        with self._cond:
+            got = self._wait(lambda: self._heard > newer_than or self._learners_gone or task.finish, self.timeout_s,
+                             self._request)  # a run told to finish stops waiting for weights
+            if got is None:
+                raise self._timeout(what, "learner", self.timeout_s)
+            return bool(got) and self._heard > newer_than
+
+    def _receive(self) -> bool:
+        """Load the newest version, waiting as the first version and ``max_staleness`` require; False: stop."""
+        if self._learners_gone or self._stopping:
+            return False
+        if self._loaded is None and not self._await_version(-1, f"weights on {MODEL_TOPIC!r} (the first version)"):
+            return False
+        self._load_newest()
+        if self._collector and self.max_staleness is not None and self._uses > self.max_staleness:
+            if not self._await_version(self._loaded, f"weights newer than version {self._loaded} (max_staleness="
+                                                     f"{self.max_staleness} and it served {self._uses} batches)"):
+                return False
+            self._load_newest()
+        return True
 
     def _load_newest(self) -> None:
         with self._cond:
@@ -317,12 +430,10 @@ class ModelExchanger:
                 self.policy.publish()
             self._send()
         else:
-            if self._loaded is None:
-                self._await_version(-1, f"weights on {MODEL_TOPIC!r} (the first version)")
-            self._load_newest()
-            if self._collector and self.max_staleness is not None and self._uses > self.max_staleness:
-                self._await_version(self._loaded, f"weights newer than version {self._loaded} (max_staleness="
-                                                  f"{self.max_staleness} and it served {self._uses} batches)")
-                self._load_newest()
-            self._uses += 1
+            self._note_learners()
+            if not self._receive():
+                self._end_run(logging.INFO, "asked to stop" if self._stopping else
+                              "every learner is gone (finished or lost); this node stops")
+            else:
+                self._uses += 1
             yield

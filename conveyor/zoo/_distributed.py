@@ -29,7 +29,6 @@ import copy
 import logging
 import math
 import os
-import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -43,7 +42,7 @@ from conveyor.envs import make_env_manager
 from conveyor.middleware import EVAL_EVENT, ContextExchanger, ModelExchanger
 from conveyor.policy.base import Snapshot
 from conveyor.schema import ConfigError
-from conveyor.zoo._online import Collection, experiment_dir, stop_on_signals, use_saving
+from conveyor.zoo._online import Collection, experiment_dir, use_saving
 
 __all__ = ["DistributedRun", "EvaluatedWeights", "Layout", "LearnerClock", "NODES_FILE", "PROGRESS_TOPIC",
            "RemoteEvaluations", "train_distributed", "train_node"]
@@ -237,15 +236,9 @@ def train_node(cfg: EasyDict, policy: Any, collection: Collection, build: Callab
                 task.use(RemoteEvaluations(policy))  # before the saver and the loggers: it sees each result first
                 use_saving(cfg, policy, report, buffer=buffer, resume=resume, ckpt_freq=ckpt_freq,
                            ckpt_interval=ckpt_interval)
-            with stop_on_signals() as stop:  # SIGTERM from the launcher: finish the iteration, the learner saves
-                if threading.current_thread() is threading.main_thread():
-                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher sends SIGTERM, one signal
-                task.run()
-            ctx = task.ctx
+            task.run()  # SIGTERM from the launcher (Parallel.runner's worker handler) finishes the iteration, then
+            ctx = task.ctx  # the run ends normally and the learner writes its final checkpoint
     node.collected = clock.collected
-    if stop.signum is not None:
-        log.warning("node %s stopped by %s at env_step=%d train_iter=%d", task.router.node_id,
-                    signal.Signals(stop.signum).name, ctx.env_step, ctx.train_iter)
     return ctx
 
 

@@ -1,12 +1,12 @@
 """Exchangers: collected data to learners, train_iter and versioned weights back, over real worker processes."""
-import threading
+import logging
 
 import numpy as np
 import pytest
 import torch
 
-from conveyor.engine import OnlineRLContext, Parallel, task
-from conveyor.middleware.exchanger import DATA_TOPIC, ContextExchanger, ModelExchanger
+from conveyor.engine import FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, Parallel, task
+from conveyor.middleware.exchanger import DATA_TOPIC, MODEL_REQUEST_TOPIC, ContextExchanger, ModelExchanger
 from tests.middleware import _exchanger_mains as mains
 
 WAIT = 20
@@ -50,6 +50,12 @@ class _Router:
 
     def on(self, topic, fn):
         self.handlers.setdefault(topic, []).append(fn)
+
+    def off(self, topic, fn):
+        self.handlers[topic].remove(fn)
+
+    def subscribers(self, topic):
+        return []
 
     def publish(self, topic, payload):
         self.sent.append((topic, payload))
@@ -107,7 +113,7 @@ def test_a_learner_merges_what_several_collectors_sent(fake_router):
         task.use(exchanger).use(lambda ctx: got.append((ctx.trajectories, ctx.episodes, ctx.env_step, ctx.env_episode)))
         for k in (1, 2):
             [handler] = fake_router.handlers[DATA_TOPIC]
-            handler({"trajectories": ttorch.Tensor({"obs": torch.full((2, 3), float(k))}), "episodes": [k],
+            handler({"node": str(k), "trajectories": ttorch.Tensor({"obs": torch.full((2, 3), float(k))}), "episodes": [k],
                      "env_step": 2, "env_episode": 1})
         task.run(max_step=1)
     [(trajectories, episodes, env_step, env_episode)] = got
@@ -188,3 +194,36 @@ def test_a_real_policys_version_crosses_the_codec_and_loads_under_its_number(fak
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
     if make == "ppo_obs_norm":
         assert type(state["extras"]).__name__ == "FrozenNormaliser"
+
+
+def test_a_learner_whose_last_collector_is_lost_stops_after_grace_s_and_ends_the_run_normally(fake_router, caplog):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=60, grace_s=0.05)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        deliver({"node": "3", "trajectories": None, "episodes": [1], "env_step": 1, "env_episode": 1})
+        ended = []
+        task.on(FINISH_EVENT, ended.append)
+        trained = []
+        task.use(exchanger).use(lambda ctx: trained.append(ctx.env_step))
+        task.use(lambda ctx: task.emit(PEER_LOST_EVENT, "3"))  # as the router reports a dead collector
+        with caplog.at_level(logging.WARNING, logger="conveyor.middleware.exchanger"):
+            task.run(max_step=5)
+        assert trained == [1] and ended == [None] and task.finish and task.ctx.total_step == 2
+    assert "no collector left (lost: 3)" in caplog.text and "no collector joined within grace_s=0.05s" in caplog.text
+
+
+def test_a_stop_request_ends_a_receivers_wait_for_weights_at_once(fake_router):
+    def publish(topic, payload):  # the exchanger asks for weights: it is waiting; now ask it to stop
+        if topic == MODEL_REQUEST_TOPIC:
+            task.finish = True
+            task.emit(STOP_EVENT)
+        return 0
+
+    fake_router.publish = publish
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        collected = []
+        task.use(ModelExchanger(torch.nn.Linear(1, 1), timeout_s=60)).use(collected.append)
+        task.run(max_step=3)
+        assert collected == [] and task.ctx.total_step == 1

@@ -18,7 +18,10 @@ subscribed topics, and the ids of the peers it has heard) on each link as soon a
 (the hello, always before any data on that link), whenever it changes (a subscription, a new peer),
 and every ``heartbeat_s``. Any authenticated message refreshes the sender's liveness; one silent for
 ``peer_timeout_s`` is declared dead, its subscriptions dropped and the :meth:`Router.on_peer_lost`
-callbacks called (a closing router says goodbye, so its peers drop it at once). A peer is *ready*
+callbacks called. Two faster paths need no timeout: a closing router says goodbye, and a link whose
+connection closes (the peer's process died: the kernel closes its sockets, as after SIGKILL) loses its
+peer at once. A lost peer that speaks again (a dropped connection that comes back, or a restarted
+process under the same id, whose new incarnation starts afresh) is live again. A peer is *ready*
 (:meth:`Router.wait_for_peers`) when its state has arrived and lists this node among those it heard:
 both ends then know each other and can deliver. A restarted peer (new incarnation) starts afresh.
 
@@ -93,6 +96,8 @@ class _Link:
         self.url, self.sock = url, sock
         self.connected = False
         self.hello_sent = False
+        self.dropped = False  # its connection closed since the control thread last looked
+        self.learned = False  # dialed back after a peer's hello, not asked for with connect()
         self.peer_id: Optional[str] = None
 
 
@@ -210,7 +215,10 @@ class Router:
 
     # --- links -------------------------------------------------------------------------------------
     def connect(self, url: str) -> None:
-        """Dial another node's inbox at ``url`` (retried in the background until it answers)."""
+        """Dial another node's inbox at ``url`` (retried in the background until it answers, also after it was lost)."""
+        self._connect(url, learned=False)
+
+    def _connect(self, url: str, learned: bool) -> None:
         if self.local_only and not is_local_address(url):
             raise ValueError(f"Router {self.node_id!r}: refusing to dial {url} without a secret; give every node "
                              f"the same secret (--secret-file FILE or $CONVEYOR_SECRET)")
@@ -220,6 +228,7 @@ class Router:
             sock = pynng.Push0(send_timeout=int(self.send_timeout_s * 1000), send_buffer_size=_SEND_BUFFER,
                                reconnect_time_min=50, reconnect_time_max=int(max(self.heartbeat_s, 0.1) * 1000))
             link = self._links[url] = _Link(url, sock)
+            link.learned = learned
 
         def connected(pipe: Any) -> None:
             with self._lock:
@@ -228,7 +237,9 @@ class Router:
 
         def removed(pipe: Any) -> None:
             with self._lock:
+                link.dropped = True
                 link.connected = link.hello_sent = False
+            self._wake.set()  # the control thread loses its peer (nng's thread must not run the callbacks)
 
         sock.add_post_pipe_connect_cb(connected)
         sock.add_post_pipe_remove_cb(removed)
@@ -253,11 +264,36 @@ class Router:
             self._handlers.setdefault(topic, []).append(fn)
         self.subscribe(topic)
 
+    def topics(self) -> List[str]:
+        """The topics this node subscribes to (announced to its peers)."""
+        with self._lock:
+            return sorted(self._topics)
+
+    def off(self, topic: str, fn: Callable[[Any], Any]) -> None:
+        """Remove a handler given to :meth:`on`; the last one of a topic unsubscribes from it (announced at once)."""
+        with self._lock:
+            handlers = self._handlers.get(topic, [])
+            if fn in handlers:
+                handlers.remove(fn)
+            if handlers or topic not in self._topics:
+                return
+            self._handlers.pop(topic, None)
+            self._topics.discard(topic)
+        self._wake.set()
+
     def on_peer_lost(self, fn: Callable[[str], Any]) -> None:
-        """Call ``fn(node_id)`` (on the router's control thread) when a peer is declared dead or says goodbye."""
+        """Call ``fn(node_id)`` (on the router's control thread) when a peer is declared dead, its connection
+        closes or it says goodbye."""
         if not callable(fn):
             raise TypeError(f"router.on_peer_lost(fn): fn must be callable, got {fn!r}")
-        self._lost_callbacks.append(fn)
+        with self._lock:
+            self._lost_callbacks.append(fn)
+
+    def off_peer_lost(self, fn: Callable[[str], Any]) -> None:
+        """Remove a callback given to :meth:`on_peer_lost`."""
+        with self._lock:
+            if fn in self._lost_callbacks:
+                self._lost_callbacks.remove(fn)
 
     def subscribers(self, topic: str) -> List[str]:
         """Ids of the live peers subscribed to ``topic`` that :meth:`publish` can reach now."""
@@ -397,9 +433,15 @@ class Router:
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         with self._lock:
-            dead = [p for p in self._peers.values() if p.alive and now - p.last_seen > self.peer_timeout_s]
-        for peer in dead:
-            self._lose(peer, f"silent for {self.peer_timeout_s}s")
+            dead = [(p, f"silent for {self.peer_timeout_s}s") for p in self._peers.values()
+                    if p.alive and now - p.last_seen > self.peer_timeout_s]
+            dropped = {url for url, link in self._links.items() if link.dropped}
+            for url in dropped:
+                self._links[url].dropped = False
+            dead += [(p, "its connection closed") for p in self._peers.values()
+                     if p.alive and p.address in dropped and not self._links[p.address].connected]
+        for peer, why in dead:
+            self._lose(peer, why)
 
     def _lose(self, peer: _Peer, why: str) -> None:
         with self._lock:
@@ -409,9 +451,15 @@ class Router:
             peer.topics = frozenset()
             self._counts["peers_lost"] += 1
             self._changed.notify_all()
+            link = self._links.get(peer.address)
+            if link is not None and link.learned:  # its hello makes us dial again if it comes back
+                del self._links[peer.address]
+            callbacks = list(self._lost_callbacks)
+        if link is not None and link.learned:
+            link.sock.close()
         log.log(logging.INFO if why == "it closed" else logging.WARNING, "router %s: peer %s lost (%s)",
                 self.node_id, peer.node_id, why)
-        for fn in list(self._lost_callbacks):
+        for fn in callbacks:
             try:
                 fn(peer.node_id)
             except Exception:
@@ -419,6 +467,10 @@ class Router:
         self._wake.set()  # our "heard" list changed
 
     def _on_control(self, sender: str, seq: int, message: Dict[str, Any]) -> None:
+        with self._lock:
+            old = self._peers.get(sender)
+        if old is not None and old.alive and message["kind"] == "state" and old.incarnation != message["incarnation"]:
+            self._lose(old, "it restarted")  # its callbacks run before the new incarnation is live
         with self._lock:
             peer = self._peers.get(sender)
             if message["kind"] == "bye":
@@ -444,7 +496,7 @@ class Router:
         if message["kind"] == "bye":
             return self._lose(peer, "it closed")
         if new_link:
-            self.connect(peer.address)
+            self._connect(peer.address, learned=True)
         if not was_alive or self.node_id not in peer.heard:
             self._wake.set()  # tell it (again) that we heard it
 

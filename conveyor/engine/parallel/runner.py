@@ -22,16 +22,33 @@ The secret: ``secret=`` (bytes), else ``$CONVEYOR_SECRET``, else one generated f
 generated secret is known to this launch only, so the workers then stay on this host (ipc, or tcp on
 a loopback address), as a :class:`Router` without a secret does.
 
-The launcher then supervises: an uncaught exception in a worker is sent back with its traceback; the
-launcher stops the other workers (SIGTERM, then SIGKILL after ``grace_s``) and re-raises it, rebuilt
-(or as :class:`WorkerError` when it cannot be unpickled), with the worker's traceback text as its
-``__cause__`` (a :class:`RemoteTraceback`) and a note naming the worker. A worker that dies without an
-exception (a signal, ``os._exit``) raises :class:`WorkerError`. SIGTERM to the launcher (from its main
-thread) or Ctrl-C stops every worker the same way, removes the ipc files, and ends the launcher with
+The launcher then supervises. Faults, two kinds:
+
+- An uncaught exception in a worker (a bug, or a clear error: restarting would repeat it) is sent back
+  with its traceback; the launcher stops the other workers (SIGTERM, then SIGKILL after ``grace_s``)
+  and re-raises it, rebuilt (or as :class:`WorkerError` when it cannot be unpickled), with the worker's
+  traceback text as its ``__cause__`` (a :class:`RemoteTraceback`) and a note naming the worker.
+- A worker that dies while running without an exception (killed by a signal, SIGKILL or the OOM
+  killer, ``os._exit``, a crash in native code): with ``auto_recover=True`` the launcher starts it
+  again, up to ``max_retries`` times per worker (None: :data:`DEFAULT_MAX_RETRIES`), with the same node id,
+  address and arguments (``task.router.restarts`` counts them; its router has a new incarnation): it
+  dials the workers running now, handshakes and runs ``main`` from the start, joining the run late
+  (a ``ModelExchanger`` asks for the newest weights). Otherwise, or once its restarts are spent or
+  another worker has already returned, the job goes on without it (a warning; its peers lose it at
+  once and the exchangers carry on, see :mod:`conveyor.middleware.exchanger`) and, once the others
+  have ended, the runner raises :class:`WorkerError` naming it, with the others' results in ``.results``.
+  A death during the start (before ``main``) always stops the job.
+
+SIGTERM to the launcher (from its main thread) or Ctrl-C stops every worker with SIGTERM (each ends its
+run gracefully, see below; SIGKILL after ``grace_s``), removes the ipc files, and ends the launcher with
 ``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself.
 
-Inside a worker, SIGINT is ignored (Ctrl-C reaches the whole process group; the launcher decides) and
-SIGTERM raises ``SystemExit(143)``, so ``finally`` blocks and ``with task.start()`` exits run.
+Inside a worker, SIGINT is ignored (Ctrl-C reaches the whole process group; the launcher decides). The
+first SIGTERM while ``main`` is inside ``task.run`` stops the run gracefully: ``task.finish`` is set and
+:data:`~conveyor.engine.task.STOP_EVENT` emitted (the exchangers stop waiting), the run ends normally after
+the current iteration (a ``CkptSaver`` writes its final checkpoint) and ``main`` goes on. Outside
+``task.run``, or a second SIGTERM, raises ``SystemExit(143)``, so ``finally`` blocks and ``with
+task.start()`` exits run.
 When its ``main`` returns, a worker tells its peers and waits until each has finished too or is gone,
 before closing its router: no message it sent is cut off by closing early.
 """
@@ -67,13 +84,23 @@ PROTOCOLS = ("ipc", "tcp")
 FINISHED_TOPIC = "conveyor.runner.finished"
 """Published by a worker whose ``main`` has returned; its peers close only after hearing it (or losing it)."""
 
+DEFAULT_MAX_RETRIES = 3
+"""Restarts per worker under ``auto_recover=True`` when ``max_retries`` is None."""
+
 _WORKER_CODE = "from conveyor.engine.parallel.runner import _worker_main; _worker_main()"
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
 
 
 class WorkerError(RuntimeError):
     """A worker ended without an exception that can be re-raised here: killed by a signal, ``os._exit``,
-    or an exception that does not unpickle in the launcher (its type and message are in this one's)."""
+    or an exception that does not unpickle in the launcher (its type and message are in this one's).
+
+    Raised for a worker that died while running (and was not restarted) once the others are done;
+    ``results`` then holds their return values by worker (None for the dead ones)."""
+
+    def __init__(self, message: str, results: Optional[List[Any]] = None) -> None:
+        super().__init__(message)
+        self.results = results
 
 
 class RemoteTraceback(Exception):
@@ -97,15 +124,17 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 class WorkerRouter:
     """``task.router`` inside a worker: every method of the node's :class:`Router`, plus ``node_id`` (the
-    worker's int id), ``n_workers``, ``labels`` and ``is_active``. Under topology ``"alone"`` there is no
-    router: ``is_active`` is False, :meth:`publish` reaches nobody and :meth:`on` subscribes to nothing."""
+    worker's int id), ``n_workers``, ``labels``, ``is_active`` and ``restarts`` (how many times the launcher
+    restarted this worker: 0 in the first process). Under topology ``"alone"`` there is no router:
+    ``is_active`` is False, :meth:`publish` reaches nobody and :meth:`on` / :meth:`off` do nothing."""
 
-    def __init__(self, router: Any, node_id: int, n_workers: int, labels: Iterable[str] = ()) -> None:
+    def __init__(self, router: Any, node_id: int, n_workers: int, labels: Iterable[str] = (), restarts: int = 0) -> None:
         self._router = router
-        self.node_id, self.n_workers, self.labels = node_id, n_workers, frozenset(labels)
+        self.node_id, self.n_workers, self.labels, self.restarts = node_id, n_workers, frozenset(labels), restarts
         self._neighbours: List[str] = []
         self._finished: set = set()
         self._finished_changed = threading.Condition()
+        self._left_callbacks: List[Callable[[str], Any]] = []
         if router is not None:  # before any dial, so the first hello already lists the topic
             router.on(FINISHED_TOPIC, self._peer_finished)
             router.on_peer_lost(self._peer_finished)
@@ -122,6 +151,22 @@ class WorkerRouter:
         if self._router is not None:
             self._router.on(topic, fn)
 
+    def off(self, topic: str, fn: Callable[[Any], Any]) -> None:
+        if self._router is not None:
+            self._router.off(topic, fn)
+
+    def on_peer_lost(self, fn: Callable[[str], Any]) -> None:
+        """Call ``fn(node_id)`` when a peer leaves the run: its ``main`` returned, or its router lost it
+        (closed, died, disconnected). A peer that finishes and then closes is reported twice."""
+        if not callable(fn):
+            raise TypeError(f"task.router.on_peer_lost(fn): fn must be callable, got {fn!r}")
+        self._left_callbacks.append(fn)
+
+    def off_peer_lost(self, fn: Callable[[str], Any]) -> None:
+        """Remove a callback given to :meth:`on_peer_lost`."""
+        if fn in self._left_callbacks:
+            self._left_callbacks.remove(fn)
+
     def __getattr__(self, name: str) -> Any:
         router = self.__dict__.get("_router")
         if name.startswith("_") or router is None:
@@ -136,6 +181,11 @@ class WorkerRouter:
         with self._finished_changed:
             self._finished.add(str(node))
             self._finished_changed.notify_all()
+        for fn in list(self._left_callbacks):
+            try:
+                fn(str(node))
+            except Exception:
+                log.exception("worker %s: an on_peer_lost callback raised", self.node_id)
 
     def _finish(self) -> None:
         """Tell the peers this worker's main returned; wait until each of them has said so or is gone."""
@@ -168,8 +218,10 @@ class Parallel:
         first port (worker i listens on ``ports + i``) or one per worker (default: ports the OS picks,
         told to the peers by the launcher). ``attach_to``: addresses of routers outside this launch that
         every worker dials and waits for. ``node_ids``: the first id or one per worker (default 0..n-1).
-        ``labels``: labels of every worker (``task.router.labels``). ``ready_timeout_s`` bounds the start
-        and the handshake; ``grace_s`` the wait between SIGTERM and SIGKILL when stopping workers.
+        ``labels``: labels of every worker (``task.router.labels``). ``auto_recover``: restart a worker that
+        dies (not one that raises) up to ``max_retries`` times (see the module docstring). ``ready_timeout_s``
+        bounds the start and the handshake (also a restart's); ``grace_s`` the wait between SIGTERM and
+        SIGKILL when stopping workers: time enough for a learner to end its iteration and checkpoint.
         ``router_options``: keyword arguments for every :class:`Router` (timeouts, ``max_message_size``).
         """
         plan = _Plan(n_parallel_workers, topology, protocol, address, ports, attach_to, node_ids, labels,
@@ -195,9 +247,14 @@ class _Plan:
             raise ValueError(f"{where}(topology={topology!r}): must be one of {TOPOLOGIES}{_closest(topology, TOPOLOGIES)}")
         if protocol not in PROTOCOLS:
             raise ValueError(f"{where}(protocol={protocol!r}): must be one of {PROTOCOLS}{_closest(protocol, PROTOCOLS)}")
-        if auto_recover or max_retries is not None:
-            raise NotImplementedError(f"{where}(auto_recover={auto_recover!r}, max_retries={max_retries!r}): restarting "
-                                      f"failed workers is not implemented yet; leave both unset")
+        if not isinstance(auto_recover, bool):
+            raise TypeError(f"{where}(auto_recover={auto_recover!r}): must be True or False")
+        if max_retries is not None:
+            if not auto_recover:
+                raise ValueError(f"{where}(max_retries={max_retries!r}): restarts need auto_recover=True")
+            if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+                raise ValueError(f"{where}(max_retries={max_retries!r}): must be an int >= 0, or None for "
+                                 f"{DEFAULT_MAX_RETRIES}")
         if secret is not None and not isinstance(secret, bytes):
             raise TypeError(f"{where}(secret=...): must be bytes, got {type(secret).__name__}")
         for name, value in (("ready_timeout_s", ready_timeout_s), ("grace_s", grace_s)):
@@ -221,6 +278,8 @@ class _Plan:
         self.labels = frozenset([labels] if isinstance(labels, str) else labels or ())
         self.secret, self.ready_timeout_s, self.grace_s = secret, ready_timeout_s, grace_s
         self.router_options = dict(router_options or {})
+        self.auto_recover = auto_recover
+        self.max_retries = (DEFAULT_MAX_RETRIES if max_retries is None else max_retries) if auto_recover else 0
 
 
 # --- the launcher --------------------------------------------------------------------------------------
@@ -249,9 +308,9 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
             for i, node_id in enumerate(plan.node_ids):
                 spec = {"node_id": node_id, "n_workers": plan.n, "topology": plan.topology, "listen": listens[i],
                         "secret": secret, "labels": plan.labels, "ready_timeout_s": plan.ready_timeout_s,
-                        "router_options": plan.router_options}
-                workers.append(_Worker.start(spec, program))
-            return _supervise(plan, workers)
+                        "router_options": plan.router_options, "restarts": 0}
+                workers.append(_Worker.start(spec, program, plan.ready_timeout_s))
+            return _supervise(plan, workers, program)
     finally:
         with _signals_ignored():
             _stop(workers, plan.grace_s)
@@ -302,14 +361,16 @@ def _unlink(path: str) -> None:
 class _Worker:
     """The launcher's handle on one worker process and what it has reported."""
 
-    def __init__(self, spec: Dict[str, Any], proc: subprocess.Popen, conn: Any) -> None:
-        self.node_id, self.proc, self.conn = spec["node_id"], proc, conn
+    def __init__(self, spec: Dict[str, Any], proc: subprocess.Popen, conn: Any, ready_timeout_s: float) -> None:
+        self.spec, self.node_id, self.proc, self.conn = spec, spec["node_id"], proc, conn
+        self.restarts: int = spec["restarts"]
         self.address: Any = _Worker  # not reported yet
-        self.ready = False
+        self.ready = self.finished = self.ended = False
+        self.deadline = time.monotonic() + ready_timeout_s  # to be ready by
         self.result: Any = None
 
     @classmethod
-    def start(cls, spec: Dict[str, Any], program: bytes) -> "_Worker":
+    def start(cls, spec: Dict[str, Any], program: bytes, ready_timeout_s: float) -> "_Worker":
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
         try:
@@ -317,7 +378,7 @@ class _Worker:
                                     pass_fds=[theirs.fileno()], env=env)
         finally:
             theirs.close()
-        worker = cls(spec, proc, mp_connection.Connection(ours.detach()))
+        worker = cls(spec, proc, mp_connection.Connection(ours.detach()), ready_timeout_s)
         preparation = mp_spawn.get_preparation_data(f"conveyor-worker-{spec['node_id']}")
         preparation.pop("authkey", None)  # multiprocessing's own key: the worker needs none, and it must not travel
         worker.conn.send(preparation)
@@ -328,73 +389,111 @@ class _Worker:
         return f"worker {self.node_id} (pid {self.proc.pid})"
 
 
-def _supervise(plan: _Plan, workers: List[_Worker]) -> List[Any]:
-    by_conn = {w.conn: w for w in workers}
-    live = set(by_conn)
-    deadline = time.monotonic() + plan.ready_timeout_s
-    phase = "address"
-    while live:
-        timeout = None if phase == "running" else max(0.0, deadline - time.monotonic())
-        answered = mp_connection.wait(list(live), timeout)
-        if not answered and phase != "running":
-            waiting = [w.node_id for w in workers if (w.address is _Worker if phase == "address" else not w.ready)]
-            raise TimeoutError(f"Parallel.runner: workers {waiting} not {'started' if phase == 'address' else 'ready'} "
-                               f"after ready_timeout_s={plan.ready_timeout_s}s; raise it, or check that nothing "
-                               f"blocks their start (imports at module level) or their addresses")
+def _supervise(plan: _Plan, workers: List[_Worker], program: bytes) -> List[Any]:
+    """Start the workers together (addresses, dial plans, ready, go), then serve them until all have ended:
+    re-raise an exception, restart or note a worker that died; restarted ones join on their own."""
+    planned = started = False  # every first worker has been told whom to dial / to go
+    dead: List[str] = []
+    while True:
+        by_conn = {w.conn: w for w in workers if not w.ended}
+        if not by_conn:
+            break
+        waiting = [w for w in workers if not w.ended and not w.ready]
+        timeout = max(0.0, min(w.deadline for w in waiting) - time.monotonic()) if waiting else None
+        answered = mp_connection.wait(list(by_conn), timeout)
+        late = [w.node_id for w in waiting if w.deadline <= time.monotonic()]
+        if not answered and late:
+            raise TimeoutError(f"Parallel.runner: workers {late} not ready after ready_timeout_s="
+                               f"{plan.ready_timeout_s}s; raise it, or check that nothing blocks their start "
+                               f"(imports at module level) or their addresses")
         for conn in answered:
             worker = by_conn[conn]
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                live.discard(conn)
-                _ended(plan, worker, phase)
+                worker.ended = True
+                conn.close()
+                why = _ended(plan, worker, started)
+                if why is not None and not _restart(plan, workers, worker, why, program):
+                    dead.append(why)
                 continue
             kind = message[0]
             if kind == "error":
                 raise _rebuild(worker, *message[1:])
             if kind == "address":
                 worker.address = message[1]
+                if started:  # a restarted worker joins those running now
+                    worker.conn.send(_dial_plan(plan, workers.index(worker), workers))
             elif kind == "ready":
                 worker.ready = True
+                if started:
+                    worker.conn.send(("go",))
             elif kind == "result":
-                worker.result = message[1]
-        if phase == "address" and all(w.address is not _Worker for w in workers):
+                worker.result, worker.finished = message[1], True
+        if not planned and all(w.address is not _Worker for w in workers):
             for i, worker in enumerate(workers):
-                worker.conn.send(_dial_plan(plan, i, [w.address for w in workers]))
-            phase = "ready"
-        if phase == "ready" and all(w.ready for w in workers):
+                worker.conn.send(_dial_plan(plan, i, workers))
+            planned = True
+        if not started and all(w.ready for w in workers):
             for worker in workers:
                 worker.conn.send(("go",))
-            phase = "running"
-    return [_loads_or_none(w.result) for w in workers]
+            started = True
+    results = [_loads_or_none(w.result) for w in workers]
+    if dead:
+        raise WorkerError(f"Parallel.runner: {'; '.join(dead)}; the other workers went on and ended (their results "
+                          f"are in this error's .results)", results)
+    return results
 
 
-def _dial_plan(plan: _Plan, i: int, addresses: List[Optional[str]]) -> tuple:
-    """("peers", addresses worker i dials, how many peers it waits for)."""
+def _dial_plan(plan: _Plan, i: int, workers: List[_Worker]) -> tuple:
+    """("peers", addresses worker i dials, how many peers it waits for): its neighbours that are running (at
+    the first start, all of them), and the routers of ``attach_to``."""
     if plan.topology == "alone":
         return "peers", [], 0
+    me, addresses = workers[i], [w.address for w in workers]
+    first = not me.restarts
+    running = [first or (w.ready and not w.ended) for w in workers]
     if plan.topology == "star":
-        local = addresses[1:] if i == 0 else addresses[:1]  # the hub dials no one: the leaves' hellos make it dial back
-        dial = [] if i == 0 else addresses[:1]
+        local = [j for j in range(1, len(workers))] if i == 0 else [0]
+        dial = [] if i == 0 else addresses[:1]  # the hub dials no one: the leaves' hellos make it dial back
     else:
-        local = dial = addresses[:i] + addresses[i + 1:]
-    return "peers", dial + plan.attach_to, len(local) + len(plan.attach_to)
+        local = [j for j in range(len(workers)) if j != i]
+        dial = [addresses[j] for j in local]
+    return "peers", dial + plan.attach_to, sum(running[j] for j in local) + len(plan.attach_to)
 
 
-def _ended(plan: _Plan, worker: _Worker, phase: str) -> None:
-    """Its connection closed: it has exited (or is exiting). Raise unless it ended well."""
+def _ended(plan: _Plan, worker: _Worker, started: bool) -> Optional[str]:
+    """Its connection closed: it has exited (or is exiting). None if it ended well, else why not; raises
+    during the start."""
     try:
         code = worker.proc.wait(timeout=plan.grace_s)
     except subprocess.TimeoutExpired:
         raise WorkerError(f"Parallel.runner: {worker} closed its connection but did not exit within "
                           f"grace_s={plan.grace_s}s") from None
     if code < 0:
-        raise WorkerError(f"Parallel.runner: {worker} was killed by {_signal_name(-code)}")
-    if code != 0:
-        raise WorkerError(f"Parallel.runner: {worker} exited with code {code} without reporting an exception "
-                          f"(its stderr has the details)")
-    if phase != "running":
-        raise WorkerError(f"Parallel.runner: {worker} exited during the start, before main ran")
+        why = f"{worker} was killed by {_signal_name(-code)}"
+    elif code != 0:
+        why = f"{worker} exited with code {code} without reporting an exception (its stderr has the details)"
+    elif not worker.finished:
+        why = f"{worker} exited without reporting a result"
+    else:
+        return None
+    if not started:
+        raise WorkerError(f"Parallel.runner: {why}, during the start, before main ran")
+    return why
+
+
+def _restart(plan: _Plan, workers: List[_Worker], worker: _Worker, why: str, program: bytes) -> bool:
+    """Start ``worker`` again (same node id and address, a new incarnation) if ``auto_recover`` allows it."""
+    if worker.restarts >= plan.max_retries or any(w.finished for w in workers):
+        reason = ("auto_recover is off" if not plan.auto_recover else "the job is ending"
+                  if worker.restarts < plan.max_retries else f"max_retries={plan.max_retries} spent")
+        log.warning("Parallel.runner: %s; the job goes on without it (%s)", why, reason)
+        return False
+    log.warning("Parallel.runner: %s; restarting it (restart %d of %d)", why, worker.restarts + 1, plan.max_retries)
+    new = _Worker.start({**worker.spec, "restarts": worker.restarts + 1}, program, plan.ready_timeout_s)
+    workers[workers.index(worker)] = new
+    return True
 
 
 def _signal_name(signum: int) -> str:
@@ -499,6 +598,7 @@ def _run_worker(spec: Dict[str, Any], program: bytes, conn: Any) -> int:
         if conn.recv() != ("go",):
             raise RuntimeError("the launcher sent something other than 'go'")
         threading.Thread(target=_stop_when_orphaned, args=(conn,), name="conveyor-launcher-watch", daemon=True).start()
+        signal.signal(signal.SIGTERM, _GracefulStop().handle)
         result = main(*args)
         node._finish()
         conn.send(("result", _dumps_or_none(result)))
@@ -524,7 +624,7 @@ def _join(spec: Dict[str, Any], conn: Any) -> WorkerRouter:
     if spec["topology"] != "alone":
         from conveyor.engine.parallel.router import Router
         router = Router(str(spec["node_id"]), spec["secret"], listen=spec["listen"], **spec["router_options"])
-    node = WorkerRouter(router, spec["node_id"], spec["n_workers"], spec["labels"])
+    node = WorkerRouter(router, spec["node_id"], spec["n_workers"], spec["labels"], spec["restarts"])
     try:
         conn.send(("address", None if router is None else router.address))
         _, dial, expected = conn.recv()
@@ -536,6 +636,31 @@ def _join(spec: Dict[str, Any], conn: Any) -> WorkerRouter:
         node.close()
         raise
     return node
+
+
+class _GracefulStop:
+    """A worker's SIGTERM handler while ``main`` runs: inside ``task.run`` the first SIGTERM sets ``task.finish``
+    and emits :data:`~conveyor.engine.task.STOP_EVENT` (from a thread: a signal handler must not take the
+    event bus's lock), so the run ends normally after this iteration; outside it, or a second time,
+    it raises ``SystemExit(143)`` at once."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        self._asked = False
+        threading.Thread(target=self._serve, name="conveyor-stop", daemon=True).start()
+
+    def handle(self, signum: int, frame: Any) -> None:
+        from conveyor.engine.task import task
+        if self._asked or not task.running:
+            raise _Terminated(128 + signum)
+        self._asked = task.finish = True
+        os.write(self._write, b"s")
+
+    def _serve(self) -> None:
+        from conveyor.engine.task import STOP_EVENT, task
+        if os.read(self._read, 1):
+            log.info("worker %s: asked to stop; the run ends after this iteration", getattr(task.router, "node_id", "?"))
+            task.emit(STOP_EVENT, only_local=True)
 
 
 def _stop_when_orphaned(conn: Any) -> None:

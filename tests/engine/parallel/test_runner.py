@@ -3,8 +3,6 @@ import json
 import os
 import select
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,12 +11,11 @@ import pytest
 from conveyor.engine import Parallel
 from conveyor.engine.parallel.runner import RemoteTraceback
 from tests.engine.parallel import _runner_mains as mains
-from tests.engine.parallel._groups import kill_group
+from tests.engine.parallel._groups import script_groups
 
 WAIT = 20  # seconds: the bound on every wait below; a healthy run takes a second or two
 FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
 LAUNCHER = Path(__file__).with_name("_runner_launcher.py")
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def runner(n, **kwargs):
@@ -73,18 +70,8 @@ def test_a_misspelt_topology_is_refused_with_the_closest_name():
 @pytest.fixture
 def launcher(tmp_path):
     """Start ``_runner_launcher.py`` in its own session; kill its process group at the end."""
-    procs = []
-
-    def start(n, ipc_dir):
-        proc = subprocess.Popen([sys.executable, str(LAUNCHER), str(tmp_path), str(ipc_dir), str(n)],
-                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                start_new_session=True)
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        kill_group(proc, WAIT)
+    with script_groups(WAIT) as start:
+        yield lambda n, ipc_dir: start(LAUNCHER, tmp_path, ipc_dir, n)
 
 
 def read_ready_lines(proc, n):
