@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from conveyor.engine.compose import Middleware, Suspended, enter, leave, note, onion
 
-__all__ = ["AsyncPipeline"]
+__all__ = ["AsyncPipeline", "adopt_thread_settings"]
 
 
 def adopt_thread_settings() -> None:

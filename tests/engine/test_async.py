@@ -504,7 +504,7 @@ def test_a_context_class_that_can_never_be_renewed_still_ends_the_run_cleanly(as
     assert pipeline_threads() == []
 
 
-def test_pipeline_threads_use_the_processs_torch_thread_count():
+def test_pipeline_and_parallel_threads_use_the_processs_torch_thread_count():
     """torch applies set_num_threads per thread (OpenMP reads it thread-locally): a worker that ignored it would
     run small operators on every core with spinning helpers (docs/engine.md, "When async pays")."""
     import ctypes
@@ -520,7 +520,9 @@ def test_pipeline_threads_use_the_processs_torch_thread_count():
     try:
         with task.start(async_mode=True):
             task.use(lambda ctx: seen.append(omp_get_max_threads()))
+            task.use(task.parallel(lambda ctx: seen.append(omp_get_max_threads()),
+                                   lambda ctx: seen.append(omp_get_max_threads())))
             task.run(max_step=4)
     finally:
         torch.set_num_threads(before)
-    assert seen == [1, 1, 1, 1]
+    assert seen == [1] * 12
