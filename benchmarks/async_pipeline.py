@@ -11,12 +11,15 @@ Two modes:
   others'. Bar (issue 7): async is never slower (ratio >= 0.97 on every entry), and where the ideal is
   >= 1.3 it reaches >= 0.8 of it.
 
-    python benchmarks/async_pipeline.py [--quick] [--entries cartpole/dqn,cartpole/ppo,pendulum/sac]
+    python benchmarks/async_pipeline.py [--quick] [--pairs N] [--async-collector auto|process|thread]
+                                        [--entries cartpole/dqn,cartpole/ppo,pendulum/sac]
     python benchmarks/async_pipeline.py --synthetic [--collect-ms 20] [--learn-ms 20] [--steps 100]
 
-The last line is JSON: ``entries`` maps each entry to its ``sync_s``, ``async_s``, ``speedup``,
-``ideal_speedup`` and ``of_ideal``; ``min_speedup`` and ``min_of_ideal`` (over entries whose ideal is
->= 1.3) summarise them.
+``--quick`` runs a quarter of each budget, one pair unless ``--pairs`` says otherwise. The last line is
+JSON: ``entries`` maps each entry to its ``sync_s``, ``async_s``, ``speedup``, ``ideal_speedup``,
+``of_ideal`` and CPU seconds ``sync_cpu_s`` / ``async_cpu_s`` (medians over the pairs; CPU is what a busy
+machine disturbs least); ``min_speedup`` and ``min_of_ideal`` (over entries whose ideal is >= 1.3)
+summarise them.
 """
 from __future__ import annotations
 
@@ -76,8 +79,10 @@ def synthetic(args: argparse.Namespace) -> None:
                       "ideal_speedup": round(ideal, 3)}))
 
 
-def zoo_run(name: str, async_mode: bool, budget: int, collector: str = "auto") -> Tuple[float, Dict[str, float]]:
-    """Wall seconds of one fixed-budget run of a zoo entry, and its per-middleware total seconds."""
+def zoo_run(name: str, async_mode: bool, budget: int,
+            collector: str = "auto") -> Tuple[float, float, Dict[str, float]]:
+    """Wall seconds of one fixed-budget run of a zoo entry, its CPU seconds (this process's and its collector
+    process's: a measure that a busy machine disturbs far less), and its per-middleware total seconds."""
     from conveyor.zoo import load_entry
     entry = load_entry(name)
     cfg = copy.deepcopy(entry.main_config)
@@ -88,11 +93,17 @@ def zoo_run(name: str, async_mode: bool, budget: int, collector: str = "auto") -
     cfg.policy.eval.evaluator.eval_freq = 10**9  # one evaluation, at the start
     times: Dict[str, float] = {}
     task.on(FINISH_EVENT, lambda *_: times.update({k: v["total_s"] for k, v in task.stats().items()}))
-    start = time.perf_counter()
+    cpu_start, start = _cpu_s(), time.perf_counter()
     ctx = entry.main(cfg, max_env_step=budget, progress=False, async_mode=async_mode)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _cpu_s() - cpu_start
     assert ctx.env_step >= budget, f"{name} stopped at {ctx.env_step} env steps, before its budget of {budget}"
-    return wall, times
+    return wall, cpu, times
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended (a collector process, once closed)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def zoo(args: argparse.Namespace) -> None:
@@ -106,27 +117,30 @@ def zoo(args: argparse.Namespace) -> None:
             for name in entries:
                 budget = BUDGETS.get(name, 8000) // (4 if args.quick else 1)
                 pairs = []
-                for _ in range(1 if args.quick else args.pairs):  # sync, async, sync, async, ...
-                    sync_s, times = zoo_run(name, False, budget)
-                    async_s, _ = zoo_run(name, True, budget, args.async_collector)
+                for k in range(args.pairs):  # sync first, then async first, ...: warm-up and drift hit both
+                    runs = {mode: zoo_run(name, mode, budget, args.async_collector)
+                            for mode in ((False, True) if k % 2 == 0 else (True, False))}
+                    (sync_s, sync_cpu, times), (async_s, async_cpu, _) = runs[False], runs[True]
                     learn = sum(t for mw, t in times.items() if mw.split("#")[0] in LEARNERS)
                     other = sum(times.values()) - learn
-                    pairs.append((sync_s, async_s, learn, other))
-                sync_s, async_s, learn, other = (statistics.median(column) for column in zip(*pairs))
+                    pairs.append((sync_s, async_s, learn, other, sync_cpu, async_cpu))
+                sync_s, async_s, learn, other, sync_cpu, async_cpu = (statistics.median(c) for c in zip(*pairs))
                 ideal = (learn + other) / max(learn, other) if max(learn, other) > 0 else 1.0
-                speedup = statistics.median(s / a for s, a, _, _ in pairs)  # ratios pair by pair: the machine drifts
+                speedup = statistics.median(p[0] / p[1] for p in pairs)  # ratios pair by pair: the machine drifts
                 rows[name] = {"budget": budget, "pairs": len(pairs), "sync_s": round(sync_s, 3),
                               "async_s": round(async_s, 3), "collect_side_s": round(other, 3),
                               "learn_s": round(learn, 3), "speedup": round(speedup, 3),
-                              "pair_speedups": [round(s / a, 3) for s, a, _, _ in pairs],
+                              "pair_speedups": [round(p[0] / p[1], 3) for p in pairs],
+                              "sync_cpu_s": round(sync_cpu, 3), "async_cpu_s": round(async_cpu, 3),
                               "ideal_speedup": round(ideal, 3), "of_ideal": round(speedup / ideal, 3)}
         finally:
             os.chdir(cwd)
     print(f"{'entry':<16}{'env steps':>10}{'sync s':>9}{'async s':>9}{'C s':>8}{'L s':>8}{'speedup':>9}{'ideal':>7}"
-          f"{'of ideal':>10}")
+          f"{'of ideal':>10}{'sync cpu':>10}{'async cpu':>10}")
     for name, r in rows.items():
         print(f"{name:<16}{r['budget']:>10}{r['sync_s']:>9.2f}{r['async_s']:>9.2f}{r['collect_side_s']:>8.2f}"
-              f"{r['learn_s']:>8.2f}{r['speedup']:>9.2f}{r['ideal_speedup']:>7.2f}{r['of_ideal']:>10.2f}")
+              f"{r['learn_s']:>8.2f}{r['speedup']:>9.2f}{r['ideal_speedup']:>7.2f}{r['of_ideal']:>10.2f}"
+              f"{r['sync_cpu_s']:>10.2f}{r['async_cpu_s']:>10.2f}")
     paying = [r["of_ideal"] for r in rows.values() if r["ideal_speedup"] >= 1.3]
     print(json.dumps({"entries": rows, "min_speedup": min(r["speedup"] for r in rows.values()),
                       "min_of_ideal": min(paying) if paying else None}))
@@ -137,13 +151,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a quarter of each budget (synthetic: 30 iterations)")
     parser.add_argument("--synthetic", action="store_true", help="GIL-free sleeping stages instead of the zoo")
     parser.add_argument("--entries", default=",".join(BUDGETS), help="zoo entries, comma separated")
-    parser.add_argument("--pairs", type=int, default=3, help="sync/async pairs per entry; the median ratio is reported")
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="sync/async pairs per entry, the median ratio reported (default 3; 1 with --quick)")
     parser.add_argument("--async-collector", default="auto", choices=("auto", "process", "thread"),
                         help="env.async_collector of the async runs")
     parser.add_argument("--collect-ms", type=float, default=20.0)
     parser.add_argument("--learn-ms", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
+    if args.pairs is None:
+        args.pairs = 1 if args.quick else 3
+    elif args.pairs < 1:
+        parser.error(f"--pairs must be >= 1, got {args.pairs}")
     synthetic(args) if args.synthetic else zoo(args)
 
 

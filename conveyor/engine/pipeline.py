@@ -18,12 +18,25 @@ The rules that keep it from hanging:
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from conveyor.engine.compose import Middleware, Suspended, enter, leave, note, onion
 
-__all__ = ["AsyncPipeline"]
+__all__ = ["AsyncPipeline", "adopt_thread_settings"]
+
+
+def adopt_thread_settings() -> None:
+    """Give the calling thread the process's torch intra-op thread count (a no-op while torch is not imported).
+
+    torch applies ``torch.set_num_threads`` to OpenMP and MKL per thread, lazily, at a thread's first large
+    operator: until then a new thread runs small operators on every core, its OpenMP helpers spinning between
+    them (a 5-row MLP forward cost 10-70x its CPU in a fresh thread; docs/engine.md, "When async pays").
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())
 
 
 class _Turnstile:
@@ -189,6 +202,7 @@ class AsyncPipeline:
 
     def _worker(self) -> None:
         try:
+            adopt_thread_settings()
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._pauses[0] == self._pauses[1] or self._stopping())

@@ -18,7 +18,7 @@ from conveyor.engine.compose import (Middleware, Suspended, check_middleware, co
 from conveyor.engine.context import Context
 from conveyor.engine.declare import PipelineError, PipelineTable, Row, fields_of, order_problems
 from conveyor.engine.events import EventBus
-from conveyor.engine.pipeline import AsyncPipeline
+from conveyor.engine.pipeline import AsyncPipeline, adopt_thread_settings
 
 __all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Inspection", "PEER_LOST_EVENT", "Role", "STOP_EVENT", "Task", "task"]
 
@@ -602,7 +602,8 @@ class Task:
     def _pool(self) -> ThreadPoolExecutor:
         with self._shared_lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="conveyor-parallel")
+                self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="conveyor-parallel",
+                                                    initializer=adopt_thread_settings)
             return self._executor
 
     # --- events ------------------------------------------------------------------------------------

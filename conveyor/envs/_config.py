@@ -25,9 +25,9 @@ ENV_SCHEMA: dict[str, Option] = {
     "stop_value": Option(None, "stop training once the mean evaluation return reaches this (None: never)",
                          type=float),
     "async_collector": Option("auto", "where async mode runs the collection middleware: 'process' (a child process, "
-                                      "so it overlaps the learner; pays when a call steps the envs many times), "
-                                      "'thread' (this process, sharing its GIL), or 'auto' ('process' from 16 "
-                                      "lock-steps per call)", choices=("auto", "process", "thread")),
+                                      "so it overlaps the learner), 'thread' (this process, sharing its GIL: "
+                                      "slower than sync on the zoo's entries), or 'auto' (now 'process')",
+                              choices=("auto", "process", "thread")),
     "manager": Option("sync", "'sync' steps envs in this process (cheap envs); 'subprocess' in worker processes",
                       choices=("sync", "subprocess")),
     "num_workers": Option(None, "worker processes for manager='subprocess' (None: min(env num, CPUs))", type=int,

@@ -53,9 +53,10 @@ def collection_builder(cfg: Any, policy_cls: type, collection: Callable[[Any, An
 
 
 def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes, weights_name: str,
-           layout: List[Tuple[tuple, torch.dtype]]) -> None:
+           layout: List[Tuple[tuple, torch.dtype]], num_threads: int) -> None:
     """The child: build the chain, then answer the parent's requests until it says close or goes away."""
     child_started()
+    torch.set_num_threads(num_threads)  # the parent's, also where the child is not forked from its thread
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM go to the parent, which closes us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent_end is not None:
@@ -211,7 +212,7 @@ class ProcessCollector:
             inherited = parent_end if context.get_start_method() == "fork" else None
             self._child.proc = context.Process(
                 target=_serve, args=(child_end, inherited, cloudpickle.dumps(build), self._child.weights.shm.name,
-                                     layout), daemon=True, name="conveyor-collector")
+                                     layout, torch.get_num_threads()), daemon=True, name="conveyor-collector")
             start_child(self._child.proc)
             self._child.conn = parent_end
             child_end.close()

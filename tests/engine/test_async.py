@@ -502,3 +502,27 @@ def test_a_context_class_that_can_never_be_renewed_still_ends_the_run_cleanly(as
             task.run()
         assert task.ctx.total_step == 1 and not task.running
     assert pipeline_threads() == []
+
+
+def test_pipeline_and_parallel_threads_use_the_processs_torch_thread_count():
+    """torch applies set_num_threads per thread (OpenMP reads it thread-locally): a worker that ignored it would
+    run small operators on every core with spinning helpers (docs/engine.md, "When async pays")."""
+    import ctypes
+
+    import torch
+    gomp = next((line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line), None)
+    if gomp is None:
+        pytest.skip("torch is not built with GNU OpenMP here")
+    omp_get_max_threads = ctypes.CDLL(gomp).omp_get_max_threads
+    seen = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with task.start(async_mode=True):
+            task.use(lambda ctx: seen.append(omp_get_max_threads()))
+            task.use(task.parallel(lambda ctx: seen.append(omp_get_max_threads()),
+                                   lambda ctx: seen.append(omp_get_max_threads())))
+            task.run(max_step=4)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1] * 12

@@ -164,3 +164,26 @@ def test_the_child_never_finalizes_garbage_it_inherited(cfg, policy, process_col
             gc.enable()
         gc.collect()  # the parent closes the socket, as it should
     remote(greedy_ctx())
+
+
+
+@pytest.mark.slow  # a spawned child imports torch afresh: seconds
+def test_a_spawned_child_uses_the_parents_torch_thread_count(cfg):
+    import ctypes
+    gomp = next((line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line), None)
+    if gomp is None:
+        pytest.skip("torch is not built with GNU OpenMP here")
+
+    def build():
+        def probe(ctx):  # what OpenMP uses in the child's thread; torch's default there is every core
+            ctx.episodes = [ctypes.CDLL(gomp).omp_get_max_threads()]
+        return [probe], DQNPolicy(cfg.policy), lambda: None
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ProcessCollector(build, DQNPolicy(cfg.policy), start_method="spawn") as remote:
+            ctx = greedy_ctx()
+            remote(ctx)
+    finally:
+        torch.set_num_threads(before)
+    assert ctx.episodes == [1]

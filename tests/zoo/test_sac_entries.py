@@ -4,7 +4,9 @@ import sys
 
 import pytest
 
+from conveyor import task
 from conveyor.cli import main as cli_main
+from conveyor.engine import FINISH_EVENT
 from conveyor.middleware import load_checkpoint
 from conveyor.zoo import load_entry
 
@@ -40,9 +42,12 @@ def test_smoke_run_trains_evaluates_and_writes_checkpoints(in_tmp, entry):
     assert list((run / "tb").glob("events.out.tfevents.*"))
 
 
-def test_smoke_run_in_async_mode(in_tmp):
+def test_smoke_run_in_async_mode_collects_in_a_child_process(in_tmp):
+    middleware = []
+    task.on(FINISH_EVENT, lambda error: middleware.extend(task.stats()))
     ctx = pendulum.main(tiny(pendulum), exp_name="smoke_async", max_env_step=400, async_mode=True, progress=False)
     assert ctx.env_step >= 400 and ctx.train_iter > 0
+    assert "ProcessCollector" in middleware and "StepCollector" not in middleware  # 2 lock-steps per call
 
 
 def test_resume_continues_env_steps_train_iterations_and_the_temperature(in_tmp):
