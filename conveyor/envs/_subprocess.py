@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import traceback
 import weakref
 from multiprocessing import resource_tracker
@@ -70,6 +71,16 @@ class _RemoteTraceback(Exception):
 
 class _WorkerLost(Exception):
     """A worker process died or stopped answering."""
+
+
+def default_start_method(requested: str | None) -> str | None:
+    """The start method for a child process: ``requested``, else multiprocessing's default, except "spawn"
+    once this process has initialised CUDA (a forked child cannot use CUDA, and a policy replica may)."""
+    if requested is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return "spawn"
+    return requested
 
 
 def start_child(proc: Any) -> None:
@@ -242,6 +253,7 @@ class SubprocessEnvManager(EnvManager):
     start in ~20 ms and scripts need no ``if __name__ == "__main__"`` guard). Pass "forkserver" or
     "spawn" if the envs use threads or libraries that break when forked (e.g. torch, CUDA) in a parent
     that already uses them; those re-import the env's modules in each worker (~0.5 s per start here).
+    A parent that has initialised CUDA gets "spawn" by default (:func:`default_start_method`).
     """
 
     def __init__(self, env_fns: Sequence[EnvFn], *, num_workers: int | None = None, seed: int | None = None,
@@ -258,7 +270,7 @@ class SubprocessEnvManager(EnvManager):
             raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
-        self._ctx = mp.get_context(start_method)
+        self._ctx = mp.get_context(default_start_method(start_method))
         self._step_timeout = step_timeout
         edges = np.linspace(0, n, num_workers + 1).round().astype(int).tolist()
         self._bounds = list(zip(edges[:-1], edges[1:]))

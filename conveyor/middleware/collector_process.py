@@ -27,7 +27,7 @@ import treetensor.torch as ttorch
 from conveyor.data.batch import to_numpy, to_tensor
 from conveyor.engine import OnlineRLContext, compose, declares, task
 from conveyor.envs._subprocess import (_describe_exit, _pack_exception, _send_quietly, _unpack_exception,
-                                      child_started, start_child)
+                                      child_started, default_start_method, start_child)
 from conveyor.middleware.collector import EPISODE_EVENT
 
 __all__ = ["ProcessCollector", "collection_builder"]
@@ -189,7 +189,8 @@ class ProcessCollector:
     of the child are emitted here. A child that dies ends the run with an error saying how it ended;
     ``close()`` (or leaving a ``with`` block) stops it. ``state_dict()`` / ``load_state_dict()`` gather
     the chain's (env states, current observations, carried n-step rows), so checkpoints and resume work
-    as with the chain in-process.
+    as with the chain in-process. ``start_method``: multiprocessing's, by default its default, or "spawn"
+    once this process has initialised CUDA (a forked child could not use it).
 
     Reads ctx: ``env_step``, ``collect_kwargs``.
     Writes ctx: what the chain writes of ``trajectories``, ``trajectory_end_idx``, ``episodes``,
@@ -207,7 +208,7 @@ class ProcessCollector:
         self._child = _Child(_SharedWeights(layout))
         self._finalizer = weakref.finalize(self, self._child.close)
         try:
-            context = mp.get_context(start_method)
+            context = mp.get_context(default_start_method(start_method))
             parent_end, child_end = context.Pipe(duplex=True)
             inherited = parent_end if context.get_start_method() == "fork" else None
             self._child.proc = context.Process(

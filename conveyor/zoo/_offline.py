@@ -67,6 +67,13 @@ def train_offline(main_config: Mapping[str, Any], policy_cls: Type[Any], cfg: Op
                             ckpt_freq=ckpt_freq, ckpt_interval=ckpt_interval)
 
 
+def is_offline(entry: Any) -> bool:
+    """Whether zoo ``entry`` (a module from ``load_entry``) trains from a dataset: its config names
+    ``policy.other.dataset``, as every entry built on :func:`train_offline` must."""
+    config = getattr(entry, "main_config", None) or {}
+    return "dataset" in config.get("policy", {}).get("other", {})
+
+
 def _load(cfg: Mapping[str, Any], build_dataset: str) -> Any:
     """The dataset ``policy.other.dataset.id`` of a (raw or compiled) config names."""
     source = cfg.get("policy", {}).get("other", {}).get("dataset", {}).get("id")

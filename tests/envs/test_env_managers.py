@@ -308,3 +308,16 @@ def test_hung_worker_is_killed_after_step_timeout_and_replaced(managers):
     step = envs.step(zeros(2))
     assert step.crashed.all() and "step_timeout=0.3" in step.info[0]["error"]
     assert envs.stats.worker_restarts == 1
+
+
+def test_children_of_a_cuda_parent_are_spawned(monkeypatch):
+    """A forked child cannot use CUDA: once the parent has initialised it, env workers and collector processes
+    are spawned unless a start method was asked for."""
+    import torch
+
+    from conveyor.envs._subprocess import default_start_method
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert default_start_method(None) is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert default_start_method(None) == "spawn"
+    assert default_start_method("fork") == "fork"

@@ -165,3 +165,10 @@ def test_bad_distributed_flags_are_one_line_errors_before_any_process_starts(in_
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1
     assert not (in_tmp / "runs").exists()
+
+
+def test_an_offline_entry_refuses_collectors_before_any_process_starts(in_tmp, capsys):
+    assert cli_main(["train", "cartpole/bc", "--collectors", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "trains offline from a dataset" in err and err.count("\n") == 1
+    assert not (in_tmp / "runs").exists()
