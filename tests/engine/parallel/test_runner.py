@@ -47,6 +47,15 @@ def test_each_worker_knows_its_node_id_and_gets_the_secret_neither_by_env_nor_by
             assert leak not in r["cmdline"] and leak not in r["environ"]
 
 
+def test_workers_fork_from_one_zygote_run_their_exit_handlers_and_leave_no_child_process(tmp_path):
+    parents = runner(3)(mains.note_at_exit, str(tmp_path))
+    assert len(set(parents)) == 1 and parents[0] != os.getpid()  # one zygote forked them all
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit-0", "exit-1", "exit-2"]
+    assert_gone(parents[0])
+    children = [Path(f"/proc/self/task/{tid}/children").read_text().split() for tid in os.listdir("/proc/self/task")]
+    assert not any(children)
+
+
 def test_one_worker_alone_runs_main_in_this_process_without_a_router():
     [got] = Parallel.runner(1, topology="alone")(mains.whoami, 1)
     assert (got["pid"], got["node_id"], got["n_workers"], got["is_active"]) == (os.getpid(), 0, 1, False)
