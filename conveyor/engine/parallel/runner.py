@@ -66,6 +66,7 @@ from __future__ import annotations
 import difflib
 import logging
 import atexit
+import contextlib
 import importlib
 import os
 import pickle
@@ -82,7 +83,7 @@ import traceback
 from multiprocessing import connection as mp_connection
 from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import conveyor
 from conveyor.engine.compose import note
@@ -384,6 +385,18 @@ def _unlink(path: str) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _whole_messages() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (their handlers raise) while a message to or from the zygote is half sent or
+    read, so the connection never loses its framing; they are delivered right after."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class _Forked:
     """The launcher's handle on a worker the zygote forked, with what ``_Worker`` uses of ``subprocess.Popen``:
     ``pid``, ``returncode`` (negative: killed by that signal), ``poll``, ``wait``, ``terminate``, ``kill``."""
@@ -407,7 +420,8 @@ class _Forked:
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:  # the zygote signals it only while it has not reaped it: no pid reuse
-            self.zygote.conn.send(("signal", self.pid, int(signum)))
+            with _whole_messages():
+                self.zygote.conn.send(("signal", self.pid, int(signum)))
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -439,8 +453,9 @@ class _Zygote:
 
     def fork(self, theirs: socket.socket) -> _Forked:
         """A new worker holding ``theirs`` (its end of the launcher's socket pair) as its connection."""
-        self.conn.send(("fork",))
-        mp_reduction.send_handle(self.conn, theirs.fileno(), self.proc.pid)
+        with _whole_messages():
+            self.conn.send(("fork",))
+            mp_reduction.send_handle(self.conn, theirs.fileno(), self.proc.pid)
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._forked:
             left = deadline - time.monotonic()
@@ -458,7 +473,8 @@ class _Zygote:
         try:
             if not self.conn.poll(timeout):
                 return
-            message = self.conn.recv()
+            with _whole_messages():
+                message = self.conn.recv()
         except (EOFError, OSError):
             raise WorkerError(f"Parallel.runner: the zygote (pid {self.proc.pid}) that forks the workers is gone "
                               f"(exit code {self.proc.poll()}); its workers stop when the launcher closes their "
