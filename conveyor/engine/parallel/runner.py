@@ -22,8 +22,8 @@ never in the environment or on the command line: the preparation data again, the
 args (pickled by reference, so ``main`` must be a module-level function and a script that calls the
 runner needs an ``if __name__ == "__main__":`` guard, as with multiprocessing), then the shared secret.
 The zygote reaps the workers and reports their exit codes, and signals one for the launcher only while
-it is unreaped (so never a reused pid); it leaves once the launcher closes its connection and its
-workers are gone. A worker ends as multiprocessing's forked children do: non-daemon threads joined,
+it is unreaped (so never a reused pid); it ignores SIGINT and SIGTERM (the launcher decides) and leaves
+once the launcher closes its connection and its workers are gone. A worker ends as multiprocessing's forked children do: non-daemon threads joined,
 ``atexit`` handlers run, streams flushed, then ``os._exit`` (no second teardown of the interpreter).
 No multiprocessing helper process (resource tracker) is started, so stopping the workers leaves nothing.
 
@@ -477,8 +477,8 @@ class _Zygote:
                 message = self.conn.recv()
         except (EOFError, OSError):
             raise WorkerError(f"Parallel.runner: the zygote (pid {self.proc.pid}) that forks the workers is gone "
-                              f"(exit code {self.proc.poll()}); its workers stop when the launcher closes their "
-                              f"connections") from None
+                              f"(exit code {self.proc.poll()}; its stderr has the details); its workers stop when "
+                              f"the launcher closes their connections") from None
         if message[0] == "forked":
             self._forked.append(message[1])
         elif message[0] == "exit":
@@ -714,7 +714,8 @@ def _zygote_main() -> None:
     """Entry point of the zygote (``python -c``; argv[1] is the inherited descriptor of its connection)."""
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a TERM to the whole group: the launcher decides
+        signal.signal(signum, signal.SIG_IGN)
     conn = mp_connection.Connection(fd)
     preparation, modules = conn.recv()
     mp_spawn.prepare(preparation)
@@ -747,8 +748,11 @@ def _fork_workers(conn: Any) -> None:
                 pid = children.pop(ready)
                 os.close(ready)
                 code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-                if launcher:
-                    conn.send(("exit", pid, code))
+                try:
+                    if launcher:
+                        conn.send(("exit", pid, code))
+                except OSError:
+                    launcher = False
                 continue
             try:
                 message = conn.recv()
