@@ -1,7 +1,8 @@
 """Moving collected data to the learner: pushing into a replay buffer, and off-policy training."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Protocol
+import math
+from typing import Any, Dict, List, Optional, Protocol
 
 
 from conveyor.data.batch import flatten_batch
@@ -63,15 +64,22 @@ def data_pusher(cfg: Any, buffer: Buffer):
     return _push
 
 
-@declares(reads=("train_iter",), writes=("train_iter", "train_output"))
+@declares(reads=("train_iter", "env_step"), writes=("train_iter", "train_output"))
 class OffPolicyLearner:
-    """Runs ``cfg.policy.learn.update_per_collect`` gradient steps on batches sampled from a buffer.
+    """Runs ``cfg.policy.learn.update_per_collect`` gradient steps per ``cfg.policy.collect.n_sample`` env steps
+    collected, on batches sampled from a buffer.
 
+    In one process each call follows one collection round, so it takes ``update_per_collect`` steps; a
+    learner fed by collector processes gets what arrived since its last call (``ctx.env_step`` grew by
+    more or less than ``n_sample``) and takes as many steps as one process would on those env steps
+    (fractions carry over to the next call), so the replay ratio does not depend on how the data came. A
+    call after which ``ctx.env_step`` has not grown (a pipeline that does not count env steps) is one round.
     Training waits until the buffer holds ``max(batch_size, learn.learning_starts)`` transitions.
     Priorities returned by the policy (``priority``) are written back when the buffer is prioritized.
     After its steps it publishes the weights once (``policy.publish()``), for collectors and evaluators to act on.
 
-    Reads ctx: ``train_iter``. Writes ctx: ``train_iter``, ``train_output`` (list of per-step metric dicts).
+    Reads ctx: ``train_iter``, ``env_step``. Writes ctx: ``train_iter``, ``train_output`` (list of per-step
+    metric dicts).
     """
 
     def __init__(self, cfg: Any, policy: LearnPolicy, buffer: Buffer) -> None:
@@ -83,6 +91,9 @@ class OffPolicyLearner:
         self._buffer = buffer
         self._batch_size = learn.batch_size
         self._updates = learn.update_per_collect
+        self._n_sample = cfg.policy.collect.n_sample
+        self._env_step: Optional[int] = None  # ctx.env_step at the last call
+        self._owed = 0.0  # gradient steps earned by env steps and not taken yet (a fraction of one)
         self._starts = max(learn.batch_size, learn.get("learning_starts", 0) or 0)
         self._prioritized = bool(getattr(buffer, "prioritized", False))
 
@@ -90,10 +101,16 @@ class OffPolicyLearner:
         return f"OffPolicyLearner(batch_size={self._batch_size}, update_per_collect={self._updates})"
 
     def __call__(self, ctx: OnlineRLContext) -> None:
+        new = self._n_sample if self._env_step is None or ctx.env_step <= self._env_step \
+            else ctx.env_step - self._env_step
+        self._env_step = ctx.env_step
         if len(self._buffer) < self._starts:
             return
+        self._owed += self._updates * new / self._n_sample
+        steps = math.floor(self._owed + 1e-9)
+        self._owed -= steps
         outputs: List[Dict[str, Any]] = []
-        for _ in range(self._updates):
+        for _ in range(steps):
             batch = self._buffer.sample(self._batch_size)
             out = self._policy.forward(batch)
             priority = out.pop("priority", None)

@@ -19,8 +19,9 @@ the entry's pipeline (the entry's ``build`` marks each middleware with its role)
   training without taking the learner's CPU); on-policy entries (no replay buffer) collect each batch on
   the newest weights (``max_staleness=0``).
 - evaluator: waits until the learner's counters move, then evaluates as the entry does (on the learner's
-  ``env_step`` and ``train_iter``); its results reach the learner, whose saver writes ``eval_best`` with
-  the weights that were evaluated.
+  ``env_step`` and ``train_iter``, and the first evaluator with the run's seed, so on the episodes one
+  process evaluates on); its results reach the learner, whose saver writes ``eval_best`` with the
+  weights that were evaluated.
 """
 from __future__ import annotations
 
@@ -109,6 +110,12 @@ class Layout:
             return Role.LEARNER
         return Role.COLLECTOR if node_id <= self.collectors else Role.EVALUATOR
 
+    def seed_offset(self, node_id: int) -> int:
+        """What node ``node_id`` adds to the run's seed: a collector its node id (each its own env stream), the
+        k-th evaluator k (the first evaluates on the episodes one process would), the learner 0."""
+        role = self.role(node_id)
+        return node_id if role is Role.COLLECTOR else node_id - 1 - self.collectors if role is Role.EVALUATOR else 0
+
 
 @dataclass
 class _Node:
@@ -184,8 +191,9 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     role = layout.role(node_id)
     entry = load_entry(entry_name)
     seed = options["seed"]
-    if role is not Role.LEARNER:  # other streams of random numbers than the learner's and each other's
-        seed = (seed if seed is not None else (options["cfg"] or entry.main_config).get("seed", 0)) + node_id
+    offset = layout.seed_offset(node_id)
+    if offset:
+        seed = (seed if seed is not None else (options["cfg"] or entry.main_config).get("seed", 0)) + offset
     _node = node = _Node(layout)
     task.add_role(role)  # kept through main()'s `with task.start()`, cleared when it exits
     try:

@@ -146,6 +146,8 @@ def test_roles_follow_node_ids():
                                                                Role.EVALUATOR]
     with pytest.raises(ConfigError, match="nodes 0..3"):
         layout.role(4)
+    # collectors each their own env stream; the first evaluator the run's seed, so the episodes one process evaluates on
+    assert [Layout(2, 2).seed_offset(i) for i in range(5)] == [0, 1, 2, 0, 1]
     with pytest.raises(ConfigError, match="--collectors 0"):
         Layout(collectors=0)
 

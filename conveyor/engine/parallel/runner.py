@@ -10,13 +10,22 @@ Topologies: ``"star"``, node 0 is the hub every other worker dials (a worker's e
 hub's reach everyone); ``"mesh"``, every worker dials every other; ``"alone"``, no router at all
 (``task.router.is_active`` is False). One worker with ``"alone"`` runs ``main`` in this process.
 
-How a worker starts: ``python -c`` running :func:`_worker_main` with one end of a socket pair passed as
-an inherited descriptor. Everything private travels over that pair, never in the environment or on
-the command line: multiprocessing's preparation data (``sys.path``, the working directory, the main
-module, as its ``spawn`` start method sends them), then ``main`` and its args (pickled by reference,
-so ``main`` must be a module-level function and a script that calls the runner needs an
-``if __name__ == "__main__":`` guard, as with multiprocessing), then the shared secret. No
-multiprocessing helper process (resource tracker) is started, so stopping the workers leaves nothing.
+How a worker starts: each launch first starts a zygote, ``python -c`` running :func:`_zygote_main`,
+which gets multiprocessing's preparation data (``sys.path``, the working directory, the main module, as
+its ``spawn`` start method sends them; the main module is imported there) and imports the modules that
+``main`` and its args are pickled from (torch and conveyor with them, once, not once per worker; and
+``torch._dynamo``, which torch imports at a process's first optimizer; no torch op runs and no Python
+thread starts there). It then forks every worker of the launch, restarts
+included. Each worker has one end of its own socket pair with the launcher (passed through the
+zygote's connection as a descriptor, SCM_RIGHTS), and everything private travels over that pair,
+never in the environment or on the command line: the preparation data again, then ``main`` and its
+args (pickled by reference, so ``main`` must be a module-level function and a script that calls the
+runner needs an ``if __name__ == "__main__":`` guard, as with multiprocessing), then the shared secret.
+The zygote reaps the workers and reports their exit codes, and signals one for the launcher only while
+it is unreaped (so never a reused pid); it ignores SIGINT and SIGTERM (the launcher decides) and leaves
+once the launcher closes its connection and its workers are gone. A worker ends as multiprocessing's forked children do: non-daemon threads joined,
+``atexit`` handlers run, streams flushed, then ``os._exit`` (no second teardown of the interpreter).
+No multiprocessing helper process (resource tracker) is started, so stopping the workers leaves nothing.
 
 The secret: ``secret=`` (bytes), else ``$CONVEYOR_SECRET``, else one generated for this launch; a
 generated secret is known to this launch only, so the workers then stay on this host (ipc, or tcp on
@@ -56,8 +65,12 @@ from __future__ import annotations
 
 import difflib
 import logging
+import atexit
+import contextlib
+import importlib
 import os
 import pickle
+import pickletools
 import shutil
 import signal
 import socket
@@ -68,8 +81,9 @@ import threading
 import time
 import traceback
 from multiprocessing import connection as mp_connection
+from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import conveyor
 from conveyor.engine.compose import note
@@ -87,7 +101,7 @@ FINISHED_TOPIC = "conveyor.runner.finished"
 DEFAULT_MAX_RETRIES = 3
 """Restarts per worker under ``auto_recover=True`` when ``max_retries`` is None."""
 
-_WORKER_CODE = "from conveyor.engine.parallel.runner import _worker_main; _worker_main()"
+_ZYGOTE_CODE = "from conveyor.engine.parallel.runner import _zygote_main; _zygote_main()"
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
 
 
@@ -301,24 +315,37 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
     ipc_dir = tempfile.mkdtemp(prefix="conveyor-run-") if own_dir else plan.address
     listens = [_listen_address(plan, i, node_id, ipc_dir) for i, node_id in enumerate(plan.node_ids)]
     workers: List[_Worker] = []
+    zygote: Optional[_Zygote] = None
     try:
         if generated and plan.topology != "alone":
             _check_local(listens + plan.attach_to)
         with _terminate_on_sigterm():
+            zygote = _Zygote(_modules(program), plan.ready_timeout_s)
             for i, node_id in enumerate(plan.node_ids):
                 spec = {"node_id": node_id, "n_workers": plan.n, "topology": plan.topology, "listen": listens[i],
                         "secret": secret, "labels": plan.labels, "ready_timeout_s": plan.ready_timeout_s,
                         "router_options": plan.router_options, "restarts": 0}
-                workers.append(_Worker.start(spec, program, plan.ready_timeout_s))
-            return _supervise(plan, workers, program)
+                workers.append(_Worker.start(spec, program, zygote))
+            return _supervise(plan, workers, program, zygote)
     finally:
         with _signals_ignored():
             _stop(workers, plan.grace_s)
+            if zygote is not None:
+                zygote.close(plan.grace_s)
             if own_dir:
                 shutil.rmtree(ipc_dir, ignore_errors=True)
             elif plan.protocol == "ipc":
                 for url in listens:
                     _unlink(url[len("ipc://"):])
+
+
+def _modules(program: bytes) -> List[str]:
+    """What the zygote preloads: the modules the pickled ``(main, args)`` names (main's own, its args' classes),
+    after those every worker imports."""
+    strings = (arg.split(" ")[0] if op.name == "GLOBAL" else arg for op, arg, _ in pickletools.genops(program)
+               if isinstance(arg, str))
+    named = [name for name in strings if name in sys.modules and name != "__main__"]  # prepare() loads __main__
+    return list(dict.fromkeys(["conveyor.engine.task", "conveyor.engine.parallel.router", *named]))
 
 
 def _run_here(plan: _Plan, main: Callable[..., Any], args: tuple) -> Any:
@@ -358,10 +385,119 @@ def _unlink(path: str) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _whole_messages() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (their handlers raise) while a message to or from the zygote is half sent or
+    read, so the connection never loses its framing; they are delivered right after."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _Forked:
+    """The launcher's handle on a worker the zygote forked, with what ``_Worker`` uses of ``subprocess.Popen``:
+    ``pid``, ``returncode`` (negative: killed by that signal), ``poll``, ``wait``, ``terminate``, ``kill``."""
+
+    def __init__(self, zygote: "_Zygote", pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        self.zygote.pump(0.0)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout)
+            self.zygote.pump(left)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:  # the zygote signals it only while it has not reaped it: no pid reuse
+            with _whole_messages():
+                self.zygote.conn.send(("signal", self.pid, int(signum)))
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    """The launch's preloading process: a ``python -c`` running :func:`_zygote_main` that applies the launcher's
+    multiprocessing preparation data, imports the modules the workers will import (runs no torch op, starts
+    no thread), then forks every worker of the launch, restarts included, and reports their exit codes."""
+
+    def __init__(self, modules: Sequence[str], ready_timeout_s: float) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE_CODE, str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], env=env)
+        finally:
+            theirs.close()
+        self.conn = mp_connection.Connection(ours.detach())
+        self.ready_timeout_s = ready_timeout_s
+        self._children: Dict[int, _Forked] = {}
+        self._forked: List[int] = []
+        preparation = mp_spawn.get_preparation_data("conveyor-zygote")
+        preparation.pop("authkey", None)  # multiprocessing's own key: no process needs it, and it must not travel
+        self.conn.send((preparation, list(modules)))
+
+    def fork(self, theirs: socket.socket) -> _Forked:
+        """A new worker holding ``theirs`` (its end of the launcher's socket pair) as its connection."""
+        with _whole_messages():
+            self.conn.send(("fork",))
+            mp_reduction.send_handle(self.conn, theirs.fileno(), self.proc.pid)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self._forked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"Parallel.runner: the zygote (pid {self.proc.pid}) forked no worker within "
+                                   f"ready_timeout_s={self.ready_timeout_s}s; raise it, or check that nothing blocks "
+                                   f"the imports of main's module")
+            self.pump(left)
+        pid = self._forked.pop()
+        child = self._children[pid] = _Forked(self, pid)
+        return child
+
+    def pump(self, timeout: Optional[float]) -> None:
+        """Take one message from the zygote if one comes within ``timeout`` (None: no limit)."""
+        try:
+            if not self.conn.poll(timeout):
+                return
+            with _whole_messages():
+                message = self.conn.recv()
+        except (EOFError, OSError):
+            raise WorkerError(f"Parallel.runner: the zygote (pid {self.proc.pid}) that forks the workers is gone "
+                              f"(exit code {self.proc.poll()}; its stderr has the details); its workers stop when "
+                              f"the launcher closes their connections") from None
+        if message[0] == "forked":
+            self._forked.append(message[1])
+        elif message[0] == "exit":
+            self._children.pop(message[1]).returncode = message[2]
+
+    def close(self, grace_s: float) -> None:
+        """Close the connection (the zygote then exits) and reap it; call once every worker is reaped."""
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class _Worker:
     """The launcher's handle on one worker process and what it has reported."""
 
-    def __init__(self, spec: Dict[str, Any], proc: subprocess.Popen, conn: Any, ready_timeout_s: float) -> None:
+    def __init__(self, spec: Dict[str, Any], proc: _Forked, conn: Any, ready_timeout_s: float) -> None:
         self.spec, self.node_id, self.proc, self.conn = spec, spec["node_id"], proc, conn
         self.restarts: int = spec["restarts"]
         self.address: Any = _Worker  # not reported yet
@@ -370,15 +506,13 @@ class _Worker:
         self.result: Any = None
 
     @classmethod
-    def start(cls, spec: Dict[str, Any], program: bytes, ready_timeout_s: float) -> "_Worker":
+    def start(cls, spec: Dict[str, Any], program: bytes, zygote: _Zygote) -> "_Worker":
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
         try:
-            proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(theirs.fileno())],
-                                    pass_fds=[theirs.fileno()], env=env)
+            proc = zygote.fork(theirs)
         finally:
             theirs.close()
-        worker = cls(spec, proc, mp_connection.Connection(ours.detach()), ready_timeout_s)
+        worker = cls(spec, proc, mp_connection.Connection(ours.detach()), zygote.ready_timeout_s)
         preparation = mp_spawn.get_preparation_data(f"conveyor-worker-{spec['node_id']}")
         preparation.pop("authkey", None)  # multiprocessing's own key: the worker needs none, and it must not travel
         worker.conn.send(preparation)
@@ -389,7 +523,7 @@ class _Worker:
         return f"worker {self.node_id} (pid {self.proc.pid})"
 
 
-def _supervise(plan: _Plan, workers: List[_Worker], program: bytes) -> List[Any]:
+def _supervise(plan: _Plan, workers: List[_Worker], program: bytes, zygote: _Zygote) -> List[Any]:
     """Start the workers together (addresses, dial plans, ready, go), then serve them until all have ended:
     re-raise an exception, restart or note a worker that died; restarted ones join on their own."""
     planned = started = False  # every first worker has been told whom to dial / to go
@@ -414,7 +548,7 @@ def _supervise(plan: _Plan, workers: List[_Worker], program: bytes) -> List[Any]
                 worker.ended = True
                 conn.close()
                 why = _ended(plan, worker, started)
-                if why is not None and not _restart(plan, workers, worker, why, program):
+                if why is not None and not _restart(plan, workers, worker, why, program, zygote):
                     dead.append(why)
                 continue
             kind = message[0]
@@ -483,7 +617,7 @@ def _ended(plan: _Plan, worker: _Worker, started: bool) -> Optional[str]:
     return why
 
 
-def _restart(plan: _Plan, workers: List[_Worker], worker: _Worker, why: str, program: bytes) -> bool:
+def _restart(plan: _Plan, workers: List[_Worker], worker: _Worker, why: str, program: bytes, zygote: _Zygote) -> bool:
     """Start ``worker`` again (same node id and address, a new incarnation) if ``auto_recover`` allows it."""
     if worker.restarts >= plan.max_retries or any(w.finished for w in workers):
         reason = ("auto_recover is off" if not plan.auto_recover else "the job is ending"
@@ -491,7 +625,7 @@ def _restart(plan: _Plan, workers: List[_Worker], worker: _Worker, why: str, pro
         log.warning("Parallel.runner: %s; the job goes on without it (%s)", why, reason)
         return False
     log.warning("Parallel.runner: %s; restarting it (restart %d of %d)", why, worker.restarts + 1, plan.max_retries)
-    new = _Worker.start({**worker.spec, "restarts": worker.restarts + 1}, program, plan.ready_timeout_s)
+    new = _Worker.start({**worker.spec, "restarts": worker.restarts + 1}, program, zygote)
     workers[workers.index(worker)] = new
     return True
 
@@ -531,17 +665,21 @@ def _dumps_or_none(value: Any) -> Optional[bytes]:
 
 def _stop(workers: List[_Worker], grace_s: float) -> None:
     """SIGTERM every worker still running, SIGKILL those still there after ``grace_s``; reap them all."""
+    try:
+        for worker in workers:
+            if worker.proc.poll() is None:
+                worker.proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for worker in workers:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("Parallel.runner: %s did not stop within %ss of SIGTERM; killing it", worker, grace_s)
+                worker.proc.kill()
+                worker.proc.wait()
+    except WorkerError as e:  # the zygote is gone: closing their connections below stops the workers
+        log.warning("%s", e)
     for worker in workers:
-        if worker.proc.poll() is None:
-            worker.proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for worker in workers:
-        try:
-            worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("Parallel.runner: %s did not stop within %ss of SIGTERM; killing it", worker, grace_s)
-            worker.proc.kill()
-            worker.proc.wait()
         worker.conn.close()
 
 
@@ -572,9 +710,92 @@ class _signals_ignored:
 
 
 # --- the worker ----------------------------------------------------------------------------------------
-def _worker_main() -> None:
-    """Entry point of a worker process (``python -c``; argv[1] is the inherited descriptor)."""
+def _zygote_main() -> None:
+    """Entry point of the zygote (``python -c``; argv[1] is the inherited descriptor of its connection)."""
     fd = int(sys.argv[1])
+    os.set_inheritable(fd, False)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a TERM to the whole group: the launcher decides
+        signal.signal(signum, signal.SIG_IGN)
+    conn = mp_connection.Connection(fd)
+    preparation, modules = conn.recv()
+    mp_spawn.prepare(preparation)
+    _preload(modules)
+    _fork_workers(conn)
+    os._exit(0)
+
+
+def _preload(modules: Sequence[str]) -> None:
+    """Import ``modules`` in the zygote, and ``torch._dynamo`` once torch is in: torch imports it lazily when a
+    process makes its first optimizer, which took 1.5-2.5 s in every worker that made one."""
+    for name in [*modules, "torch._dynamo"]:
+        if name == "torch._dynamo" and "torch" not in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # a worker imports it again, and sends the error to the launcher
+            log.debug("zygote: preloading %s failed", name, exc_info=True)
+
+
+def _fork_workers(conn: Any) -> None:
+    """The zygote's loop: fork a worker per request (its connection comes as a passed descriptor), signal one
+    on request (it is unreaped then, so its pid is still its own), report each exit; when the launcher's
+    connection closes, reap the workers left (they stop themselves when theirs closes) and return."""
+    children: Dict[int, int] = {}  # pidfd -> pid
+    launcher = True
+    while launcher or children:
+        for ready in mp_connection.wait([conn, *children] if launcher else list(children)):
+            if ready is not conn:
+                pid = children.pop(ready)
+                os.close(ready)
+                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                try:
+                    if launcher:
+                        conn.send(("exit", pid, code))
+                except OSError:
+                    launcher = False
+                continue
+            try:
+                message = conn.recv()
+                if message[0] == "fork":
+                    fd = mp_reduction.recv_handle(conn)
+                    pid = os.fork()
+                    if pid == 0:
+                        for pidfd in children:
+                            os.close(pidfd)
+                        conn.close()
+                        _forked_worker(fd)
+                    os.close(fd)
+                    children[os.pidfd_open(pid)] = pid
+                    conn.send(("forked", pid))
+                elif message[0] == "signal" and message[1] in children.values():
+                    os.kill(message[1], message[2])
+            except (EOFError, OSError):
+                launcher = False
+
+
+def _forked_worker(fd: int) -> None:
+    """A worker just forked by the zygote: serve the launcher on ``fd``, then end as multiprocessing's forked
+    children do: non-daemon threads joined, exit handlers run, streams flushed, ``os._exit`` (tearing down
+    an interpreter that imported torch took about 1 s of CPU per worker)."""
+    code = 1
+    try:
+        code = _worker(fd)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        try:
+            for thread in threading.enumerate():
+                if thread is not threading.current_thread() and not thread.daemon:
+                    thread.join()
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _worker(fd: int) -> int:
+    """A worker's life on its connection ``fd`` to the launcher; its exit code."""
     os.set_inheritable(fd, False)  # the worker's own children must not hold the launcher's connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_terminated)
@@ -583,8 +804,8 @@ def _worker_main() -> None:
         mp_spawn.prepare(conn.recv())
         spec, program = conn.recv()
     except _Terminated:
-        sys.exit(128 + signal.SIGTERM)
-    sys.exit(_run_worker(spec, program, conn))
+        return 128 + signal.SIGTERM
+    return _run_worker(spec, program, conn)
 
 
 def _run_worker(spec: Dict[str, Any], program: bytes, conn: Any) -> int:

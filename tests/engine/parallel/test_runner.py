@@ -47,6 +47,15 @@ def test_each_worker_knows_its_node_id_and_gets_the_secret_neither_by_env_nor_by
             assert leak not in r["cmdline"] and leak not in r["environ"]
 
 
+def test_workers_fork_from_one_zygote_run_their_exit_handlers_and_leave_no_child_process(tmp_path):
+    parents = runner(3)(mains.note_at_exit, str(tmp_path))
+    assert len(set(parents)) == 1 and parents[0] != os.getpid()  # one zygote forked them all
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit-0", "exit-1", "exit-2"]
+    assert_gone(parents[0])
+    children = [Path(f"/proc/self/task/{tid}/children").read_text().split() for tid in os.listdir("/proc/self/task")]
+    assert not any(children)
+
+
 def test_one_worker_alone_runs_main_in_this_process_without_a_router():
     [got] = Parallel.runner(1, topology="alone")(mains.whoami, 1)
     assert (got["pid"], got["node_id"], got["n_workers"], got["is_active"]) == (os.getpid(), 0, 1, False)
@@ -100,3 +109,28 @@ def test_a_signal_to_the_launcher_stops_every_worker_and_removes_the_ipc_files(t
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nothing of its process group is left
     assert list(ipc_dir.iterdir()) == []
+
+
+def test_the_workers_and_their_zygote_stop_themselves_when_the_launcher_is_killed(tmp_path, launcher):
+    ipc_dir = tmp_path / "ipc"
+    ipc_dir.mkdir()
+    proc = launcher(2, ipc_dir)
+    pids = read_ready_lines(proc, 2)
+    parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in pids}
+    assert len(parents) == 1 and proc.pid not in parents  # forked by one zygote, not by the launcher
+    fds = [os.pidfd_open(pid) for pid in [*pids, *parents]]  # readable once the process has ended
+    try:
+        proc.kill()
+        proc.wait(timeout=WAIT)
+        deadline = time.monotonic() + WAIT
+        for fd in fds:
+            assert select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0], "a process outlived its launcher"
+        while time.monotonic() < deadline:  # they ended; init reaps them (no event to wait on: poll)
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+    finally:
+        for fd in fds:
+            os.close(fd)
