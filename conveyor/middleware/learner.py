@@ -100,6 +100,16 @@ class OffPolicyLearner:
     def __repr__(self) -> str:
         return f"OffPolicyLearner(batch_size={self._batch_size}, update_per_collect={self._updates})"
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The env step of the last call and the fraction of a gradient step owed, so a resume trains as the
+        run would have gone on."""
+        return {"env_step": self._env_step, "owed": self._owed}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self._env_step = None if state["env_step"] is None else int(state["env_step"])
+        self._owed = float(state["owed"])
+
     def __call__(self, ctx: OnlineRLContext) -> None:
         new = self._n_sample if self._env_step is None or ctx.env_step <= self._env_step \
             else ctx.env_step - self._env_step

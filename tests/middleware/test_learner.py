@@ -60,6 +60,31 @@ def test_learner_waits_for_a_full_batch_then_runs_update_per_collect_steps(cfg, 
     assert policy.learn_mode.train_iter == ctx.train_iter
 
 
+def test_learner_keeps_the_replay_ratio_whatever_env_steps_arrive_and_resumes_its_fraction(cfg, policy):
+    """Fed by collector processes, a call may follow more or fewer env steps than n_sample: the learner takes
+    update_per_collect steps per n_sample env steps, carrying fractions over, also across a resume."""
+    buffer = DequeBuffer(100)
+    ctx = OnlineRLContext()
+    ctx.trajectories = time_major(4, 4)
+    data_pusher(cfg, buffer)(ctx)
+    per, n = cfg.policy.learn.update_per_collect, cfg.policy.collect.n_sample
+    learner = OffPolicyLearner(cfg, policy.learn_mode, buffer)
+    learner(ctx)  # the first call is one round
+    assert ctx.train_iter == per
+    ctx.env_step += 3 * n
+    learner(ctx)
+    assert ctx.train_iter == 4 * per
+    ctx.env_step += n // 2 + n // 4  # three quarters of a round
+    learner(ctx)
+    taken = ctx.train_iter
+    assert taken == 4 * per + (3 * per) // 4
+    resumed = OffPolicyLearner(cfg, policy.learn_mode, buffer)
+    resumed.load_state_dict(learner.state_dict())
+    ctx.env_step += n // 4  # the last quarter completes the round the fraction was owed from
+    resumed(ctx)
+    assert ctx.train_iter == 5 * per
+
+
 class RecordingBuffer(DequeBuffer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
