@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import weakref
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
 import torch
@@ -53,9 +55,11 @@ def collection_builder(cfg: Any, policy_cls: type, collection: Callable[[Any, An
 
 
 def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes, weights_name: str,
-           layout: List[Tuple[tuple, torch.dtype]], num_threads: int) -> None:
+           layout: List[Tuple[tuple, torch.dtype]], num_threads: int, cpus: Optional[Set[int]]) -> None:
     """The child: build the chain, then answer the parent's requests until it says close or goes away."""
     child_started()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(num_threads)  # the parent's, also where the child is not forked from its thread
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM go to the parent, which closes us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -153,14 +157,36 @@ class _SharedWeights:
             self.shm.unlink()
 
 
+def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int], Set[int]]]:
+    """With ``split`` (None: when this process may run on exactly two CPUs), pin the calling thread to the CPU it
+    runs on and return ``(its thread id, its CPUs before, the CPUs for the child: the others)``; else None.
+
+    Why: the learner and the threads that hand it data pass the GIL between them; on different CPUs every
+    handover wakes a thread across CPUs and the learner loses its cache, which on two CPUs cost cartpole/dqn
+    more than async mode gained (docs/engine.md, "When async pays"). With two CPUs and two busy processes,
+    one each costs the scheduler no freedom; with more, it is left alone unless asked.
+    """
+    if split is False or not hasattr(os, "sched_getaffinity"):  # Linux only
+        return None
+    allowed = os.sched_getaffinity(0)
+    if split is False or (split is None and len(allowed) != 2) or len(allowed) < 2:
+        return None
+    with open("/proc/thread-self/stat") as f:
+        here = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor": the CPU it last ran on
+    here = here if here in allowed else min(allowed)
+    os.sched_setaffinity(0, {here})
+    return threading.get_native_id(), allowed, allowed - {here}
+
+
 class _Child:
-    """The process, the parent's end of its pipe and the shared weights (kept apart from the collector for
-    ``weakref.finalize``)."""
+    """The process, the parent's end of its pipe, the shared weights and the CPUs to give back (kept apart from
+    the collector for ``weakref.finalize``)."""
 
     def __init__(self, weights: _SharedWeights) -> None:
         self.weights = weights
         self.proc: Any = None
         self.conn: Optional[Connection] = None
+        self.pinned: Optional[Tuple[int, Set[int]]] = None  # (thread id, its CPUs before) while split
 
     def close(self) -> None:
         """Ask the child to stop; kill it if it does not within a few seconds; free the shared weights."""
@@ -174,6 +200,13 @@ class _Child:
         if self.conn is not None:
             self.conn.close()
         self.weights.close(unlink=True)
+        if self.pinned is not None:
+            tid, cpus = self.pinned
+            self.pinned = None
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # that thread has ended
+                pass
 
 
 @declares(reads=("env_step", "env_episode", "collect_kwargs"), optional=("collect_kwargs",),
@@ -190,14 +223,18 @@ class ProcessCollector:
     ``close()`` (or leaving a ``with`` block) stops it. ``state_dict()`` / ``load_state_dict()`` gather
     the chain's (env states, current observations, carried n-step rows), so checkpoints and resume work
     as with the chain in-process. ``start_method``: multiprocessing's, by default its default, or "spawn"
-    once this process has initialised CUDA (a forked child could not use it).
+    once this process has initialised CUDA (a forked child could not use it). ``split_cpus``: run this
+    thread (and the threads it starts from now on, such as an async pipeline's) on the CPU it is on and
+    the child on the others, until closed; None (the default) does so where this process may use exactly
+    two CPUs.
 
     Reads ctx: ``env_step``, ``collect_kwargs``.
     Writes ctx: what the chain writes of ``trajectories``, ``trajectory_end_idx``, ``episodes``,
     ``train_data``, and the ``env_step`` / ``env_episode`` it adds.
     """
 
-    def __init__(self, build: Builder, policy: Any, *, start_method: Optional[str] = None) -> None:
+    def __init__(self, build: Builder, policy: Any, *, start_method: Optional[str] = None,
+                 split_cpus: Optional[bool] = None) -> None:
         if not callable(getattr(policy, "acting_state", None)):
             raise TypeError(f"ProcessCollector needs the learner's policy (with acting_state()), got {policy!r}: "
                             f"pass the Policy object, not one of its views")
@@ -211,9 +248,13 @@ class ProcessCollector:
             context = mp.get_context(default_start_method(start_method))
             parent_end, child_end = context.Pipe(duplex=True)
             inherited = parent_end if context.get_start_method() == "fork" else None
+            split = _split_cpus(split_cpus)
+            if split is not None:
+                self._child.pinned = split[:2]
             self._child.proc = context.Process(
                 target=_serve, args=(child_end, inherited, cloudpickle.dumps(build), self._child.weights.shm.name,
-                                     layout, torch.get_num_threads()), daemon=True, name="conveyor-collector")
+                                     layout, torch.get_num_threads(), None if split is None else split[2]),
+                daemon=True, name="conveyor-collector")
             start_child(self._child.proc)
             self._child.conn = parent_end
             child_end.close()

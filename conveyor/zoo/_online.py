@@ -190,13 +190,14 @@ def collection_and_evaluator_env(cfg: Mapping[str, Any], policy: Any, collection
     learner more than the overlap saves, so only collection in its own process overlaps it (docs/engine.md).
     """
     with contextlib.ExitStack() as resources:
+        # first: a ProcessCollector may pin this thread to one CPU (split_cpus), which processes started later inherit
+        evaluator_env = resources.enter_context(make_env_manager(cfg["env"], "evaluator", seed=cfg["seed"]))
         if async_mode and _collect_in_process(cfg):
             build = collection_builder(cfg, type(policy), collection)
             stage = [resources.enter_context(ProcessCollector(build, policy))]
         else:
             collector_env = resources.enter_context(make_env_manager(cfg["env"], "collector", seed=cfg["seed"]))
             stage = collection(cfg, policy, collector_env)
-        evaluator_env = resources.enter_context(make_env_manager(cfg["env"], "evaluator", seed=cfg["seed"]))
         yield stage, evaluator_env
 
 

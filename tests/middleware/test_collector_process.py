@@ -187,3 +187,24 @@ def test_a_spawned_child_uses_the_parents_torch_thread_count(cfg):
     finally:
         torch.set_num_threads(before)
     assert ctx.episodes == [1]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and at least two CPUs")
+def test_split_cpus_gives_this_thread_one_cpu_and_the_child_the_others_until_closed(cfg):
+    def build():
+        def probe(ctx):
+            ctx.episodes = [sorted(os.sched_getaffinity(0))]
+        return [probe], DQNPolicy(cfg.policy), lambda: None
+    allowed = os.sched_getaffinity(0)
+    with ProcessCollector(build, DQNPolicy(cfg.policy), split_cpus=True) as remote:
+        here = os.sched_getaffinity(0)
+        ctx = greedy_ctx()
+        remote(ctx)
+    assert len(here) == 1 and here < allowed
+    assert ctx.episodes == [sorted(allowed - here)]
+    assert os.sched_getaffinity(0) == allowed  # given back on close
+    with ProcessCollector(build, DQNPolicy(cfg.policy), split_cpus=False) as remote:
+        remote(ctx)
+        assert os.sched_getaffinity(0) == allowed
+    assert ctx.episodes == [sorted(allowed)]
