@@ -26,6 +26,8 @@ Nested = Any  # an array, or a dict of Nested
 
 def map_nested(fn: Callable[[Any], Any], data: Nested) -> Nested:
     """Apply ``fn`` to every leaf of a nested dict (tuples/lists are treated as dicts keyed by index)."""
+    if isinstance(data, (np.ndarray, torch.Tensor)):  # the common leaf first: the Mapping check is an ABC's, ~1 µs
+        return fn(data)
     if isinstance(data, Mapping):
         return {k: map_nested(fn, v) for k, v in data.items()}
     if isinstance(data, (tuple, list)) and data and not np.isscalar(data[0]):
