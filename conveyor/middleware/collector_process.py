@@ -20,7 +20,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
 import torch
@@ -157,9 +157,14 @@ class _SharedWeights:
             self.shm.unlink()
 
 
-def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int], Set[int]]]:
+_SPLITS: Dict[int, List[Any]] = {}  # thread id -> [its CPUs before, the children's CPUs, collectors sharing them]
+_SPLITS_LOCK = threading.Lock()
+
+
+def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int]]]:
     """With ``split`` (None: when this process may run on exactly two CPUs), pin the calling thread to the CPU it
-    runs on and return ``(its thread id, its CPUs before, the CPUs for the child: the others)``; else None.
+    runs on and return ``(its thread id, the CPUs for the child: the others)``; else None. A thread already
+    split for another collector stays as it is, and the new child shares the other CPUs.
 
     Why: the learner and the threads that hand it data pass the GIL between them; on different CPUs every
     handover wakes a thread across CPUs and the learner loses its cache, which on two CPUs cost cartpole/dqn
@@ -168,14 +173,35 @@ def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int], Set[int]
     """
     if split is False or not hasattr(os, "sched_getaffinity"):  # Linux only
         return None
-    allowed = os.sched_getaffinity(0)
-    if split is False or (split is None and len(allowed) != 2) or len(allowed) < 2:
-        return None
-    with open("/proc/thread-self/stat") as f:
-        here = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor": the CPU it last ran on
-    here = here if here in allowed else min(allowed)
-    os.sched_setaffinity(0, {here})
-    return threading.get_native_id(), allowed, allowed - {here}
+    tid = threading.get_native_id()
+    with _SPLITS_LOCK:
+        shared = _SPLITS.get(tid)
+        if shared is not None:
+            shared[2] += 1
+            return tid, shared[1]
+        allowed = os.sched_getaffinity(0)
+        if (split is None and len(allowed) != 2) or len(allowed) < 2:
+            return None
+        with open("/proc/thread-self/stat") as f:
+            here = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor": the CPU it last ran on
+        here = here if here in allowed else min(allowed)
+        os.sched_setaffinity(0, {here})
+        _SPLITS[tid] = [allowed, allowed - {here}, 1]
+        return tid, allowed - {here}
+
+
+def _unsplit(tid: int) -> None:
+    """Give thread ``tid`` its CPUs back once the last collector that split them is closed."""
+    with _SPLITS_LOCK:
+        shared = _SPLITS[tid]
+        shared[2] -= 1
+        if shared[2]:
+            return
+        del _SPLITS[tid]
+    try:
+        os.sched_setaffinity(tid, shared[0])
+    except OSError:  # that thread has ended
+        pass
 
 
 class _Child:
@@ -186,7 +212,7 @@ class _Child:
         self.weights = weights
         self.proc: Any = None
         self.conn: Optional[Connection] = None
-        self.pinned: Optional[Tuple[int, Set[int]]] = None  # (thread id, its CPUs before) while split
+        self.pinned: Optional[int] = None  # the id of the thread it split CPUs with, until closed
 
     def close(self) -> None:
         """Ask the child to stop; kill it if it does not within a few seconds; free the shared weights."""
@@ -201,12 +227,8 @@ class _Child:
             self.conn.close()
         self.weights.close(unlink=True)
         if self.pinned is not None:
-            tid, cpus = self.pinned
-            self.pinned = None
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:  # that thread has ended
-                pass
+            tid, self.pinned = self.pinned, None
+            _unsplit(tid)
 
 
 @declares(reads=("env_step", "env_episode", "collect_kwargs"), optional=("collect_kwargs",),
@@ -250,10 +272,10 @@ class ProcessCollector:
             inherited = parent_end if context.get_start_method() == "fork" else None
             split = _split_cpus(split_cpus)
             if split is not None:
-                self._child.pinned = split[:2]
+                self._child.pinned = split[0]
             self._child.proc = context.Process(
                 target=_serve, args=(child_end, inherited, cloudpickle.dumps(build), self._child.weights.shm.name,
-                                     layout, torch.get_num_threads(), None if split is None else split[2]),
+                                     layout, torch.get_num_threads(), None if split is None else split[1]),
                 daemon=True, name="conveyor-collector")
             start_child(self._child.proc)
             self._child.conn = parent_end

@@ -208,3 +208,10 @@ def test_split_cpus_gives_this_thread_one_cpu_and_the_child_the_others_until_clo
         remote(ctx)
         assert os.sched_getaffinity(0) == allowed
     assert ctx.episodes == [sorted(allowed)]
+    first = ProcessCollector(build, DQNPolicy(cfg.policy), split_cpus=True)
+    pinned = os.sched_getaffinity(0)
+    with ProcessCollector(build, DQNPolicy(cfg.policy), split_cpus=True) as second:  # shares the first's split
+        first.close()
+        assert os.sched_getaffinity(0) == pinned  # still split: the second is open
+        second(ctx)
+    assert ctx.episodes == [sorted(allowed - pinned)] and os.sched_getaffinity(0) == allowed
