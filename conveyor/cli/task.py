@@ -42,8 +42,9 @@ def register(commands: "argparse._SubParsersAction") -> None:
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options that say where a launch's workers listen and whom they join (``conveyor task`` and
-    ``conveyor train --collectors``): --protocol, --address, --ports, --node-ids, --attach-to, --secret-file."""
+    """The options that say where a launch's workers listen, whom they join and whether dead ones are restarted
+    (``conveyor task`` and ``conveyor train --collectors``): --protocol, --address, --ports, --node-ids,
+    --attach-to, --secret-file, --auto-recover, --max-retries."""
     parser.add_argument("--protocol", default="ipc", help=f"one of {', '.join(PROTOCOLS)} (default ipc)")
     parser.add_argument("--address", default=None,
                         help="tcp: the host to listen on (default 127.0.0.1); ipc: the folder of the socket files")
@@ -55,6 +56,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated addresses of nodes started elsewhere, e.g. tcp://10.0.0.1:50515")
     parser.add_argument("--secret-file", default=None, metavar="F",
                         help="file holding the shared secret (the same on every host); default $CONVEYOR_SECRET")
+    parser.add_argument("--auto-recover", action="store_true",
+                        help="start a worker that dies (killed, crashed) again with its node id; it rejoins the run")
+    parser.add_argument("--max-retries", type=int, default=None, metavar="N",
+                        help="with --auto-recover: restarts per worker (default 3)")
 
 
 def launch_options(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -65,9 +70,14 @@ def launch_options(args: argparse.Namespace, environ: Optional[Mapping[str, str]
     if args.protocol not in PROTOCOLS:
         raise ValueError(f"--protocol {args.protocol!r}: must be one of {', '.join(PROTOCOLS)}"
                          f"{_closest(args.protocol, PROTOCOLS)}")
+    if args.max_retries is not None and not args.auto_recover:
+        raise ValueError(f"--max-retries {args.max_retries}: restarts need --auto-recover")
+    if args.max_retries is not None and args.max_retries < 0:
+        raise ValueError(f"--max-retries {args.max_retries}: must be >= 0")
     env = os.environ if environ is None else environ
     options = {"protocol": args.protocol, "address": args.address, "ports": _ints("--ports", args.ports),
-               "node_ids": _ints("--node-ids", args.node_ids), "attach_to": _words(args.attach_to)}
+               "node_ids": _ints("--node-ids", args.node_ids), "attach_to": _words(args.attach_to),
+               "auto_recover": args.auto_recover, "max_retries": args.max_retries}
     if args.secret_file is not None or SECRET_ENV in env:
         options["secret"] = load_secret(args.secret_file, environ=env, generate=False)  # SecretError is a ValueError
     return options

@@ -149,7 +149,8 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
                       protocol: str = "ipc", address: Optional[str] = None,
                       ports: Union[int, Sequence[int], None] = None,
                       node_ids: Optional[Sequence[int]] = None, attach_to: Optional[Sequence[str]] = None,
-                      secret: Optional[bytes] = None, ready_timeout_s: float = 60.0,
+                      secret: Optional[bytes] = None, auto_recover: bool = False,
+                      max_retries: Optional[int] = None, ready_timeout_s: float = 60.0,
                       grace_s: float = 30.0) -> DistributedRun:
     """Train zoo ``entry`` with 1 learner, ``collectors`` collectors and ``evaluators`` evaluators, each its
     own process; the other arguments are the entry ``main()``'s and ``Parallel.runner``'s.
@@ -157,7 +158,9 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     ``node_ids``: the nodes to start here (default all); give each host its share and the others'
     addresses (``attach_to``), with the same secret on every host, to spread one run over several.
     ``grace_s``: how long a stopped launch (SIGTERM, Ctrl-C) lets its nodes finish their iteration, the
-    learner write its final checkpoint, before they are killed.
+    learner write its final checkpoint, before they are killed. ``auto_recover``: a collector or evaluator
+    that dies is started again (up to ``max_retries`` times) and rejoins with the newest weights; a learner
+    that dies ends the run, which ``resume=True`` continues from its latest checkpoint.
     """
     from conveyor.engine import Parallel
     from conveyor.zoo import load_entry
@@ -172,8 +175,9 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
                "progress": progress,
                "ckpt_interval": ckpt_interval}
     results = Parallel.runner(len(ids), topology="star", protocol=protocol, address=address, ports=ports,
-                              attach_to=attach_to, node_ids=ids, secret=secret,
-                              ready_timeout_s=ready_timeout_s, grace_s=grace_s)(_node_main, entry, layout, options)
+                              attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
+                              max_retries=max_retries, ready_timeout_s=ready_timeout_s,
+                              grace_s=grace_s)(_node_main, entry, layout, options)
     nodes = [r for r in results if r is not None]
     told = [n for n in nodes if n["role"] == Role.LEARNER.value] or nodes  # else: as the nodes here heard it
     newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)
@@ -206,7 +210,8 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     if not node.ran:
         raise ConfigError(f"zoo entry '{entry_name}' has no distributed mode: only online entries (trained by "
                           f"train_online) split into learner, collectors and evaluators")
-    return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "env_step": int(ctx.env_step),
+    return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "restarts": task.router.restarts,
+            "env_step": int(ctx.env_step),
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected}
 
 

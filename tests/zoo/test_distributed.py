@@ -161,6 +161,8 @@ def test_roles_follow_node_ids():
     (["--collectors", "2", "--protocol", "tpc"], "did you mean 'tcp'"),
     (["--collectors", "2", "--protocol", "tcp", "--address", "192.0.2.1"], "refusing tcp://192.0.2.1"),
     (["--collectors", "2", "--secret-file", "/no/such/secret"], "cannot read the secret file"),
+    (["--collectors", "2", "--max-retries", "2"], "restarts need --auto-recover"),
+    (["--collectors", "2", "--auto-recover", "--max-retries", "-1"], "--max-retries -1: must be >= 0"),
 ])
 def test_bad_distributed_flags_are_one_line_errors_before_any_process_starts(in_tmp, capsys, argv, fragment):
     assert cli_main(["train", "cartpole/dqn", *argv]) == 2
@@ -174,3 +176,22 @@ def test_an_offline_entry_refuses_collectors_before_any_process_starts(in_tmp, c
     err = capsys.readouterr().err
     assert "trains offline from a dataset" in err and err.count("\n") == 1
     assert not (in_tmp / "runs").exists()
+
+
+DYING_ENTRY = str(Path(__file__).with_name("_collector_dies_entry.py"))
+
+
+def test_with_auto_recover_a_killed_collector_is_restarted_and_the_run_reaches_its_budget(in_tmp):
+    run = train_distributed(DYING_ENTRY, collectors=2, exp_name="recover", max_env_step=600, progress=False,
+                            auto_recover=True, max_retries=1)
+    restarted = next(n for n in run.nodes if n["node_id"] == 1)
+    assert restarted["restarts"] == 1 and restarted["collected"] > 0
+    assert run.env_step >= 600 and (in_tmp / "runs" / "recover" / "ckpt" / "final.pth.tar").exists()
+
+
+def test_without_auto_recover_a_killed_collector_is_named_once_the_others_end(in_tmp):
+    from conveyor.engine.parallel.runner import WorkerError
+    with pytest.raises(WorkerError, match="worker 1 .* killed by SIGKILL") as info:
+        train_distributed(DYING_ENTRY, collectors=2, exp_name="norecover", max_env_step=600, progress=False)
+    learner = next(r for r in info.value.results if r is not None and r["role"] == "learner")
+    assert learner["env_step"] >= 600  # trained on with the other collector

@@ -1,0 +1,23 @@
+"""A zoo entry for fault tests: cartpole/dqn whose collector node 1 kills itself (SIGKILL) in its first life,
+once it has collected ``DIE_AT_ENV_STEP`` env steps; restarted, it collects normally."""
+import os
+import signal
+
+import conveyor.zoo._off_policy as off_policy
+from conveyor.engine import task
+from conveyor.zoo.cartpole.dqn import main, main_config  # noqa: F401  (what an entry file defines)
+
+DIE_AT_ENV_STEP = 64
+_collection = off_policy.off_policy_collection
+
+
+def _dies_once(ctx) -> None:
+    if task.router.node_id == 1 and task.router.restarts == 0 and ctx.env_step >= DIE_AT_ENV_STEP:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _collection_that_dies(cfg, policy, env):
+    return [*_collection(cfg, policy, env), _dies_once]
+
+
+off_policy.off_policy_collection = _collection_that_dies
