@@ -20,4 +20,5 @@ def _collection_that_dies(cfg, policy, env):
     return [*_collection(cfg, policy, env), _dies_once]
 
 
-off_policy.off_policy_collection = _collection_that_dies
+if task.router is not None:  # only in the run's worker processes, never in the launcher (the test's process)
+    off_policy.off_policy_collection = _collection_that_dies
