@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from easydict import EasyDict
 
-from conveyor.engine import FINISH_EVENT, OnlineRLContext, Role, declares, task
+from conveyor.engine import FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, Role, declares, task
 from conveyor.engine.parallel import codec
 from conveyor.engine.parallel.cluster import NodeTable
 from conveyor.envs import make_env_manager
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 NODES_FILE = "nodes.json"
 PROGRESS_TOPIC = "conveyor.zoo.progress"
-"""Learner -> the other nodes: ``{"train_iter", "env_step", "stop"}`` after each iteration, and once at the end."""
+"""Learner -> the other nodes: ``{"node", "train_iter", "env_step", "stop"}`` after each iteration, and once at the end."""
 COLLECTOR_LEAD = 2
 """Iterations a collector may run per learner iteration before it waits for the learner."""
 EXCHANGE_TIMEOUT_S = 120.0
@@ -273,7 +273,9 @@ class LearnerClock:
     larger of its own and the learner's, so exploration schedules follow the whole run). A collector that
     ran ``lead`` iterations since they last moved waits until they move; an evaluator waits so before
     every iteration but its first. ``stop`` sets ``task.finish``. :attr:`collected` counts the env steps
-    this node's own iterations added. Every wait is bounded by ``timeout_s``.
+    this node's own iterations added. Every wait is bounded by ``timeout_s``, and ends at once when the
+    node is asked to stop (:data:`~conveyor.engine.STOP_EVENT`) or the learner is lost (a warning; the
+    node's run then ends, as it does on ``stop``: there is nothing left to collect or evaluate for).
 
     Reads / writes ctx: ``train_iter``, ``env_step``. Place it first, before the exchangers.
     """
@@ -290,10 +292,24 @@ class LearnerClock:
         self._changed = threading.Condition()
         self._latest: Optional[Dict[str, Any]] = None
         self._seen: Optional[tuple] = None
+        self._ended = False  # asked to stop, or the learner is lost
         if self._learner:
             task.on(FINISH_EVENT, self._stop_others)
         else:
             self._router.on(PROGRESS_TOPIC, self._got)
+            task.on(STOP_EVENT, self._end)
+            task.on(PEER_LOST_EVENT, self._peer_lost)
+
+    def _end(self) -> None:
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def _peer_lost(self, node: Any) -> None:
+        latest = self._latest
+        if (latest is not None and str(node) == latest["node"]) or not self._router.peers():
+            log.warning("node %s: the learner (node %s) is lost; this node ends its run", self._router.node_id, node)
+            self._end()
 
     def __repr__(self) -> str:
         return f"LearnerClock({'learner' if self._learner else f'lead={self._lead}'}, timeout_s={self.timeout_s})"
@@ -307,20 +323,21 @@ class LearnerClock:
 
     def _moved(self) -> bool:
         latest = self._latest
-        return latest is not None and (latest["stop"] or (latest["train_iter"], latest["env_step"]) != self._seen)
+        return self._ended or latest is not None and (latest["stop"] or
+                                                      (latest["train_iter"], latest["env_step"]) != self._seen)
 
     def __call__(self, ctx: OnlineRLContext) -> Iterator[None]:
         if self._learner:
             yield
-            self._router.publish(PROGRESS_TOPIC, {"train_iter": int(ctx.train_iter), "env_step": int(ctx.env_step),
-                                                  "stop": False})
+            self._router.publish(PROGRESS_TOPIC, self._progress(ctx, stop=False))
             return
         with self._changed:
             if self._since >= self._lead and not self._changed.wait_for(self._moved, self.timeout_s):
                 raise TimeoutError(f"node {self._router.node_id}: the learner's counters did not move within "
                                    f"{self.timeout_s}s (live peers: {self._router.peers()}); is the learner running?")
             latest = self._latest
-        if latest is not None and latest["stop"]:
+        if self._ended or (latest is not None and latest["stop"]):
+            task.finish = True
             task.end_iteration()
             yield
             return
@@ -339,9 +356,11 @@ class LearnerClock:
             self._router.wait_for_subscribers(PROGRESS_TOPIC, len(peers), timeout=self.timeout_s)
         except TimeoutError as e:
             log.warning("learner: telling the nodes that listen to stop; not every peer does: %s", e)
-        ctx = task.ctx
-        self._router.publish(PROGRESS_TOPIC, {"train_iter": int(ctx.train_iter), "env_step": int(ctx.env_step),
-                                              "stop": True})
+        self._router.publish(PROGRESS_TOPIC, self._progress(task.ctx, stop=True))
+
+    def _progress(self, ctx: OnlineRLContext, stop: bool) -> Dict[str, Any]:
+        return {"node": str(self._router.node_id), "train_iter": int(ctx.train_iter), "env_step": int(ctx.env_step),
+                "stop": stop}
 
 
 @declares(writes=("last_eval_value", "last_eval_iter"))

@@ -195,3 +195,18 @@ def test_without_auto_recover_a_killed_collector_is_named_once_the_others_end(in
         train_distributed(DYING_ENTRY, collectors=2, exp_name="norecover", max_env_step=600, progress=False)
     learner = next(r for r in info.value.results if r is not None and r["role"] == "learner")
     assert learner["env_step"] >= 600  # trained on with the other collector
+
+
+@pytest.mark.parametrize("auto_recover", [False, True])
+def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp, auto_recover):
+    """Its restart (auto_recover) would wait for peers that are ending: it is stopped, not left waiting."""
+    from conveyor.engine.parallel.runner import WorkerError
+    from conveyor.zoo._distributed import EXCHANGE_TIMEOUT_S
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:  # the first life, or its restart
+        train_distributed(str(Path(__file__).with_name("_learner_dies_entry.py")), collectors=2, evaluators=1,
+                          exp_name="nolearner", max_env_step=2000, progress=False, auto_recover=auto_recover,
+                          ready_timeout_s=EXCHANGE_TIMEOUT_S)
+    assert time.monotonic() - started < EXCHANGE_TIMEOUT_S / 2  # not ended by a wait running out
+    others = [r for r in info.value.results if r is not None]
+    assert sorted(r["role"] for r in others) == ["collector", "collector", "evaluator"]

@@ -564,6 +564,11 @@ def _supervise(plan: _Plan, workers: List[_Worker], program: bytes, zygote: _Zyg
                     worker.conn.send(("go",))
             elif kind == "result":
                 worker.result, worker.finished = message[1], True
+                for other in workers:  # a restarted worker still joining would wait for peers that are ending
+                    if other.restarts and not other.ready and not other.ended:
+                        log.warning("Parallel.runner: %s returned while %s was still joining; the job is ending, "
+                                    "so it is killed (it has not started main)", worker, other)
+                        other.proc.kill()  # SIGKILL: a worker just forked still ignores SIGTERM, as the zygote does
         if not planned and all(w.address is not _Worker for w in workers):
             for i, worker in enumerate(workers):
                 worker.conn.send(_dial_plan(plan, i, workers))
