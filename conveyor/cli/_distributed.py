@@ -43,11 +43,6 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
         raise ConfigError(f"--evaluators {args.evaluators} needs --collectors N (a distributed run's collectors)")
     if args.async_mode:
         raise ConfigError("--async is for one process; with --collectors, collection already runs beside training")
-    from conveyor.zoo import load_entry
-    from conveyor.zoo._offline import is_offline
-    if is_offline(load_entry(args.entry)):
-        raise ConfigError(f"{args.entry} trains offline from a dataset, with no collectors or evaluators to spread "
-                          f"over processes: drop --collectors/--evaluators")
     try:
         where = launch_options(args)
         if isinstance(where["node_ids"], int):  # one node here: its id (not the first of a range, as for task)

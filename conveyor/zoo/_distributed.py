@@ -169,7 +169,10 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     ids = list(range(layout.n_nodes)) if node_ids is None else list(node_ids)
     for node_id in ids:
         layout.role(node_id)
-    load_entry(entry)  # an unknown name fails here, before any process starts
+    from conveyor.zoo._offline import is_offline
+    if is_offline(load_entry(entry)):  # an unknown name fails here too, before any process starts
+        raise ConfigError(f"{entry} trains offline from a dataset, with no collectors or evaluators to spread "
+                          f"over processes: drop --collectors/--evaluators")
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
