@@ -64,6 +64,7 @@ def test_two_launches_on_loopback_tcp_share_one_run(tmp_path):
     """As two hosts would: the learner and the evaluator in one launch, the collectors in another, one secret."""
     secret = tmp_path / "secret"
     secret.write_text("x" * 64)
+    secret.chmod(0o600)
     runs = {"A": tmp_path / "a", "B": tmp_path / "b"}
     port = free_ports(4)
     common = ["train", "cartpole/dqn", "--collectors", "2", "--evaluators", "1", "--protocol", "tcp", "--address",

@@ -44,6 +44,9 @@ __all__ = ["Codec", "DecodeError", "PickleCodec", "decode", "encode", "register"
 Frame = Union[bytes, bytearray, memoryview]
 
 MAX_DEPTH = 64
+MAX_HEADER_BYTES = 4 << 20
+"""The largest structure header encoded or decoded: parsing it is the one step whose memory is not bounded
+by the payload's own bytes (JSON becomes Python objects), so it is bounded here. Send arrays, not long lists."""
 
 # Header tags. A JSON object in the header is always one of these single-key nodes; lists are lists and
 # JSON scalars are themselves, so a user's dict can never be mistaken for a tag.
@@ -104,6 +107,9 @@ class Codec:
             where = "payload" + "".join(reversed(e.path))
             raise TypeError(f"cannot encode {e.what} at {where}: {e.fix}").with_traceback(None) from None
         header = _JSON_ENCODER.encode(tree).encode()
+        if len(header) > MAX_HEADER_BYTES:
+            raise TypeError(f"cannot encode a payload whose structure takes {len(header)} bytes, over the limit of "
+                            f"{MAX_HEADER_BYTES}: send long sequences of numbers as numpy arrays or tensors")
         return [header, *buffers]
 
     def _node(self, obj: Any, buffers: List[Frame], depth: int) -> Any:
@@ -163,21 +169,27 @@ class Codec:
     # ---- decoding -----------------------------------------------------------------------------------------
 
     def decode(self, frames: List[Frame], *, copy: bool = False) -> Any:
-        """The value ``frames`` (from :meth:`encode`) describe. ``copy=True``: arrays never share the frames' memory."""
+        """The value ``frames`` (from :meth:`encode`) describe. ``copy=True``: arrays never share the frames' memory.
+
+        Bounded for hostile input: a header over :data:`MAX_HEADER_BYTES` is refused before it is parsed, and
+        each buffer may back one value only, so the arrays and bytes decoded never exceed the frames' size.
+        """
         if not frames:
             raise DecodeError("no frames to decode: a payload has at least its header frame")
+        if len(frames[0]) > MAX_HEADER_BYTES:
+            raise DecodeError(f"payload header of {len(frames[0])} bytes is over the limit of {MAX_HEADER_BYTES}")
         try:
             tree = _JSON_DECODER.decode(str(frames[0], "utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise DecodeError(f"payload header is not valid JSON: {e}") from None
         try:
-            return self._value(tree, frames, copy)
+            return self._value(tree, _Buffers(frames), copy)
         except DecodeError:
             raise
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError) as e:
             raise DecodeError(f"malformed payload: {type(e).__name__}: {e}") from None
 
-    def _value(self, node: Any, frames: List[Frame], copy: bool) -> Any:
+    def _value(self, node: Any, frames: _Buffers, copy: bool) -> Any:
         if type(node) is list:
             return [self._value(v, frames, copy) for v in node]
         if type(node) is not dict:
@@ -192,9 +204,9 @@ class Codec:
         if tag == _TUPLE:
             return tuple(self._value(v, frames, copy) for v in body)
         if tag == _BYTES:
-            return bytes(_frame(frames, body))
+            return bytes(frames.take(body))
         if tag == _BYTEARRAY:
-            return bytearray(_frame(frames, body))
+            return bytearray(frames.take(body))
         if tag == _NDARRAY:
             return _array(body, frames, copy)
         if tag == _NPSCALAR:
@@ -214,10 +226,10 @@ class Codec:
             if not self.allow_pickle:
                 raise DecodeError("payload holds a pickled value and pickle is not allowed here: decode with "
                                   "PickleCodec only for peers you trust")
-            return pickle.loads(_frame(frames, body))
+            return pickle.loads(frames.take(body))
         raise DecodeError(f"malformed payload: unknown tag {tag!r}")
 
-    def _tree_dict(self, body: Dict[str, Any], frames: List[Frame], copy: bool) -> Dict[str, Any]:
+    def _tree_dict(self, body: Dict[str, Any], frames: _Buffers, copy: bool) -> Dict[str, Any]:
         # a sub-tree arrives as a nested tree node; ttorch.Tensor(dict) rebuilds it from plain dicts
         return {k: self._tree_dict(v[_TREE], frames, copy) if type(v) is dict and _TREE in v
                 else self._value(v, frames, copy) for k, v in body.items()}
@@ -231,14 +243,25 @@ class PickleCodec(Codec):
         super().__init__(allow_pickle=True)
 
 
-def _frame(frames: List[Frame], index: Any) -> memoryview:
-    if type(index) is not int or not 1 <= index < len(frames):
-        raise DecodeError(f"malformed payload: buffer {index!r} does not exist ({len(frames) - 1} buffers)")
-    return memoryview(frames[index])
+class _Buffers:
+    """The frames of one payload being decoded; each buffer can be taken once, so that no message decodes
+    into more bytes than it carries (many arrays over one buffer would multiply it)."""
+
+    def __init__(self, frames: List[Frame]) -> None:
+        self.frames = frames
+        self.taken: set = set()
+
+    def take(self, index: Any) -> memoryview:
+        if type(index) is not int or not 1 <= index < len(self.frames):
+            raise DecodeError(f"malformed payload: buffer {index!r} does not exist ({len(self.frames) - 1} buffers)")
+        if index in self.taken:
+            raise DecodeError(f"malformed payload: buffer {index} backs two values")
+        self.taken.add(index)
+        return memoryview(self.frames[index])
 
 
-def _raw(frames: List[Frame], index: Any, nbytes: int, copy: bool) -> Union[memoryview, bytearray]:
-    view = _frame(frames, index).cast("B")
+def _raw(frames: _Buffers, index: Any, nbytes: int, copy: bool) -> Union[memoryview, bytearray]:
+    view = frames.take(index).cast("B")
     if view.nbytes != nbytes:
         raise DecodeError(f"malformed payload: buffer {index} has {view.nbytes} bytes, its header says {nbytes}")
     return bytearray(view) if copy or view.readonly else view
@@ -251,7 +274,7 @@ def _array_node(np: Any, a: Any, buffers: List[Frame]) -> List[Any]:
     return [_descr(a.dtype), list(a.shape), order, len(buffers)]
 
 
-def _array(body: List[Any], frames: List[Frame], copy: bool) -> Any:
+def _array(body: List[Any], frames: _Buffers, copy: bool) -> Any:
     np = importlib.import_module("numpy")
     descr, shape, order, index = body
     dtype = _dtype(descr) if type(descr) is str else np.lib.format.descr_to_dtype(_tuples(descr))
@@ -301,7 +324,7 @@ def _tensor_node(t: Any, buffers: List[Frame]) -> List[Any]:
     return [str(t.dtype).removeprefix("torch."), list(t.shape), len(buffers)]
 
 
-def _tensor(body: List[Any], frames: List[Frame], copy: bool) -> Any:
+def _tensor(body: List[Any], frames: _Buffers, copy: bool) -> Any:
     torch = importlib.import_module("torch")
     name, shape, index = body
     dtype = getattr(torch, name, None) if type(name) is str else None

@@ -1,44 +1,64 @@
-"""Authenticated messages: every byte that crosses a socket is sealed with an HMAC-SHA256 of a shared secret.
+"""Authenticated messages: every byte that crosses a socket carries an AES-GMAC tag of a per-link key.
 
 :func:`seal` packs a topic, a sequence number, the sender's id and payload frames (from
-:func:`conveyor.engine.parallel.codec.encode`) into one message; :func:`open_frame` checks it and gives them
-back. The order of checks in :func:`open_frame` is the security property: the message's length against
-``max_size`` first (no hashing of a flood), then the tag with :func:`hmac.compare_digest` over everything
-else, and only then is a single byte of it parsed. A refused message raises :class:`AuthError` or
-:class:`OversizeError` (both :class:`RejectedMessage`) so the receiver counts and drops it.
+:func:`conveyor.engine.parallel.codec.encode`) into one message addressed from one *incarnation* to
+another; :func:`open_frame` checks it and gives them back.
+
+Keys. An incarnation is 16 random bytes a router draws when it starts (a restarted process draws new
+ones). The key of a message is derived with HKDF-SHA256 from the shared secret and the pair (sender's
+incarnation, receiver's incarnation), so a message only authenticates for the receiver incarnation it
+was sealed for: traffic recorded in another run, or before a restart, is refused (:class:`ReplayError`).
+A sender that does not know its peer's incarnation yet may only send a *hello*, addressed to
+:data:`HELLO` (all zeros); the router accepts nothing but its membership state that way. The tag is
+AES-256-GCM with nothing to encrypt (GMAC) over the whole message; its 96-bit nonce is the link
+``counter`` the sender numbers its messages to one receiver incarnation with, so a key never sees a
+nonce twice, and the receiver refuses a counter it has seen (a replay within the run).
+
+The order of checks in :func:`open_frame` is the security property: the message's length against
+``max_size`` first (no work for a flood), then the tag in constant time (with the key named by the two
+incarnations at fixed offsets, the only bytes read before it), and only then is any variable part
+parsed. A refused message raises a :class:`RejectedMessage` subclass so the receiver counts and drops it.
 
 Layout (little-endian; the tag covers everything before it)::
 
-    magic "CNV1" | seq u64 | topic_len u16 | sender_len u16 | n_frames u32 | topic | sender
-    | n_frames x u64 frame length | padding to 16 | each frame, padded to 16 | HMAC-SHA256 tag (32)
+    magic "CNV2" | sender incarnation (16) | receiver incarnation (16) | counter u64
+    | seq u64 | topic_len u16 | sender_len u16 | n_frames u32 | topic | sender | n_frames x u64 frame length
+    | padding to 16 | each frame, padded to 16 | GMAC tag (16)
 
-Frames start at multiples of 16 so arrays decoded in place from a buffer that is itself aligned (a
-``bytes`` or ``bytearray`` is) are aligned too. There is no replay window here: the receiver uses ``seq``
-(with ``sender``) to spot duplicated or lost messages.
-
-Secrets come from :func:`load_secret`: a ``--secret-file``, else ``CONVEYOR_SECRET``, else a fresh one.
+Frames start at multiples of 16 so arrays decoded in place from a buffer that is itself aligned are
+aligned too. Confidentiality is not provided: payloads travel in clear (see docs/distributed.md, Threat
+model). Secrets come from :func:`load_secret`: a ``--secret-file``, else ``CONVEYOR_SECRET``, else a fresh one.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
+import functools
 import os
 import secrets
+import stat
 import struct
-from typing import List, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Union
 
-__all__ = ["AuthError", "Frame", "MIN_SECRET_BYTES", "MalformedFrame", "OversizeError", "RejectedMessage",
-           "SECRET_ENV", "SecretError", "generate_secret", "load_secret", "open_frame", "seal"]
+__all__ = ["AuthError", "Frame", "HELLO", "INCARNATION_BYTES", "MIN_SECRET_BYTES", "MalformedFrame",
+           "OversizeError", "RejectedMessage", "ReplayError", "SECRET_ENV", "SecretError", "generate_secret",
+           "load_secret", "new_incarnation", "open_frame", "pack", "seal", "sign"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
-MAGIC = b"CNV1"
-TAG_BYTES = 32
+MAGIC = b"CNV2"
+TAG_BYTES = 16
 ALIGN = 16
+INCARNATION_BYTES = 16
 MIN_SECRET_BYTES = 32
 SECRET_ENV = "CONVEYOR_SECRET"
-_PREFIX = struct.Struct("<4sQHHI")
+HELLO = bytes(INCARNATION_BYTES)
+"""The receiver incarnation of a hello: sent to a peer whose incarnation is not known yet."""
+_LINK = struct.Struct("<4s16s16sQ")  # magic, sender incarnation, receiver incarnation, counter: picks the key
+_HEAD = struct.Struct("<QHHI")  # seq, topic_len, sender_len, n_frames
+_MIN_SIZE = _LINK.size + _HEAD.size + TAG_BYTES
 _PADDING = bytes(ALIGN)
+_LINK_PLACEHOLDER = bytes(_LINK.size)
+_TAG_PLACEHOLDER = bytes(TAG_BYTES)
+_KDF_SALT = b"conveyor/2 link key"
 
 
 class RejectedMessage(Exception):
@@ -46,19 +66,23 @@ class RejectedMessage(Exception):
 
 
 class AuthError(RejectedMessage):
-    """The message's HMAC does not match: forged, corrupted, truncated, or sealed with another secret."""
+    """The message's tag does not match: forged, corrupted, truncated, or sealed with another secret."""
+
+
+class ReplayError(RejectedMessage):
+    """An authentic message sealed for another incarnation: recorded in another run or before a restart."""
 
 
 class OversizeError(RejectedMessage):
-    """The message is larger than the receiver's ``max_size``; it was refused before its HMAC was computed."""
+    """The message is larger than the receiver's ``max_size``; it was refused before its tag was computed."""
 
 
 class MalformedFrame(RejectedMessage):
-    """The HMAC matched but the layout did not: a peer with the secret and another version or a bug."""
+    """The tag matched but the layout did not: a peer with the secret and another version or a bug."""
 
 
 class SecretError(ValueError):
-    """A secret that cannot be used: unreadable, empty or too short."""
+    """A secret that cannot be used: unreadable, readable by others, empty or too short."""
 
 
 class Frame(NamedTuple):
@@ -67,6 +91,9 @@ class Frame(NamedTuple):
     seq: int
     sender: str
     payload: List[memoryview]
+    sender_incarnation: bytes = HELLO
+    receiver_incarnation: bytes = HELLO
+    counter: int = 0
 
 
 def _pad(n: int) -> int:
@@ -80,14 +107,37 @@ def _check_secret(secret: bytes) -> None:
         raise SecretError(f"the secret has {len(secret)} bytes; at least {MIN_SECRET_BYTES} are needed")
 
 
-def seal(secret: bytes, topic: str, seq: int, sender: str, payload: Sequence[Buffer],
-         max_size: Optional[int] = None) -> bytes:
-    """One message carrying ``payload`` (a list of byte buffers), tagged with HMAC-SHA256 of ``secret``.
+def _check_incarnation(name: str, value: bytes) -> None:
+    if type(value) is not bytes or len(value) != INCARNATION_BYTES:
+        raise ValueError(f"{name} must be {INCARNATION_BYTES} bytes (see new_incarnation()), got {value!r}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _link_key(secret: bytes, sender_inc: bytes, receiver_inc: bytes) -> Any:
+    """The AES-GCM object of one direction of one link (HKDF-SHA256 of the secret and both incarnations)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    key = HKDF(hashes.SHA256(), 32, salt=_KDF_SALT, info=sender_inc + receiver_inc).derive(secret)
+    return AESGCM(key)
+
+
+def _nonce(counter: int) -> bytes:
+    return counter.to_bytes(8, "little") + b"\0\0\0\0"
+
+
+def new_incarnation() -> bytes:
+    """Fresh random incarnation bytes, drawn once by each router that starts."""
+    return secrets.token_bytes(INCARNATION_BYTES)
+
+
+def pack(topic: str, seq: int, sender: str, payload: Sequence[Buffer], max_size: Optional[int] = None) -> bytearray:
+    """An unsigned message carrying ``payload`` (a list of byte buffers); :func:`sign` addresses and tags it.
 
     With ``max_size``, a message that the receiver would refuse raises :class:`OversizeError` here instead.
-    The buffers are copied into the message; the caller may reuse them afterwards.
+    The buffers are copied into the message; the caller may reuse them afterwards. One packed message can
+    be signed and sent to several receivers in turn.
     """
-    _check_secret(secret)
     topic_b, sender_b = topic.encode(), sender.encode()
     if len(topic_b) > 0xFFFF or len(sender_b) > 0xFFFF:
         raise ValueError(f"topic and sender must be under 64 KiB encoded (topic {topic[:40]!r}, sender {sender[:40]!r})")
@@ -95,42 +145,75 @@ def seal(secret: bytes, topic: str, seq: int, sender: str, payload: Sequence[Buf
         raise ValueError(f"seq must be in [0, 2**64), got {seq}")
     views = [memoryview(p).cast("B") for p in payload]
     lengths = [v.nbytes for v in views]
-    head = _PREFIX.pack(MAGIC, seq, len(topic_b), len(sender_b), len(views)) + topic_b + sender_b
+    head = _HEAD.pack(seq, len(topic_b), len(sender_b), len(views)) + topic_b + sender_b
     head += struct.pack(f"<{len(views)}Q", *lengths)
-    parts: List[Buffer] = [head, _PADDING[:_pad(len(head))]]
+    parts: List[Buffer] = [_LINK_PLACEHOLDER, head, _PADDING[:_pad(_LINK.size + len(head))]]
     for v, n in zip(views, lengths):
         parts += (v, _PADDING[:_pad(n)])
-    size = sum(len(p) for p in parts) + TAG_BYTES
+    parts.append(_TAG_PLACEHOLDER)
+    size = sum(len(p) for p in parts)
     if max_size is not None and size > max_size:
         raise OversizeError(f"message on topic {topic!r} is {size} bytes, over the limit of {max_size}; "
-                            f"raise max_size on every node or send less at once")
-    body = b"".join(parts)  # measured faster than feeding the HMAC part by part, even with the tag's concatenation
-    return body + hmac.digest(secret, body, hashlib.sha256)
+                            f"raise max_message_size on every node or send less at once")
+    return bytearray().join(parts)  # one copy of the payload, as the socket's own send would make
 
 
-def open_frame(secret: bytes, data: Buffer, max_size: int) -> Frame:
+def sign(message: bytearray, secret: bytes, sender_incarnation: bytes, receiver_incarnation: bytes,
+         counter: int) -> bytearray:
+    """Address a :func:`pack`-ed message to ``receiver_incarnation`` (:data:`HELLO` for a hello) and write its
+    tag in place; ``counter`` must never repeat for one (sender, receiver) pair of incarnations."""
+    _check_secret(secret)
+    _check_incarnation("sender_incarnation", sender_incarnation)
+    _check_incarnation("receiver_incarnation", receiver_incarnation)
+    if not 0 <= counter < 1 << 64:
+        raise ValueError(f"counter must be in [0, 2**64), got {counter}")
+    _LINK.pack_into(message, 0, MAGIC, sender_incarnation, receiver_incarnation, counter)
+    mv = memoryview(message)
+    mv[-TAG_BYTES:] = _link_key(secret, sender_incarnation, receiver_incarnation).encrypt(
+        _nonce(counter), b"", mv[:-TAG_BYTES])
+    return message
+
+
+def seal(secret: bytes, topic: str, seq: int, sender: str, payload: Sequence[Buffer],
+         max_size: Optional[int] = None, *, sender_incarnation: bytes = HELLO, receiver_incarnation: bytes = HELLO,
+         counter: int = 0) -> bytes:
+    """:func:`pack` and :func:`sign` in one: one message from one incarnation to another, as bytes."""
+    return bytes(sign(pack(topic, seq, sender, payload, max_size), secret, sender_incarnation,
+                      receiver_incarnation, counter))
+
+
+def open_frame(secret: bytes, data: Buffer, max_size: int, receiver_incarnation: Optional[bytes] = None) -> Frame:
     """Check and unpack a message from :func:`seal`; raises a :class:`RejectedMessage` subclass if refused.
 
-    ``max_size`` is checked first, then the HMAC (in constant time); only then is the message parsed.
+    ``max_size`` is checked first, then the tag (in constant time); only then is the message parsed. With
+    ``receiver_incarnation``, an authentic message addressed to another incarnation (but not a hello) raises
+    :class:`ReplayError`; the caller decides what a hello may carry.
     """
     _check_secret(secret)
     view = memoryview(data).cast("B")
     size = view.nbytes
     if size > max_size:
         raise OversizeError(f"message of {size} bytes is over the limit of {max_size}")
-    if size < _PREFIX.size + TAG_BYTES:
+    if size < _MIN_SIZE:
         raise AuthError(f"message of {size} bytes is too short to carry a tag")
-    body = view[:-TAG_BYTES]
-    if not hmac.compare_digest(hmac.digest(secret, body, hashlib.sha256), view[-TAG_BYTES:]):
-        raise AuthError(f"message of {size} bytes failed its HMAC check (forged, corrupted, or another secret)")
-    return _parse(body)
-
-
-def _parse(body: memoryview) -> Frame:
-    magic, seq, topic_len, sender_len, n_frames = _PREFIX.unpack_from(body)
+    magic, sender_inc, receiver_inc, counter = _LINK.unpack_from(view)
     if magic != MAGIC:
-        raise MalformedFrame(f"message has format {bytes(magic)!r}, this node speaks {MAGIC!r}; run one version everywhere")
-    at = _PREFIX.size
+        raise AuthError(f"message starts with {bytes(magic)!r}, not {MAGIC!r}: not sealed by this version of Conveyor")
+    body = view[:-TAG_BYTES]
+    try:
+        _link_key(secret, sender_inc, receiver_inc).decrypt(_nonce(counter), view[-TAG_BYTES:].tobytes(), body)
+    except Exception:  # cryptography's InvalidTag; nothing else can come of well-typed arguments
+        raise AuthError(f"message of {size} bytes failed its tag check (forged, corrupted, or another secret)") from None
+    if receiver_incarnation is not None and receiver_inc != receiver_incarnation and receiver_inc != HELLO:
+        raise ReplayError(f"an authentic message sealed for incarnation {receiver_inc.hex()}, not this one "
+                          f"({receiver_incarnation.hex()}): recorded in another run or before a restart")
+    topic, seq, sender, payload = _parse(body)
+    return Frame(topic, seq, sender, payload, sender_inc, receiver_inc, counter)
+
+
+def _parse(body: memoryview) -> tuple:
+    seq, topic_len, sender_len, n_frames = _HEAD.unpack_from(body, _LINK.size)
+    at = _LINK.size + _HEAD.size
     end = at + topic_len + sender_len + 8 * n_frames
     if end > len(body):
         raise MalformedFrame("message header runs past its end")
@@ -149,7 +232,7 @@ def _parse(body: memoryview) -> Frame:
         at += n + _pad(n)
     if at != len(body):
         raise MalformedFrame(f"message has {len(body) - at} bytes after its last frame")
-    return Frame(topic, seq, sender, payload)
+    return topic, seq, sender, payload
 
 
 def generate_secret() -> bytes:
@@ -162,18 +245,25 @@ def load_secret(secret_file: Optional[Union[str, os.PathLike]] = None, *, enviro
     """The shared secret: the contents of ``secret_file`` (``--secret-file``), else ``$CONVEYOR_SECRET``,
     else a new one from :func:`generate_secret` (or a ``SecretError`` when ``generate`` is False).
 
-    Trailing whitespace (a newline) is stripped from the file and the variable; what remains must be at
-    least ``MIN_SECRET_BYTES`` bytes. Every node must load the same secret.
+    A secret file that its group or others may read is refused, as ssh refuses such a key. Trailing
+    whitespace (a newline) is stripped from the file and the variable; what remains must be at least
+    ``MIN_SECRET_BYTES`` bytes. Every node must load the same secret.
     """
-    hint = "make one with: python -c 'import secrets; print(secrets.token_hex(32))' > FILE"
+    hint = "make one with: (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > FILE)"
     if secret_file is not None:
+        name = os.fspath(secret_file)
         try:
             with open(secret_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                    raise SecretError(f"the secret file {name!r} is accessible by group or others (mode "
+                                      f"{stat.S_IMODE(mode):03o}); anyone who reads it can join or end your runs. "
+                                      f"Fix it with: chmod 600 {name}")
                 secret = f.read().rstrip()
         except OSError as e:
-            raise SecretError(f"cannot read the secret file {os.fspath(secret_file)!r}: {e.strerror or e}") from None
+            raise SecretError(f"cannot read the secret file {name!r}: {e.strerror or e}") from None
         if len(secret) < MIN_SECRET_BYTES:
-            raise SecretError(f"the secret file {os.fspath(secret_file)!r} holds {len(secret)} bytes, at least "
+            raise SecretError(f"the secret file {name!r} holds {len(secret)} bytes, at least "
                               f"{MIN_SECRET_BYTES} are needed; {hint}")
         return secret
     value = (os.environ if environ is None else environ).get(SECRET_ENV)

@@ -1,8 +1,10 @@
-"""The router: topic messages between nodes over nng, authenticated, sequence-numbered, with membership.
+"""The router: topic messages between nodes over nng, authenticated per link, replay-proof, with membership.
 
 Design (one socket per pattern, as nng's examples keep them):
 
-- Every node binds one ``Pull0`` socket, its inbox, at ``listen``; a receive thread reads it.
+- Every node binds one ``Pull0`` socket, its inbox, at ``listen``; a receive thread reads it and a
+  delivery thread decodes payloads and calls the handlers, so a large message or a slow handler never
+  delays the messages that keep peers alive.
 - For every peer it holds one ``Push0`` socket dialing that peer's inbox (a *link*). Peers named in
   ``peers`` are dialed at once; a node that hears from a peer it has no link to dials back the address
   that peer announces, so a star (collectors given the learner's address) becomes two-way by itself.
@@ -13,24 +15,32 @@ Bus0 also floods every peer. A Push0 link has back-pressure (a send waits, at mo
 for a slow receiver) and reaches exactly one peer, so a message goes only to the peers that subscribed
 to its topic, and each link's messages arrive in order.
 
-Membership: a node announces its *state* (node id, advertised address, an incarnation nonce, its
-subscribed topics, and the ids of the peers it has heard) on each link as soon as the link connects
-(the hello, always before any data on that link), whenever it changes (a subscription, a new peer),
-and every ``heartbeat_s``. Any authenticated message refreshes the sender's liveness; one silent for
-``peer_timeout_s`` is declared dead, its subscriptions dropped and the :meth:`Router.on_peer_lost`
-callbacks called. Two faster paths need no timeout: a closing router says goodbye, and a link whose
-connection closes (the peer's process died: the kernel closes its sockets, as after SIGKILL) loses its
-peer at once. A lost peer that speaks again (a dropped connection that comes back, or a restarted
-process under the same id, whose new incarnation starts afresh) is live again. A peer is *ready*
-(:meth:`Router.wait_for_peers`) when its state has arrived and lists this node among those it heard:
-both ends then know each other and can deliver. A restarted peer (new incarnation) starts afresh.
+Trust (:mod:`~conveyor.engine.parallel.frame` has the message format). Each router draws a random
+*incarnation* when it starts. A message is tagged with a key derived from the shared secret and the
+incarnations of its sender and its receiver, so it only authenticates at the receiver incarnation it
+was sealed for. The handshake, per pair of nodes: a node that does not know a peer's incarnation sends
+it a *hello* (its state, sealed for "anyone": replayable, so it makes nothing live and delivers nothing);
+the peer answers with its state sealed for the hello's incarnation, which proves the answer is fresh;
+from then on both seal everything for each other's incarnation. A peer whose genuine (freshly keyed)
+state comes from a new incarnation has restarted: the old one is lost and *retired*, so its recorded
+messages are refused. Within an incarnation, link counters are checked against a :class:`ReplayWindow`.
+Refusals are counted: ``rejected_size``, ``rejected_auth``, ``rejected_replay``, ``malformed``.
 
-Every message is sealed with the shared secret (:mod:`~conveyor.engine.parallel.frame`) and numbered
-per (sender, topic); the receiver checks its size, then its HMAC, before decoding a byte, counts and
-drops what fails (``rejected_size``, ``rejected_auth``, ``malformed``), counts gaps as ``lost`` and drops
-repeats or older messages as ``duplicated``. The first message seen on a (sender, topic) sets the count's
-start, since a subscriber that joins late has not missed the earlier ones. nng itself refuses a message
-over twice ``max_message_size`` (dropping that connection), so no peer can make a node allocate more.
+Membership: a node's *state* (advertised address, subscribed topics, the ids of the peers it has heard)
+goes on each link as soon as the link connects, whenever it changes, and every ``heartbeat_s``. Any
+authentic message refreshes the sender's liveness; one silent for ``peer_timeout_s`` is declared dead,
+its subscriptions dropped and the :meth:`Router.on_peer_lost` callbacks called. Two faster paths need no
+timeout: a closing router says goodbye, and a link whose connection closes (the peer's process died)
+loses its peer at once. A lost peer that speaks again is live again. A peer is *ready*
+(:meth:`Router.wait_for_peers`) when its state lists this node among those it heard. Messages are
+numbered per (sender, topic): gaps count as ``lost``, repeats as ``duplicated``.
+
+Bounds: nng refuses a message over twice ``max_message_size`` (dropping that connection); the inbox
+admits ``max_connections`` connections, of which only as many not yet authenticated as keep their
+partial messages under ``max_pending_bytes``, each for at most ``auth_timeout_s``; the delivery queue
+holds at most ``max_backlog_bytes`` (the receive thread waits for room, and judges no peer silent while
+it waits). No input ends the receive loop: every exception there is counted in ``receive_errors`` and
+logged at most once per kind per minute.
 
 No secret (``secret=None``): the router generates one (:attr:`Router.secret`; a local launcher hands it
 to the children it starts, privately) and stays on this host: it listens only on ``ipc://`` or tcp
@@ -44,24 +54,26 @@ the address a node advertises (``advertise=``, default its listen address, neede
 """
 from __future__ import annotations
 
+import collections
 import errno
 import ipaddress
 import logging
 import os
-import secrets
+import resource
 import shutil
 import socket
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 from urllib.parse import urlsplit
 
 import pynng
 
 from conveyor.engine.parallel import codec as _codec
-from conveyor.engine.parallel.frame import (AuthError, MalformedFrame, OversizeError, generate_secret, open_frame,
-                                            seal)
+from conveyor.engine.parallel.frame import (HELLO, AuthError, Frame, MalformedFrame, OversizeError, ReplayError,
+                                            generate_secret, new_incarnation, open_frame, pack, sign)
+from conveyor.engine.parallel.guard import PipeGuard, RateLimitedLog, ReplayWindow, _remote
 
 __all__ = ["CONTROL_TOPIC", "Router"]
 
@@ -71,6 +83,10 @@ CONTROL_TOPIC = "\x00router"
 """Reserved topic of the router's own state and goodbye messages."""
 
 _SEND_BUFFER = 8  # messages a link queues before a send waits: room for a heartbeat beside data
+_MAX_CONTROL_BYTES = 1 << 16  # a state message is a few hundred bytes; more is not one of ours
+_MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
+_MAX_CANDIDATES = 64  # hellos of incarnations not proven fresh yet, answered until they expire
+_RETIRED_PER_NODE = 16  # incarnations of one node id remembered as replaced
 
 
 def is_local_address(url: str) -> bool:
@@ -95,22 +111,27 @@ class _Link:
     def __init__(self, url: str, sock: Any) -> None:
         self.url, self.sock = url, sock
         self.connected = False
-        self.hello_sent = False
+        self.connected_at = 0.0
+        self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
         self.dropped = False  # its connection closed since the control thread last looked
         self.learned = False  # dialed back after a peer's hello, not asked for with connect()
+        self.warned = False  # told that nothing authentic came back from it
         self.peer_id: Optional[str] = None
+        self.peer_inc: Optional[bytes] = None  # the proven incarnation of the peer behind it
 
 
 class _Peer:
-    """What this node knows of another, from its state messages."""
+    """What this node knows of one incarnation of another node, from its state messages."""
 
-    def __init__(self, node_id: str, address: str, incarnation: str) -> None:
+    def __init__(self, node_id: str, address: str, incarnation: bytes) -> None:
         self.node_id, self.address, self.incarnation = node_id, address, incarnation
         self.topics: frozenset = frozenset()
         self.heard: frozenset = frozenset()
         self.last_seen = time.monotonic()
         self.control_seq = -1
-        self.alive = True
+        self.alive = False
+        self.window = ReplayWindow()
+        self.last_seq: Dict[str, int] = {}
 
 
 class Router:
@@ -119,22 +140,31 @@ class Router:
     ``secret``: the shared secret (bytes, same on every node), or None for a single-host run (see the
     module docstring). ``listen``: this node's inbox address (None: ipc in a temporary directory).
     ``peers``: inbox addresses to dial. Every timeout is in seconds. ``codec`` encodes payloads
-    (default: :mod:`codec`'s; a ``PickleCodec`` opts into pickle on every node).
+    (default: :mod:`codec`'s; a ``PickleCodec`` opts into pickle on every node). The bounds of the
+    receive path (``max_connections``, ``max_pending_bytes``, ``max_backlog_bytes``, ``auth_timeout_s``,
+    default ``peer_timeout_s``) are in the module docstring.
     """
 
     def __init__(self, node_id: str, secret: Optional[bytes] = None, *, listen: Optional[str] = None,
                  peers: Iterable[str] = (), advertise: Optional[str] = None, max_message_size: int = 64 << 20,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, send_timeout_s: float = 10.0,
-                 codec: Optional[_codec.Codec] = None) -> None:
+                 codec: Optional[_codec.Codec] = None, max_connections: int = 64,
+                 max_pending_bytes: int = 1 << 30, max_backlog_bytes: Optional[int] = None,
+                 auth_timeout_s: Optional[float] = None) -> None:
         if not isinstance(node_id, str) or not node_id or node_id.startswith("\x00"):
             raise ValueError(f"Router(node_id={node_id!r}): the node id must be a non-empty string")
+        auth_timeout_s = peer_timeout_s if auth_timeout_s is None else auth_timeout_s
         for name, value in (("heartbeat_s", heartbeat_s), ("peer_timeout_s", peer_timeout_s),
-                            ("send_timeout_s", send_timeout_s)):
+                            ("send_timeout_s", send_timeout_s), ("auth_timeout_s", auth_timeout_s)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"Router({name}={value!r}): must be a number of seconds > 0")
         if peer_timeout_s <= heartbeat_s:
             raise ValueError(f"Router(peer_timeout_s={peer_timeout_s}) must exceed heartbeat_s={heartbeat_s}, "
                              f"or every peer would be declared dead between two heartbeats")
+        for name, value in (("max_message_size", max_message_size), ("max_connections", max_connections),
+                            ("max_pending_bytes", max_pending_bytes)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Router({name}={value!r}): must be a positive int")
         peers = list(peers)
         self.node_id = node_id
         self.local_only = secret is None
@@ -147,9 +177,11 @@ class Router:
                                      f"(--secret-file FILE or $CONVEYOR_SECRET), or use ipc:// or tcp://127.0.0.1")
         self.max_message_size = max_message_size
         self.heartbeat_s, self.peer_timeout_s, self.send_timeout_s = heartbeat_s, peer_timeout_s, send_timeout_s
+        self.auth_timeout_s = auth_timeout_s
+        self.max_backlog_bytes = max_backlog_bytes or 2 * max_message_size
         self._encode = codec.encode if codec is not None else _codec.encode
         self._decode = codec.decode if codec is not None else _codec.decode
-        self.incarnation = secrets.token_hex(8)
+        self._inc = new_incarnation()
 
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -158,19 +190,36 @@ class Router:
         self._closed = False
         self._links: Dict[str, _Link] = {}
         self._peers: Dict[str, _Peer] = {}
+        self._retired: Dict[str, Deque[bytes]] = {}
+        self._candidates: Dict[Tuple[str, bytes], Tuple[str, float]] = {}  # (node, inc) -> (address, expiry)
+        self._auth_failures: Dict[str, int] = {}  # remote address -> messages that failed their tag
         self._topics: Set[str] = set()
         self._handlers: Dict[str, List[Callable[[Any], Any]]] = {}
         self._lost_callbacks: List[Callable[[str], Any]] = []
         self._seq: Dict[str, int] = {}
+        self._counter: Dict[bytes, int] = {}  # per receiver incarnation: the next link counter
         self._send_locks: Dict[str, threading.Lock] = {}
-        self._last_seq: Dict[Tuple[str, str], int] = {}
-        self._counts = dict.fromkeys(("sent", "received", "rejected_auth", "rejected_size", "malformed", "lost",
-                                      "duplicated", "send_timeouts", "handler_errors", "peers_lost"), 0)
+        self._backlog: Deque[Tuple[Any, Frame, List[Callable[[Any], Any]]]] = collections.deque()
+        self._backlog_bytes = 0
+        self._has_room = threading.Condition(self._lock)
+        self._stalled = False
+        self._counts = dict.fromkeys(("sent", "received", "rejected_auth", "rejected_size", "rejected_replay",
+                                      "rejected_connections", "malformed", "lost", "duplicated", "send_timeouts",
+                                      "handler_errors", "receive_errors", "peers_lost"), 0)
+        self._log = RateLimitedLog(log)
         self._tmpdir: Optional[str] = None
         if listen is None:
             self._tmpdir = tempfile.mkdtemp(prefix="conveyor-router-")
             listen = f"ipc://{self._tmpdir}/{node_id.replace('/', '_')}.ipc"
-        self._inbox = pynng.Pull0(recv_max_size=2 * max_message_size)
+        recv_max = 2 * max_message_size
+        self._guard = PipeGuard(max_connections, max(1, max_pending_bytes // recv_max), auth_timeout_s,
+                                self._count, self._log, node_id)
+        try:
+            self._inbox = pynng.Pull0(recv_max_size=recv_max)
+        except pynng.NNGException as e:
+            raise _os_error(f"Router {node_id!r} cannot open its inbox", e) from None
+        self._inbox.add_pre_pipe_connect_cb(self._guard.opened)
+        self._inbox.add_post_pipe_remove_cb(self._guard.closed)
         try:
             listener = self._inbox.listen(listen)
         except pynng.AddressInUse:
@@ -180,7 +229,7 @@ class Router:
                                             f"path, or stop that process") from None
         except pynng.NNGException as e:
             self._cleanup_sockets()
-            raise OSError(f"Router {node_id!r} cannot listen on {listen}: {e}") from None
+            raise _os_error(f"Router {node_id!r} cannot listen on {listen}", e) from None
         self.listen_address = listen
         if urlsplit(listen).scheme.startswith("tcp") and urlsplit(listen).port == 0:
             port = socket.ntohs(listener.local_address.port)  # pynng gives it in network byte order
@@ -190,12 +239,11 @@ class Router:
         self.address = advertise or self.listen_address
         self._ipc_path = urlsplit(listen).path if listen.startswith("ipc://") else None
 
-        self._receiver = threading.Thread(target=self._receive_loop, name=f"conveyor-router-recv-{node_id}",
-                                          daemon=True)
-        self._control = threading.Thread(target=self._control_loop, name=f"conveyor-router-ctl-{node_id}",
-                                         daemon=True)
-        self._receiver.start()
-        self._control.start()
+        self._threads = [threading.Thread(target=fn, name=f"conveyor-router-{what}-{node_id}", daemon=True)
+                         for what, fn in (("recv", self._receive_loop), ("deliver", self._deliver_loop),
+                                          ("ctl", self._control_loop))]
+        for thread in self._threads:
+            thread.start()
         for url in peers:
             self.connect(url)
 
@@ -203,6 +251,11 @@ class Router:
     def closed(self) -> bool:
         """Whether :meth:`close` has been called."""
         return self._closing
+
+    @property
+    def incarnation(self) -> str:
+        """This router's incarnation, in hex: drawn afresh by every router, so a restarted node has a new one."""
+        return self._inc.hex()
 
     def __repr__(self) -> str:
         return f"<Router {self.node_id!r} at {self.address}, peers {self.peers()}>"
@@ -225,14 +278,18 @@ class Router:
         with self._lock:
             if self._closing or url in self._links or url == self.address:
                 return
-            sock = pynng.Push0(send_timeout=int(self.send_timeout_s * 1000), send_buffer_size=_SEND_BUFFER,
-                               reconnect_time_min=50, reconnect_time_max=int(max(self.heartbeat_s, 0.1) * 1000))
+            try:
+                sock = pynng.Push0(send_timeout=int(self.send_timeout_s * 1000), send_buffer_size=_SEND_BUFFER,
+                                   reconnect_time_min=50, reconnect_time_max=int(max(self.heartbeat_s, 0.1) * 1000))
+            except pynng.NNGException as e:
+                raise _os_error(f"Router {self.node_id!r} cannot open a link to {url}", e) from None
             link = self._links[url] = _Link(url, sock)
             link.learned = learned
 
         def connected(pipe: Any) -> None:
             with self._lock:
                 link.connected, link.hello_sent = True, False
+                link.connected_at = time.monotonic()
             self._wake.set()
 
         def removed(pipe: Any) -> None:
@@ -256,7 +313,7 @@ class Router:
         self._wake.set()
 
     def on(self, topic: str, fn: Callable[[Any], Any]) -> None:
-        """Call ``fn(payload)`` on the receive thread for each message on ``topic``; subscribes to it."""
+        """Call ``fn(payload)`` on the delivery thread for each message on ``topic``; subscribes to it."""
         if not callable(fn):
             raise TypeError(f"router.on({topic!r}, fn): fn must be callable, got {fn!r}")
         self._check_topic(topic)
@@ -304,7 +361,8 @@ class Router:
         links = []
         for peer in self._peers.values():
             link = self._links.get(peer.address)
-            if peer.alive and topic in peer.topics and link is not None and link.hello_sent:
+            if (peer.alive and topic in peer.topics and link is not None and link.hello_sent
+                    and link.peer_inc == peer.incarnation):
                 link.peer_id = peer.node_id
                 links.append(link)
         return links
@@ -343,16 +401,23 @@ class Router:
         with send_lock:  # seq order is send order on every link
             seq = self._seq.get(topic, -1) + 1
             self._seq[topic] = seq
-            data = seal(self.secret, topic, seq, self.node_id, frames, self.max_message_size)
-            return sum(self._send(link, data) for link in links)
+            message = pack(topic, seq, self.node_id, frames, self.max_message_size)
+            return sum(self._send(link, message, link.peer_inc) for link in links)
 
-    def _send(self, link: _Link, data: bytes, block: bool = True, count: bool = True) -> bool:
+    def _send(self, link: _Link, message: bytearray, to: Optional[bytes], block: bool = True,
+              count: bool = True) -> bool:
+        """Seal ``message`` for incarnation ``to`` (None: a hello) and send it on ``link``."""
+        to = HELLO if to is None else to
+        with self._lock:
+            counter = self._counter.get(to, 0)
+            self._counter[to] = counter + 1
+        sign(message, self.secret, self._inc, to, counter)
         try:
-            link.sock.send(data, block=block)
+            link.sock.send(pynng.ffi.from_buffer(message), block=block)  # nng copies it: no bytes() of our own
         except pynng.Timeout:
             self._count("send_timeouts")
-            log.warning("router %s: a send to %s timed out after %ss; message dropped", self.node_id, link.url,
-                        self.send_timeout_s)
+            self._log.log(f"send-timeout {link.url}", "router %s: a send to %s timed out after %ss; message dropped",
+                          self.node_id, link.url, self.send_timeout_s)
             return False
         except (pynng.TryAgain, pynng.Closed):
             return False
@@ -378,7 +443,8 @@ class Router:
 
     def _ready(self, peer: _Peer) -> bool:
         link = self._links.get(peer.address)
-        return peer.alive and self.node_id in peer.heard and link is not None and link.hello_sent
+        return (peer.alive and self.node_id in peer.heard and link is not None and link.hello_sent
+                and link.peer_inc == peer.incarnation)
 
     def wait_for_peers(self, n: int, timeout: float) -> List[str]:
         """Block until ``n`` peers are ready; returns their ids. ``TimeoutError`` naming who is missing."""
@@ -393,20 +459,20 @@ class Router:
                     break
                 self._changed.wait(left)
             heard = sorted(p.node_id for p in self._peers.values() if p.alive and not self._ready(p))
-            known = {p.address for p in self._peers.values()}
-            silent = sorted(url for url in self._links if url not in known)
+            silent = sorted(url for url, link in self._links.items() if link.peer_inc is None)
+            failed = sorted(self._auth_failures)
         raise TimeoutError(f"router {self.node_id!r}: {len(ready)} of {n} peers ready after {timeout}s "
-                           f"(ready: {sorted(ready)}; heard but not yet knowing us: {heard}; dialed, never "
-                           f"heard from: {silent}); check that those nodes run, use the same secret, and are "
-                           f"given this node's address {self.address}")
+                           f"(ready: {sorted(ready)}; heard but not yet knowing us: {heard}; dialed, nothing "
+                           f"authentic heard from: {silent}; failed authentication: {failed}); check that those "
+                           f"nodes run, use the same secret, and are given this node's address {self.address}")
 
-    def _state(self) -> bytes:
+    def _state(self) -> bytearray:
         with self._lock:
-            state = {"kind": "state", "address": self.address, "incarnation": self.incarnation,
-                     "topics": sorted(self._topics), "heard": sorted(p.node_id for p in self._peers.values() if p.alive)}
+            state = {"kind": "state", "address": self.address, "topics": sorted(self._topics),
+                     "heard": sorted(p.node_id for p in self._peers.values() if p.alive)}
             seq = self._seq.get(CONTROL_TOPIC, -1) + 1
             self._seq[CONTROL_TOPIC] = seq
-        return seal(self.secret, CONTROL_TOPIC, seq, self.node_id, _codec.encode(state))
+        return pack(CONTROL_TOPIC, seq, self.node_id, _codec.encode(state))
 
     def _control_loop(self) -> None:
         last_beat = 0.0
@@ -415,24 +481,54 @@ class Router:
             self._wake.clear()
             if self._closing:
                 return
-            now = time.monotonic()
-            with self._lock:
-                links = [link for link in self._links.values() if link.connected]
-            beat = now - last_beat >= self.heartbeat_s * 0.9
-            if woken or beat:
-                data = self._state()
-                for link in links:
-                    if self._send(link, data, block=False, count=False):
-                        with self._lock:
-                            link.hello_sent = link.connected
-                            self._changed.notify_all()
-                if beat:
-                    last_beat = now
-            self._check_timeouts()
+            try:
+                now = time.monotonic()
+                beat = now - last_beat >= self.heartbeat_s * 0.9
+                if woken or beat:
+                    self._announce()
+                    if beat:
+                        last_beat = now
+                self._check_timeouts()
+                self._guard.expire()
+            except Exception as e:  # a bug here must not stop the heartbeats
+                self._receive_error("control", e)
+
+    def _announce(self) -> None:
+        """Send our state on every connected link: sealed for the proven peer behind it, and for each fresh
+        hello heard from that address; a hello of our own where nobody is known yet."""
+        now = time.monotonic()
+        with self._lock:
+            self._candidates = {k: v for k, v in self._candidates.items() if v[1] > now}
+            wanted = {address for address, _ in self._candidates.values()}
+            targets = []
+            for url, link in list(self._links.items()):
+                if link.learned and link.peer_inc is None and url not in wanted:
+                    del self._links[url]  # dialed back for a hello that was never proven fresh
+                    link.sock.close()
+                    continue
+                if not link.connected:
+                    continue
+                incs = [inc for (_, inc), (address, _) in self._candidates.items()
+                        if address == url and inc != link.peer_inc]
+                targets.append((link, [link.peer_inc] if link.peer_inc is not None else [], incs))
+                if link.peer_inc is None and not link.warned and now - link.connected_at > self.auth_timeout_s:
+                    link.warned = True
+                    log.warning("router %s: connected to %s %.0fs ago but nothing authentic came back: the node "
+                                "there uses another secret than this one (check --secret-file / $CONVEYOR_SECRET "
+                                "on both hosts), or is not a Conveyor node", self.node_id, url, self.auth_timeout_s)
+        for link, proven, others in targets:
+            for to in proven + others or [None]:
+                ok = self._send(link, self._state(), to, block=False, count=False)
+                if ok and proven and to == proven[0]:
+                    with self._lock:
+                        link.hello_sent = link.connected and link.peer_inc == to
+                        self._changed.notify_all()
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         with self._lock:
+            if self._stalled:  # our receive thread is behind: silence is ours, not theirs
+                return
             dead = [(p, f"silent for {self.peer_timeout_s}s") for p in self._peers.values()
                     if p.alive and now - p.last_seen > self.peer_timeout_s]
             dropped = {url for url, link in self._links.items() if link.dropped}
@@ -466,136 +562,251 @@ class Router:
                 log.exception("router %s: an on_peer_lost callback raised", self.node_id)
         self._wake.set()  # our "heard" list changed
 
-    def _on_control(self, sender: str, seq: int, message: Dict[str, Any]) -> None:
+    def _on_hello(self, frame: Frame, message: Dict[str, Any]) -> None:
+        """A hello: remember its incarnation as a candidate to answer (sealed for it) until it expires."""
+        sender, inc = frame.sender, frame.sender_incarnation
+        with self._lock:
+            if inc in self._retired.get(sender, ()):
+                self._counts["rejected_replay"] += 1
+                return
+            if len(self._candidates) >= _MAX_CANDIDATES and (sender, inc) not in self._candidates:
+                self._candidates.pop(next(iter(self._candidates)))
+            self._candidates[(sender, inc)] = (message["address"], time.monotonic() + self.auth_timeout_s)
+            known = message["address"] in self._links
+        if not known:
+            self._dial_back(message["address"], None)
+        self._wake.set()
+
+    def _dial_back(self, address: str, inc: Optional[bytes]) -> None:
+        """Dial the address a peer announced (learned: closed again if it never proves fresh)."""
+        try:
+            self._connect(address, learned=True)
+        except (ValueError, OSError) as e:
+            self._count("malformed")
+            return self._log.log(f"dial {address}", "router %s: not dialing %s: %s", self.node_id, address, e)
+        with self._lock:
+            link = self._links.get(address)
+            if link is not None and inc is not None:
+                link.peer_inc = inc
+
+    def _on_control(self, frame: Frame, message: Dict[str, Any]) -> None:
+        """State or goodbye sealed for us: proof that ``frame``'s incarnation runs now."""
+        sender, inc = frame.sender, frame.sender_incarnation
         with self._lock:
             old = self._peers.get(sender)
-        if old is not None and old.alive and message["kind"] == "state" and old.incarnation != message["incarnation"]:
+        if old is not None and old.incarnation != inc:
+            if message["kind"] == "bye":
+                return
             self._lose(old, "it restarted")  # its callbacks run before the new incarnation is live
+            with self._lock:
+                self._retired.setdefault(sender, collections.deque(maxlen=_RETIRED_PER_NODE)).append(old.incarnation)
         with self._lock:
             peer = self._peers.get(sender)
+            if peer is None or peer.incarnation != inc:
+                if message["kind"] == "bye":
+                    return
+                peer = self._peers[sender] = _Peer(sender, message["address"], inc)
+            if not peer.window.accept(frame.counter):
+                self._counts["rejected_replay"] += 1
+                return
+            if frame.seq <= peer.control_seq:
+                return  # an older state overtaken by a newer one
+            peer.control_seq = frame.seq
             if message["kind"] == "bye":
-                if peer is None or seq <= peer.control_seq:
-                    return
-                peer.control_seq = seq
+                new_link = False
             else:
-                if peer is None or peer.incarnation != message["incarnation"]:
-                    for key in [k for k in self._last_seq if k[0] == sender]:  # restarted: seq starts again
-                        del self._last_seq[key]
-                    peer = self._peers[sender] = _Peer(sender, message["address"], message["incarnation"])
-                    peer.alive = False
-                elif seq <= peer.control_seq:
-                    self._counts["duplicated"] += 1
-                    return
-                peer.control_seq = seq
+                self._candidates.pop((sender, inc), None)
                 was_alive, peer.alive = peer.alive, True
                 peer.address = message["address"]
                 peer.topics, peer.heard = frozenset(message["topics"]), frozenset(message["heard"])
                 peer.last_seen = time.monotonic()
-                new_link = peer.address not in self._links
+                link = self._links.get(peer.address)
+                new_link = link is None
+                if link is not None and link.peer_inc != inc:
+                    link.peer_inc, link.hello_sent, link.peer_id = inc, False, sender
                 self._changed.notify_all()
         if message["kind"] == "bye":
             return self._lose(peer, "it closed")
         if new_link:
-            self._connect(peer.address, learned=True)
-        if not was_alive or self.node_id not in peer.heard:
+            self._dial_back(peer.address, inc)
+        if not was_alive or self.node_id not in peer.heard or new_link:
             self._wake.set()  # tell it (again) that we heard it
 
     # --- receiving ---------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
         while True:
             try:
-                data = self._inbox.recv()
+                msg = self._inbox.recv_msg()
             except pynng.Closed:
                 return
-            except pynng.NNGException:
+            except Exception as e:
                 if self._closing:
                     return
+                self._receive_error("recv", e)
                 continue
             try:
-                self._handle(data)
-            except Exception:  # a bug here must not stop the node from receiving
-                log.exception("router %s: handling a message failed", self.node_id)
+                self._handle(msg)
+            except Exception as e:  # a bug or an input nobody foresaw: count it, keep receiving
+                self._receive_error("handle", e)
 
-    def _handle(self, data: bytes) -> None:
+    def _receive_error(self, where: str, error: BaseException) -> None:
+        self._count("receive_errors")
+        self._log.log(f"{where}:{type(error).__name__}", "router %s: %s: %s: %s", self.node_id, where,
+                      type(error).__name__, error)
+
+    def _handle(self, msg: Any) -> None:
+        """Check one received message (size, tag, incarnation, counter) and act on it or queue it for delivery."""
+        view = memoryview(msg._buffer)  # pynng's view of the nng message: no copy until decoding
         try:
-            frame = open_frame(self.secret, data, self.max_message_size)
+            frame = open_frame(self.secret, view, self.max_message_size, self._inc)
         except OversizeError:
             return self._count("rejected_size")
+        except ReplayError:
+            return self._count("rejected_replay")
         except AuthError:
-            return self._count("rejected_auth")
+            self._count("rejected_auth")
+            remote = _remote(msg.pipe) if msg.pipe is not None else "?"
+            with self._lock:
+                self._auth_failures[remote] = self._auth_failures.get(remote, 0) + 1
+                if len(self._auth_failures) > 64:
+                    self._auth_failures.pop(next(iter(self._auth_failures)))
+            self._log.log("auth", "router %s: a message from %s failed authentication: the node there uses another "
+                          "secret (check --secret-file / $CONVEYOR_SECRET on both hosts), or is not a Conveyor node",
+                          self.node_id, remote)
+            return
         except MalformedFrame:
             return self._count("malformed")
-        sender, topic, seq = frame.sender, frame.topic, frame.seq
-        with self._lock:
-            peer = self._peers.get(sender)
-            if peer is not None and peer.alive:
-                peer.last_seen = time.monotonic()
-        if topic == CONTROL_TOPIC:
-            try:
-                message = _codec.decode(frame.payload)
-                if message["kind"] == "state":
-                    _ = (str(message["address"]), str(message["incarnation"]), list(message["topics"]),
-                         list(message["heard"]))
-                elif message["kind"] != "bye":
-                    raise ValueError(message["kind"])
-            except Exception:
+        if frame.topic == CONTROL_TOPIC:
+            message = self._control_message(frame)
+            if message is None:
                 return self._count("malformed")
-            return self._on_control(sender, seq, message)
+            if frame.receiver_incarnation == HELLO:
+                return self._on_hello(frame, message) if message["kind"] == "state" else self._count("malformed")
+            self._guard.authenticated(msg.pipe)
+            return self._on_control(frame, message)
+        if frame.receiver_incarnation == HELLO:
+            return self._count("malformed")  # a hello carries our state only: nothing else is replayable
+        self._guard.authenticated(msg.pipe)
         with self._lock:
-            key = (sender, topic)
-            last = self._last_seq.get(key)
-            if last is not None and seq <= last:
+            peer = self._peers.get(frame.sender)
+            if peer is None or peer.incarnation != frame.sender_incarnation:
+                retired = frame.sender_incarnation in self._retired.get(frame.sender, ())
+                self._counts["rejected_replay" if retired else "malformed"] += 1
+                return
+            if not peer.window.accept(frame.counter):
+                self._counts["rejected_replay"] += 1
+                return
+            if peer.alive:
+                peer.last_seen = time.monotonic()
+            last = peer.last_seq.get(frame.topic, -1)
+            if frame.seq <= last:
                 self._counts["duplicated"] += 1
                 return
-            if last is not None and seq > last + 1:
-                self._counts["lost"] += seq - last - 1
-            self._last_seq[key] = seq
+            if frame.seq - last > _MAX_SEQ_JUMP:
+                self._counts["malformed"] += 1  # would make every later message of its look old
+                return
+            self._counts["lost"] += frame.seq - last - 1 if last >= 0 else 0
+            peer.last_seq[frame.topic] = frame.seq
             self._counts["received"] += 1
-            handlers = list(self._handlers.get(topic, ()))
-        if not handlers:
-            return
+            handlers = list(self._handlers.get(frame.topic, ()))
+            if not handlers:
+                return
+            size = len(view)
+            while self._backlog and self._backlog_bytes + size > self.max_backlog_bytes and not self._closing:
+                self._stalled = True  # handlers are behind: wait for room, judging no peer meanwhile
+                self._has_room.wait(self.heartbeat_s)
+            if self._stalled:
+                self._stalled = False
+                for p in self._peers.values():
+                    p.last_seen = max(p.last_seen, time.monotonic() - self.heartbeat_s)
+            self._backlog.append((msg, frame, handlers))
+            self._backlog_bytes += size
+            self._has_room.notify_all()
+
+    def _control_message(self, frame: Frame) -> Optional[Dict[str, Any]]:
+        """The router's own message in ``frame`` if it is well formed, else None."""
+        if sum(len(p) for p in frame.payload) > _MAX_CONTROL_BYTES:
+            return None
         try:
-            payload = self._decode(frame.payload)
+            message = _codec.decode(frame.payload, copy=True)
+            if message["kind"] == "state":
+                if not (isinstance(message["address"], str) and all(isinstance(t, str) for t in message["topics"])
+                        and all(isinstance(h, str) for h in message["heard"])):
+                    return None
+            elif message["kind"] != "bye":
+                return None
         except Exception:
-            log.exception("router %s: cannot decode a message on %r from %s", self.node_id, topic, sender)
-            return self._count("malformed")
-        for fn in handlers:
+            return None
+        return message
+
+    def _deliver_loop(self) -> None:
+        """Decode queued messages and call their handlers, in arrival order, off the receive thread."""
+        while True:
+            with self._lock:
+                while not self._backlog and not self._closing:
+                    self._has_room.wait()
+                if self._closing:
+                    return
+                msg, frame, handlers = self._backlog[0]
             try:
-                fn(payload)
-            except Exception:
-                self._count("handler_errors")
-                log.exception("router %s: handler %r for topic %r raised", self.node_id, fn, topic)
+                payload = self._decode(frame.payload, copy=True)  # out of nng's message, which is then freed
+            except Exception as e:
+                self._count("malformed")
+                self._log.log(f"decode {frame.topic}", "router %s: cannot decode a message on %r from %s: %s",
+                              self.node_id, frame.topic, frame.sender, e)
+                payload = _UNDECODABLE
+            finally:
+                with self._lock:
+                    self._backlog.popleft()
+                    self._backlog_bytes -= len(msg._buffer)
+                    self._has_room.notify_all()
+                del msg, frame
+            if payload is _UNDECODABLE:
+                continue
+            for fn in handlers:
+                try:
+                    fn(payload)
+                except Exception:
+                    self._count("handler_errors")
+                    log.exception("router %s: handler %r raised", self.node_id, fn)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
 
     def stats(self) -> Dict[str, Any]:
-        """Counters: ``sent``, ``received``, ``rejected_auth``, ``rejected_size``, ``malformed``, ``lost``,
-        ``duplicated``, ``send_timeouts``, ``handler_errors``, ``peers_lost``; ``peers``: live peer ids."""
+        """Counters: ``sent``, ``received``, ``rejected_auth``, ``rejected_size``, ``rejected_replay``,
+        ``rejected_connections``, ``malformed``, ``lost``, ``duplicated``, ``send_timeouts``, ``handler_errors``,
+        ``receive_errors``, ``peers_lost``; ``peers``: live peer ids; ``connections`` and ``pending``: the
+        inbox's connections now, and those not authenticated yet; ``backlog_bytes``: received, not yet delivered."""
         with self._lock:
-            return {**self._counts, "peers": sorted(p.node_id for p in self._peers.values() if p.alive)}
+            return {**self._counts, "peers": sorted(p.node_id for p in self._peers.values() if p.alive),
+                    **self._guard.counts(), "backlog_bytes": self._backlog_bytes}
 
     # --- closing -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Say goodbye to the peers, stop both threads and close every socket (the ipc file goes with it)."""
+        """Say goodbye to the peers, stop the threads and close every socket (the ipc file goes with it)."""
         with self._lock:
             if self._closed:
                 return
+            links = [link for link in self._links.values() if link.hello_sent and link.peer_inc is not None]
+            seq = self._seq.get(CONTROL_TOPIC, -1) + 1
+        for link in links:
+            self._send(link, pack(CONTROL_TOPIC, seq, self.node_id, _codec.encode({"kind": "bye"})), link.peer_inc,
+                       block=False, count=False)
+        with self._lock:
             self._closing = self._closed = True
             links = list(self._links.values())
             self._changed.notify_all()
-        bye = seal(self.secret, CONTROL_TOPIC, self._seq.get(CONTROL_TOPIC, -1) + 1, self.node_id,
-                   _codec.encode({"kind": "bye"}))
-        for link in links:
-            if link.hello_sent:
-                self._send(link, bye, block=False, count=False)
+            self._has_room.notify_all()
         self._wake.set()
         self._inbox.close()
-        self._receiver.join(timeout=5)
-        self._control.join(timeout=5)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
         for link in links:
             link.sock.close()
+        self._backlog.clear()
         self._cleanup_sockets()
 
     def _cleanup_sockets(self) -> None:
@@ -608,3 +819,15 @@ class Router:
                 pass
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+_UNDECODABLE = object()
+
+
+def _os_error(what: str, error: Exception) -> OSError:
+    """A one-line OSError for a failed nng call; running out of file descriptors names the limit."""
+    if "file" in str(error).lower():
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return OSError(errno.EMFILE, f"{what}: out of file descriptors (this process may open {soft}, "
+                                     f"`ulimit -n`); raise the limit, or run fewer nodes or connections per process")
+    return OSError(f"{what}: {error}")

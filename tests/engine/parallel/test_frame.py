@@ -1,5 +1,4 @@
 """Sealed frames: what an authentic message carries, and every way a bad one is refused before decoding."""
-import hmac
 import os
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 from conveyor.engine.parallel import (AuthError, OversizeError, RejectedMessage, SecretError, decode, encode,
                                       generate_secret, load_secret, open_frame, seal)
 from conveyor.engine.parallel import frame as frame_module
+from conveyor.engine.parallel.frame import HELLO, ReplayError, new_incarnation
 from tests.engine.parallel._bomb import Bomb
 
 SECRET = b"k" * 32
@@ -85,15 +85,14 @@ def test_a_forged_pickle_payload_is_refused_before_it_is_unpickled():
     assert Bomb.exploded == []
 
 
-def test_an_oversize_frame_is_refused_before_its_hmac_is_computed_or_anything_decoded(monkeypatch):
+def test_an_oversize_frame_is_refused_before_its_tag_is_computed_or_anything_decoded(monkeypatch):
     Bomb.exploded.clear()
     data = seal(SECRET, "t", 1, "s", encode({"bomb": Bomb(), "pad": np.zeros(4096)}, allow_pickle=True))
 
-    def no_hashing(*args, **kwargs):
-        raise AssertionError("HMAC computed for an oversize message")
+    def no_key(*args, **kwargs):
+        raise AssertionError("tag computed for an oversize message")
 
-    monkeypatch.setattr(frame_module.hmac, "digest", no_hashing)
-    monkeypatch.setattr(frame_module.hmac, "new", no_hashing)
+    monkeypatch.setattr(frame_module, "_link_key", no_key)
     with pytest.raises(OversizeError):
         receive(data, max_size=len(data) - 1, allow_pickle=True)
     assert Bomb.exploded == []
@@ -113,12 +112,27 @@ def test_both_refusals_are_rejected_messages_for_the_router_to_count():
     assert issubclass(AuthError, RejectedMessage) and issubclass(OversizeError, RejectedMessage)
 
 
-def test_the_tag_is_compared_in_constant_time(monkeypatch):
-    calls = []
-    real = hmac.compare_digest
-    monkeypatch.setattr(frame_module.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
-    receive(sealed())
-    assert calls == [1]
+def test_a_message_opens_only_at_the_receiver_incarnation_it_was_sealed_for():
+    a, b, b_restarted = new_incarnation(), new_incarnation(), new_incarnation()
+    data = seal(SECRET, "t", 1, "s", encode("hi"), sender_incarnation=a, receiver_incarnation=b, counter=7)
+    f = open_frame(SECRET, data, LIMIT, b)
+    assert (f.sender_incarnation, f.receiver_incarnation, f.counter) == (a, b, 7)
+    with pytest.raises(ReplayError, match="another run or before a restart"):
+        open_frame(SECRET, data, LIMIT, b_restarted)
+    assert issubclass(ReplayError, RejectedMessage)
+
+
+def test_a_hello_opens_at_any_incarnation_and_says_it_is_one():
+    f = open_frame(SECRET, sealed(), LIMIT, new_incarnation())
+    assert f.receiver_incarnation == HELLO
+
+
+def test_the_incarnations_are_part_of_the_key_not_just_of_the_header():
+    a, b = new_incarnation(), new_incarnation()
+    data = bytearray(seal(SECRET, "t", 1, "s", encode("hi"), sender_incarnation=a, receiver_incarnation=b))
+    data[4:20] = new_incarnation()  # claim another sender incarnation: the tag no longer matches
+    with pytest.raises(AuthError):
+        open_frame(SECRET, bytes(data), LIMIT, b)
 
 
 def test_a_short_or_non_bytes_secret_is_refused_when_sealing():
@@ -138,9 +152,24 @@ def test_sealed_messages_travel_over_a_pynng_pair_socket(tmp_path):
 
 # ---- secrets -------------------------------------------------------------------------------------------------
 
+def private_file(path, text):
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644])
+def test_a_secret_file_others_may_read_is_refused_with_the_chmod_fix(tmp_path, mode):
+    path = private_file(tmp_path / "secret", "a" * 64)
+    path.chmod(mode)
+    with pytest.raises(SecretError) as e:
+        load_secret(path)
+    assert f"chmod 600 {path}" in str(e.value) and f"{mode:03o}" in str(e.value) and "\n" not in str(e.value)
+    path.chmod(0o400)
+    assert load_secret(path) == b"a" * 64
+
 def test_load_secret_reads_the_file_and_strips_its_newline(tmp_path):
-    path = tmp_path / "secret"
-    path.write_text("a" * 64 + "\n")
+    path = private_file(tmp_path / "secret", "a" * 64 + "\n")
     assert load_secret(path, environ={"CONVEYOR_SECRET": "b" * 64}) == b"a" * 64
 
 
@@ -175,8 +204,7 @@ def test_a_secret_file_without_read_permission_is_a_one_line_error(tmp_path):
 
 
 def test_a_too_short_secret_is_a_one_line_error_with_the_fix(tmp_path):
-    path = tmp_path / "secret"
-    path.write_text("hunter2\n")
+    path = private_file(tmp_path / "secret", "hunter2\n")
     with pytest.raises(SecretError) as e:
         load_secret(path)
     assert "7 bytes" in str(e.value) and "token_hex" in str(e.value) and "\n" not in str(e.value)

@@ -67,6 +67,7 @@ def json_line(proc):
 def test_a_learner_trains_on_two_collectors_on_another_host(hosts, tmp_path):
     secret_file = tmp_path / "secret"
     secret_file.write_text(os.urandom(32).hex())
+    secret_file.chmod(0o600)
     learner_url = f"tcp://{LEARNER_IP}:{PORT}"
     with script_groups(WAIT) as start:
         learner = start(LAUNCHER, "learner", secret_file, LEARNER_IP, PORT, prefix=("ip", "netns", "exec", hosts[0]))

@@ -16,6 +16,7 @@ from conveyor.engine import Task
 from conveyor.engine.parallel import encode, generate_secret, seal
 from conveyor.engine.parallel.router import Router
 from tests.engine.parallel._groups import kill_group
+from tests.engine.parallel._wire import as_peer, raw_sender
 
 SECRET = generate_secret()
 WAIT = 10  # seconds: the bound on every wait below; a healthy run takes milliseconds
@@ -63,11 +64,6 @@ def collect(router, topic):
     got = queue.Queue()
     router.on(topic, got.put)
     return got
-
-
-def raw_sender(address):
-    """A bare pynng socket dialing a router's inbox, for sending hand-made messages."""
-    return pynng.Push0(dial=address, send_timeout=WAIT * 1000)
 
 
 def test_a_message_reaches_only_the_peers_subscribed_to_its_topic(make_router):
@@ -122,17 +118,19 @@ def test_three_routers_in_two_processes_exchange_messages(make_router, spawn_pee
 def test_forged_corrupted_and_oversize_messages_are_dropped_and_counted(make_router, tmp_path):
     receiver = make_router("receiver", listen=f"ipc://{tmp_path}/receiver.ipc", max_message_size=1 << 16)
     sender = make_router("sender", peers=[receiver.address])
+    injector = make_router("injector", peers=[receiver.address])  # a known peer whose messages we make by hand
     got = collect(receiver, "x")
     sender.wait_for_subscribers("x", 1, WAIT)
-    good = seal(SECRET, "x", 0, "raw", encode("good"))
-    flipped = bytearray(good)
+    injector.wait_for_subscribers("x", 1, WAIT)
+    sealed = as_peer(injector, receiver, SECRET)
+    flipped = bytearray(sealed("x", 100, "good"))
     flipped[len(flipped) // 2] ^= 0x01
     with raw_sender(receiver.address) as raw:
-        raw.send(seal(generate_secret(), "x", 0, "forger", encode("forged")))
+        raw.send(sealed("x", 100, "forged", key=generate_secret()))
         raw.send(bytes(flipped))
-        raw.send(seal(SECRET, "x", 1, "raw", encode(b"\x00" * (1 << 16))))  # over max, under nng's 2x cut-off
+        raw.send(sealed("x", 101, b"\x00" * (1 << 16)))  # over max, under nng's 2x cut-off
         assert sender.publish("x", "from the sender") == 1  # good traffic still flows
-        raw.send(seal(SECRET, "x", 2, "raw", encode("after")))  # same link: the bad ones were handled first
+        raw.send(sealed("x", 102, "after"))  # same link: the bad ones were handled first
         assert {got.get(timeout=WAIT), got.get(timeout=WAIT)} == {"from the sender", "after"}
     stats = receiver.stats()
     assert (stats["rejected_auth"], stats["rejected_size"], stats["received"]) == (2, 1, 2)
@@ -140,10 +138,13 @@ def test_forged_corrupted_and_oversize_messages_are_dropped_and_counted(make_rou
 
 def test_gaps_count_as_lost_and_repeats_are_dropped_as_duplicated(make_router):
     receiver = make_router("receiver")
+    injector = make_router("injector", peers=[receiver.address])
     got = collect(receiver, "x")
+    injector.wait_for_subscribers("x", 1, WAIT)
+    sealed = as_peer(injector, receiver, SECRET)
     with raw_sender(receiver.address) as raw:
         for seq in (0, 1, 3, 3, 2, 4, 5):
-            raw.send(seal(SECRET, "x", seq, "injector", encode(seq)))
+            raw.send(sealed("x", seq, seq))
         assert [got.get(timeout=WAIT) for _ in range(5)] == [0, 1, 3, 4, 5]
     stats = receiver.stats()
     assert (stats["received"], stats["lost"], stats["duplicated"]) == (5, 1, 2)

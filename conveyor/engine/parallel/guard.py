@@ -1,0 +1,135 @@
+"""What keeps a router's receive path bounded and quiet under hostile input.
+
+- :class:`ReplayWindow`: which link counters of one sender incarnation were seen (a sliding window, as
+  IPsec and DTLS keep one), so an authentic message delivered twice is refused the second time.
+- :class:`RateLimitedLog`: logs a kind of event at most once per period and counts the rest, so a flood
+  of bad messages neither fills the log nor costs more than a counter each.
+- :class:`PipeGuard`: bounds the connections an inbox holds, and those not authenticated yet (each of
+  which can hold one partial message of up to nng's receive limit), closing the rest.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+__all__ = ["PipeGuard", "RateLimitedLog", "ReplayWindow"]
+
+
+class ReplayWindow:
+    """Accepts each counter once: any counter above the highest seen, or one within ``size`` below it not
+    seen yet (messages of one sender reordered across two links). Older ones are refused."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self.top = -1
+        self._seen = 0  # bit i: counter top - i was seen
+
+    def accept(self, counter: int) -> bool:
+        """Whether ``counter`` is new; if so it is marked seen."""
+        if counter > self.top:
+            shift = counter - self.top
+            self._seen = ((self._seen << shift) | 1) & ((1 << self.size) - 1) if shift < self.size else 1
+            self.top = counter
+            return True
+        back = self.top - counter
+        if back >= self.size or self._seen >> back & 1:
+            return False
+        self._seen |= 1 << back
+        return True
+
+
+class RateLimitedLog:
+    """``log(kind, message)`` writes at most one record per ``kind`` each ``period_s`` seconds."""
+
+    def __init__(self, logger: logging.Logger, period_s: float = 60.0) -> None:
+        self.logger, self.period_s = logger, period_s
+        self._last: Dict[str, float] = {}
+        self._skipped: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def log(self, kind: str, message: str, *args: Any, level: int = logging.WARNING) -> bool:
+        """Log ``message % args`` unless ``kind`` was logged within the period; returns whether it was."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self.period_s:
+                self._skipped[kind] = self._skipped.get(kind, 0) + 1
+                return False
+            self._last[kind] = now
+            skipped = self._skipped.pop(kind, 0)
+        suffix = f" ({skipped} more like it in the last {self.period_s:.0f}s not logged)" if skipped else ""
+        self.logger.log(level, message + suffix, *args)
+        return True
+
+
+class PipeGuard:
+    """Admits at most ``max_connections`` pipes to an inbox, of which at most ``max_pending`` not yet
+    authenticated; a pending pipe is closed after ``timeout_s``. ``count(name)`` is told of each refusal."""
+
+    def __init__(self, max_connections: int, max_pending: int, timeout_s: float,
+                 count: Callable[[str], None], log: RateLimitedLog, name: str) -> None:
+        self.max_connections, self.max_pending, self.timeout_s = max_connections, max_pending, timeout_s
+        self._count, self._log, self._name = count, log, name
+        self._lock = threading.Lock()
+        self._pending: Dict[int, Tuple[float, Any]] = {}  # pipe id -> (opened at, pipe)
+        self._trusted: Dict[int, Any] = {}
+
+    def opened(self, pipe: Any) -> None:
+        """nng's pre-connect callback: admit the pipe or close it at once."""
+        with self._lock:
+            total = len(self._pending) + len(self._trusted)
+            full = "connections" if total >= self.max_connections else (
+                "unauthenticated connections" if len(self._pending) >= self.max_pending else None)
+            if full is None:
+                self._pending[pipe.id] = (time.monotonic(), pipe)
+                return
+        limit = self.max_connections if full == "connections" else self.max_pending
+        self._refuse(pipe, f"already {limit} {full}, the limit")
+
+    def closed(self, pipe: Any) -> None:
+        """nng's post-remove callback."""
+        with self._lock:
+            self._pending.pop(pipe.id, None)
+            self._trusted.pop(pipe.id, None)
+
+    def authenticated(self, pipe: Any) -> None:
+        """A message addressed to this incarnation came through ``pipe``: it is a peer's, no longer pending."""
+        if pipe is None:
+            return
+        with self._lock:
+            entry = self._pending.pop(pipe.id, None)
+            if entry is not None:
+                self._trusted[pipe.id] = entry[1]
+
+    def expire(self) -> None:
+        """Close the pending pipes older than ``timeout_s``."""
+        now = time.monotonic()
+        with self._lock:
+            old: List[Any] = [pipe for at, pipe in self._pending.values() if now - at > self.timeout_s]
+            for pipe in old:
+                self._pending.pop(pipe.id, None)
+        for pipe in old:
+            self._refuse(pipe, f"nothing authentic came through it within {self.timeout_s}s")
+
+    def counts(self) -> Dict[str, int]:
+        """Pipes admitted now: ``connections`` in all, ``pending`` of them not authenticated yet."""
+        with self._lock:
+            return {"connections": len(self._pending) + len(self._trusted), "pending": len(self._pending)}
+
+    def _refuse(self, pipe: Any, why: str) -> None:
+        self._count("rejected_connections")
+        self._log.log("connections", "router %s: closed a connection from %s (%s)", self._name, _remote(pipe), why)
+        try:
+            pipe.close()
+        except Exception:  # already closed by its peer: nothing left to refuse
+            pass
+
+
+def _remote(pipe: Any) -> str:
+    """The peer address of an nng pipe, for messages (``?`` where the transport has none)."""
+    try:
+        return str(pipe.remote_address)
+    except Exception:
+        return "?"
