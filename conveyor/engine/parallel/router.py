@@ -111,7 +111,7 @@ class _Link:
     def __init__(self, url: str, sock: Any) -> None:
         self.url, self.sock = url, sock
         self.connected = False
-        self.connected_at = 0.0
+        self.connected_at = 0.0  # when it first connected (0: never)
         self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
         self.dropped = False  # its connection closed since the control thread last looked
         self.learned = False  # dialed back after a peer's hello, not asked for with connect()
@@ -289,7 +289,7 @@ class Router:
         def connected(pipe: Any) -> None:
             with self._lock:
                 link.connected, link.hello_sent = True, False
-                link.connected_at = time.monotonic()
+                link.connected_at = link.connected_at or time.monotonic()  # since the first: refusals reconnect
             self._wake.set()
 
         def removed(pipe: Any) -> None:
@@ -506,16 +506,17 @@ class Router:
                     del self._links[url]  # dialed back for a hello that was never proven fresh
                     link.sock.close()
                     continue
+                if (link.peer_inc is None and link.connected_at and not link.warned
+                        and now - link.connected_at > self.auth_timeout_s):
+                    link.warned = True
+                    log.warning("router %s: connected to %s %.0fs ago but nothing authentic came back: the node "
+                                "there uses another secret than this one (check --secret-file / $CONVEYOR_SECRET "
+                                "on both hosts), or is not a Conveyor node", self.node_id, url, self.auth_timeout_s)
                 if not link.connected:
                     continue
                 incs = [inc for (_, inc), (address, _) in self._candidates.items()
                         if address == url and inc != link.peer_inc]
                 targets.append((link, [link.peer_inc] if link.peer_inc is not None else [], incs))
-                if link.peer_inc is None and not link.warned and now - link.connected_at > self.auth_timeout_s:
-                    link.warned = True
-                    log.warning("router %s: connected to %s %.0fs ago but nothing authentic came back: the node "
-                                "there uses another secret than this one (check --secret-file / $CONVEYOR_SECRET "
-                                "on both hosts), or is not a Conveyor node", self.node_id, url, self.auth_timeout_s)
         for link, proven, others in targets:
             for to in proven + others or [None]:
                 ok = self._send(link, self._state(), to, block=False, count=False)
