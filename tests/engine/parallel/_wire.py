@@ -4,9 +4,11 @@ import struct
 
 import pynng
 
-from conveyor.engine.parallel import encode, seal
+from conveyor.engine.parallel import encode, generate_secret, seal
 
 WAIT = 10  # seconds: the bound on every wait; a healthy exchange takes milliseconds
+SECRET = generate_secret()
+FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
 
 
 def as_peer(sender, receiver, secret):

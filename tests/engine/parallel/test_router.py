@@ -16,27 +16,10 @@ from conveyor.engine import Task
 from conveyor.engine.parallel import encode, generate_secret, seal
 from conveyor.engine.parallel.router import Router
 from tests.engine.parallel._groups import kill_group
-from tests.engine.parallel._wire import as_peer, raw_sender
+from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, raw_sender
 
-SECRET = generate_secret()
-WAIT = 10  # seconds: the bound on every wait below; a healthy run takes milliseconds
-FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
 PEER_SCRIPT = Path(__file__).with_name("_router_peer.py")
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture
-def make_router():
-    made = []
-
-    def make(node_id, secret=SECRET, **kwargs):
-        router = Router(node_id, secret, **{**FAST, **kwargs})
-        made.append(router)
-        return router
-
-    yield make
-    for router in made:
-        router.close()
 
 
 @pytest.fixture

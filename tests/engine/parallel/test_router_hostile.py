@@ -15,24 +15,8 @@ from hypothesis import strategies as st
 from conveyor.engine.parallel import DecodeError, decode, encode, generate_secret, open_frame
 from conveyor.engine.parallel.frame import HELLO
 from conveyor.engine.parallel.router import Router
-from tests.engine.parallel._wire import WAIT, as_peer, raw_sender, rss_bytes, sp_connect, sp_length
+from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, raw_sender, rss_bytes, sp_connect, sp_length
 
-SECRET = generate_secret()
-FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
-
-
-@pytest.fixture
-def make_router():
-    made = []
-
-    def make(node_id, secret=SECRET, **kwargs):
-        router = Router(node_id, secret, **{**FAST, **kwargs})
-        made.append(router)
-        return router
-
-    yield make
-    for router in made:
-        router.close()
 
 
 def pair(make_router, **receiver_options):
