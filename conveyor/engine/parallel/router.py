@@ -447,17 +447,27 @@ class Router:
                 and link.peer_inc == peer.incarnation)
 
     def wait_for_peers(self, n: int, timeout: float) -> List[str]:
-        """Block until ``n`` peers are ready; returns their ids. ``TimeoutError`` naming who is missing."""
+        """Block until ``n`` peers are ready; returns their ids. ``TimeoutError`` naming who is missing, at once
+        (after ``auth_timeout_s``) where an address we dialed answers nothing authentic: another secret."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 ready = [p.node_id for p in self._peers.values() if self._ready(p)]
                 if len(ready) >= n:
                     return sorted(ready)
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
+                unanswered = sorted(url for url, link in self._links.items() if not link.learned
+                                    and link.peer_inc is None and link.connected_at
+                                    and now - link.connected_at > self.auth_timeout_s)
+                if unanswered:
+                    raise TimeoutError(f"router {self.node_id!r}: connected to {', '.join(unanswered)} for over "
+                                       f"{self.auth_timeout_s}s and nothing authentic came back: the node there uses "
+                                       f"another secret than this one (check --secret-file / $CONVEYOR_SECRET on "
+                                       f"both hosts), or is not a Conveyor node")
                 if left <= 0 or self._closing:
                     break
-                self._changed.wait(left)
+                self._changed.wait(min(left, self.heartbeat_s))
             heard = sorted(p.node_id for p in self._peers.values() if p.alive and not self._ready(p))
             silent = sorted(url for url, link in self._links.items() if link.peer_inc is None)
             failed = sorted(self._auth_failures)

@@ -323,11 +323,9 @@ def test_a_node_with_another_secret_is_named_within_seconds_on_both_sides(make_r
     receiver = make_router("receiver", listen="tcp://127.0.0.1:0", auth_timeout_s=1.0)
     stranger = make_router("stranger", secret=generate_secret(), peers=[receiver.address], auth_timeout_s=1.0)
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="failed authentication|nothing authentic"):
-        stranger.wait_for_peers(1, timeout=3)
+    with pytest.raises(TimeoutError, match=f"connected to {receiver.address} .* another secret"):
+        stranger.wait_for_peers(1, timeout=WAIT)
     eventually(lambda: any("router receiver" in r.getMessage() for r in caplog.records), "the listener's warning")
-    dialer = [r.getMessage() for r in caplog.records if "router stranger" in r.getMessage()]
     listener = [r.getMessage() for r in caplog.records if "router receiver" in r.getMessage()]
-    assert any(receiver.address in m and "another secret" in m for m in dialer), dialer
     assert any("failed authentication" in m and "127.0.0.1" in m for m in listener), listener
     assert time.monotonic() - start < 5
