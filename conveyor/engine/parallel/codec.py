@@ -21,7 +21,7 @@ What round-trips, exactly (type, value, dtype, byte order, shape):
 
 Anything else raises a one-line ``TypeError`` naming the type, where it sits (``payload['batch'][3]``) and
 the two ways out: register the type, or use :class:`PickleCodec` (arbitrary objects through pickle), which
-both ends must choose and which decodes only messages that passed the HMAC check.
+both ends must choose and which decodes only messages that passed the tag check.
 
 numpy, torch and treetensor are imported only when a value of theirs is decoded (encoding never imports
 them: a value of theirs can only exist once they are loaded), so a process that sends plain values loads none.

@@ -111,7 +111,7 @@ class _Link:
     def __init__(self, url: str, sock: Any) -> None:
         self.url, self.sock = url, sock
         self.connected = False
-        self.connected_at = 0.0  # when it first connected (0: never)
+        self.unproven_since = 0.0  # connected since then with no proven peer behind it (0: not so)
         self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
         self.dropped = False  # its connection closed since the control thread last looked
         self.learned = False  # dialed back after a peer's hello, not asked for with connect()
@@ -289,13 +289,15 @@ class Router:
         def connected(pipe: Any) -> None:
             with self._lock:
                 link.connected, link.hello_sent = True, False
-                link.connected_at = link.connected_at or time.monotonic()  # since the first: refusals reconnect
+                if link.peer_inc is None:  # kept over reconnects: a listener closes unauthenticated connections
+                    link.unproven_since = link.unproven_since or time.monotonic()
             self._wake.set()
 
         def removed(pipe: Any) -> None:
             with self._lock:
                 link.dropped = True
                 link.connected = link.hello_sent = False
+                link.peer_inc = None  # whoever answers the reconnect proves itself afresh (it may have restarted)
             self._wake.set()  # the control thread loses its peer (nng's thread must not run the callbacks)
 
         sock.add_post_pipe_connect_cb(connected)
@@ -458,8 +460,7 @@ class Router:
                 now = time.monotonic()
                 left = deadline - now
                 unanswered = sorted(url for url, link in self._links.items() if not link.learned
-                                    and link.peer_inc is None and link.connected_at
-                                    and now - link.connected_at > self.auth_timeout_s)
+                                    and link.unproven_since and now - link.unproven_since > self.auth_timeout_s)
                 if unanswered:
                     raise TimeoutError(f"router {self.node_id!r}: connected to {', '.join(unanswered)} for over "
                                        f"{self.auth_timeout_s}s and nothing authentic came back: the node there uses "
@@ -510,14 +511,12 @@ class Router:
         with self._lock:
             self._candidates = {k: v for k, v in self._candidates.items() if v[1] > now}
             wanted = {address for address, _ in self._candidates.values()}
-            targets = []
+            targets, stale = [], []
             for url, link in list(self._links.items()):
                 if link.learned and link.peer_inc is None and url not in wanted:
-                    del self._links[url]  # dialed back for a hello that was never proven fresh
-                    link.sock.close()
+                    stale.append(self._links.pop(url))  # dialed back for a hello never proven fresh, or lost
                     continue
-                if (link.peer_inc is None and link.connected_at and not link.warned
-                        and now - link.connected_at > self.auth_timeout_s):
+                if link.unproven_since and not link.warned and now - link.unproven_since > self.auth_timeout_s:
                     link.warned = True
                     log.warning("router %s: connected to %s %.0fs ago but nothing authentic came back: the node "
                                 "there uses another secret than this one (check --secret-file / $CONVEYOR_SECRET "
@@ -527,6 +526,8 @@ class Router:
                 incs = [inc for (_, inc), (address, _) in self._candidates.items()
                         if address == url and inc != link.peer_inc]
                 targets.append((link, [link.peer_inc] if link.peer_inc is not None else [], incs))
+        for link in stale:
+            link.sock.close()  # outside the lock: nng runs the link's callbacks, which take it, before returning
         for link, proven, others in targets:
             for to in proven + others or [None]:
                 ok = self._send(link, self._state(), to, block=False, count=False)
@@ -598,7 +599,7 @@ class Router:
         with self._lock:
             link = self._links.get(address)
             if link is not None and inc is not None:
-                link.peer_inc = inc
+                link.peer_inc, link.unproven_since = inc, 0.0
 
     def _on_control(self, frame: Frame, message: Dict[str, Any]) -> None:
         """State or goodbye sealed for us: proof that ``frame``'s incarnation runs now."""
@@ -634,7 +635,7 @@ class Router:
                 link = self._links.get(peer.address)
                 new_link = link is None
                 if link is not None and link.peer_inc != inc:
-                    link.peer_inc, link.hello_sent, link.peer_id = inc, False, sender
+                    link.peer_inc, link.hello_sent, link.peer_id, link.unproven_since = inc, False, sender, 0.0
                 self._changed.notify_all()
         if message["kind"] == "bye":
             return self._lose(peer, "it closed")

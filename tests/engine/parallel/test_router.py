@@ -204,3 +204,26 @@ def test_task_events_cross_nodes_through_an_attached_router(make_router):
     assert local == [(3, {"loss": 0.5}), (4, {"loss": 0.25})]
     here.emit("trained", 5, None, only_remote=True)
     assert heard.get(timeout=WAIT) == (5, None) and len(local) == 2
+
+
+@pytest.mark.parametrize("ends", ["closes", "is killed"])
+def test_a_node_restarted_at_the_same_address_is_heard_again_by_those_dialing_it(make_router, spawn_peer,
+                                                                                   tmp_path, ends):
+    address = f"ipc://{tmp_path}/learner.ipc"
+    if ends == "closes":
+        learner = make_router("learner", listen=address)
+        collector = make_router("collector", peers=[address])
+        learner.on("data", lambda payload: None)
+        collector.wait_for_subscribers("data", 1, WAIT)
+        learner.close()
+    else:  # no goodbye: its process dies and the kernel closes its sockets
+        proc, _ = spawn_peer("learner", address)
+        collector = make_router("collector", peers=[address])
+        collector.wait_for_subscribers("ping", 1, WAIT)
+        kill_group(proc, WAIT)
+    got = queue.Queue()
+    restarted = make_router("learner", listen=address)
+    restarted.on("data", got.put)
+    collector.wait_for_subscribers("data", 1, WAIT)
+    assert collector.publish("data", "to the new one") == 1
+    assert got.get(timeout=WAIT) == "to the new one"
