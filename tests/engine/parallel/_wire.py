@@ -31,11 +31,16 @@ def raw_sender(address):
     return pynng.Push0(dial=address, send_timeout=WAIT * 1000)
 
 
-def sp_connect(address):
-    """A plain TCP connection that speaks nng's Push0 handshake to ``tcp://host:port``; the caller writes
-    length-prefixed messages (8 bytes big-endian, then the bytes) or parts of them."""
+def tcp_connect(address):
+    """A plain TCP connection to ``tcp://host:port``."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=WAIT)
+    return socket.create_connection((host, int(port)), timeout=WAIT)
+
+
+def sp_connect(address):
+    """A TCP connection that speaks nng's Push0 handshake to ``tcp://host:port``; the caller writes
+    length-prefixed messages (8 bytes big-endian, then the bytes) or parts of them."""
+    sock = tcp_connect(address)
     sock.sendall(b"\x00SP\x00\x00\x50\x00\x00")  # SP over TCP, protocol Push0 (0x50)
     sock.recv(8)
     return sock

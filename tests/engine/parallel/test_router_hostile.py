@@ -3,9 +3,13 @@ connections stay bounded, and a peer with another secret is named within seconds
 import gc
 import json
 import logging
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +19,10 @@ from hypothesis import strategies as st
 from conveyor.engine.parallel import DecodeError, decode, encode, generate_secret, open_frame
 from conveyor.engine.parallel.frame import HELLO
 from conveyor.engine.parallel.router import Router
-from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, raw_sender, rss_bytes, sp_connect, sp_length
+from tests.engine.parallel._wire import (FAST, SECRET, WAIT, as_peer, raw_sender, rss_bytes, sp_connect, sp_length,
+                                        tcp_connect)
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 
@@ -329,3 +336,51 @@ def test_a_node_with_another_secret_is_named_within_seconds_on_both_sides(make_r
     listener = [r.getMessage() for r in caplog.records if "router receiver" in r.getMessage()]
     assert any("failed authentication" in m and "127.0.0.1" in m for m in listener), listener
     assert time.monotonic() - start < 5
+
+
+FD_CHILD = """
+import json, os, queue, resource, sys
+from conveyor.engine.parallel.router import Router
+secret = b"k" * 32
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+r = Router("fd", secret, listen="tcp://127.0.0.1:0", max_pending_bytes=1 << 40)
+got = queue.Queue()
+r.on("x", got.put)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+print(r.address, flush=True)
+sys.stdin.readline()  # the parent holds more connections than this process may open
+try:
+    Router("more", secret, listen="tcp://127.0.0.1:0")
+    error = None
+except OSError as e:
+    error = str(e)
+print(json.dumps(error), flush=True)
+sys.stdin.readline()  # the parent closed them
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+with Router("peer", secret, peers=[r.address]) as peer:
+    peer.wait_for_subscribers("x", 1, 10)
+    peer.publish("x", "after")
+    print(json.dumps([got.get(timeout=10), r.stats()["receive_errors"]]), flush=True)
+r.close()
+"""
+
+
+def test_running_out_of_file_descriptors_is_a_one_line_error_naming_the_limit_and_no_abort():
+    proc = subprocess.Popen([sys.executable, "-c", FD_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        address = proc.stdout.readline().strip()
+        socks = [tcp_connect(address) for _ in range(20)]  # more than it may open: nng's accept meets EMFILE
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        error = json.loads(proc.stdout.readline())
+        for sock in socks:
+            sock.close()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        received = json.loads(proc.stdout.readline())
+        assert proc.wait(WAIT) == 0
+    finally:
+        proc.kill()
+    assert "out of file descriptors" in error and "ulimit -n" in error and "\n" not in error
+    assert received == ["after", 0]
