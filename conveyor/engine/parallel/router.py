@@ -115,6 +115,7 @@ class _Link:
         self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
         self.dropped = False  # its connection closed since the control thread last looked
         self.learned = False  # dialed back after a peer's hello, not asked for with connect()
+        self.for_hello = False  # dialed for a hello only, not yet for a proven peer: closed when it expires
         self.warned = False  # told that nothing authentic came back from it
         self.peer_id: Optional[str] = None
         self.peer_inc: Optional[bytes] = None  # the proven incarnation of the peer behind it
@@ -513,8 +514,8 @@ class Router:
             wanted = {address for address, _ in self._candidates.values()}
             targets, stale = [], []
             for url, link in list(self._links.items()):
-                if link.learned and link.peer_inc is None and url not in wanted:
-                    stale.append(self._links.pop(url))  # dialed back for a hello never proven fresh, or lost
+                if link.for_hello and url not in wanted:
+                    stale.append(self._links.pop(url))  # dialed back for a hello never proven fresh
                     continue
                 if link.unproven_since and not link.warned and now - link.unproven_since > self.auth_timeout_s:
                     link.warned = True
@@ -600,6 +601,8 @@ class Router:
             link = self._links.get(address)
             if link is not None and inc is not None:
                 link.peer_inc, link.unproven_since = inc, 0.0
+            elif link is not None and link.peer_inc is None and link.peer_id is None:
+                link.for_hello = True
 
     def _on_control(self, frame: Frame, message: Dict[str, Any]) -> None:
         """State or goodbye sealed for us: proof that ``frame``'s incarnation runs now."""
@@ -636,6 +639,7 @@ class Router:
                 new_link = link is None
                 if link is not None and link.peer_inc != inc:
                     link.peer_inc, link.hello_sent, link.peer_id, link.unproven_since = inc, False, sender, 0.0
+                    link.for_hello = False
                 self._changed.notify_all()
         if message["kind"] == "bye":
             return self._lose(peer, "it closed")
