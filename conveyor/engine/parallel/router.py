@@ -55,14 +55,8 @@ the address a node advertises (``advertise=``, default its listen address, neede
 from __future__ import annotations
 
 import collections
-import errno
 import ipaddress
 import logging
-import os
-import resource
-import shutil
-import socket
-import tempfile
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
@@ -71,19 +65,15 @@ from urllib.parse import urlsplit
 import pynng
 
 from conveyor.engine.parallel import codec as _codec
-from conveyor.engine.parallel.frame import (HELLO, AuthError, Frame, MalformedFrame, OversizeError, ReplayError,
-                                            generate_secret, new_incarnation, open_frame, pack, sign)
-from conveyor.engine.parallel.guard import PipeGuard, RateLimitedLog, ReplayWindow, _remote
+from conveyor.engine.parallel.frame import HELLO, Frame, generate_secret, new_incarnation, pack, sign
+from conveyor.engine.parallel.guard import RateLimitedLog, ReplayWindow
+from conveyor.engine.parallel.inbox import CONTROL_TOPIC, Inbox, nng_os_error
 
 __all__ = ["CONTROL_TOPIC", "Router"]
 
 log = logging.getLogger(__name__)
 
-CONTROL_TOPIC = "\x00router"
-"""Reserved topic of the router's own state and goodbye messages."""
-
 _SEND_BUFFER = 8  # messages a link queues before a send waits: room for a heartbeat beside data
-_MAX_CONTROL_BYTES = 1 << 16  # a state message is a few hundred bytes; more is not one of ours
 _MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
 _MAX_CANDIDATES = 64  # hellos of incarnations not proven fresh yet, answered until they expire
 _RETIRED_PER_NODE = 16  # incarnations of one node id remembered as replaced
@@ -179,9 +169,7 @@ class Router:
         self.max_message_size = max_message_size
         self.heartbeat_s, self.peer_timeout_s, self.send_timeout_s = heartbeat_s, peer_timeout_s, send_timeout_s
         self.auth_timeout_s = auth_timeout_s
-        self.max_backlog_bytes = max_backlog_bytes or 2 * max_message_size
         self._encode = codec.encode if codec is not None else _codec.encode
-        self._decode = codec.decode if codec is not None else _codec.decode
         self._inc = new_incarnation()
 
         self._lock = threading.RLock()
@@ -200,51 +188,19 @@ class Router:
         self._seq: Dict[str, int] = {}
         self._counter: Dict[bytes, int] = {}  # per receiver incarnation: the next link counter
         self._send_locks: Dict[str, threading.Lock] = {}
-        self._backlog: Deque[Tuple[Any, Frame, List[Callable[[Any], Any]]]] = collections.deque()
-        self._backlog_bytes = 0
-        self._has_room = threading.Condition(self._lock)
-        self._stalled = False
         self._counts = dict.fromkeys(("sent", "received", "rejected_auth", "rejected_size", "rejected_replay",
                                       "rejected_connections", "malformed", "lost", "duplicated", "send_timeouts",
                                       "handler_errors", "receive_errors", "peers_lost"), 0)
         self._log = RateLimitedLog(log)
-        self._tmpdir: Optional[str] = None
-        if listen is None:
-            self._tmpdir = tempfile.mkdtemp(prefix="conveyor-router-")
-            listen = f"ipc://{self._tmpdir}/{node_id.replace('/', '_')}.ipc"
-        recv_max = 2 * max_message_size
-        self._guard = PipeGuard(max_connections, max(1, max_pending_bytes // recv_max), auth_timeout_s,
-                                self._count, self._log, node_id)
-        try:
-            self._inbox = pynng.Pull0(recv_max_size=recv_max)
-        except pynng.NNGException as e:
-            raise _os_error(f"Router {node_id!r} cannot open its inbox", e) from None
-        self._inbox.add_pre_pipe_connect_cb(self._guard.opened)
-        self._inbox.add_post_pipe_remove_cb(self._guard.closed)
-        try:
-            listener = self._inbox.listen(listen)
-        except pynng.AddressInUse:
-            self._cleanup_sockets()
-            raise OSError(errno.EADDRINUSE, f"Router {node_id!r} cannot listen on {listen}: the address is already "
-                                            f"in use (another run or process holds it); choose another port or "
-                                            f"path, or stop that process") from None
-        except pynng.NNGException as e:
-            self._cleanup_sockets()
-            raise _os_error(f"Router {node_id!r} cannot listen on {listen}", e) from None
-        self.listen_address = listen
-        if urlsplit(listen).scheme.startswith("tcp") and urlsplit(listen).port == 0:
-            port = socket.ntohs(listener.local_address.port)  # pynng gives it in network byte order
-            parts = urlsplit(listen)
-            listen = f"{parts.scheme}://{parts.netloc.rsplit(':', 1)[0]}:{port}"
-            self.listen_address = listen
+        self._inbox = Inbox(self, self._inc, listen, decode=codec.decode if codec is not None else _codec.decode,
+                            max_connections=max_connections, max_pending_bytes=max_pending_bytes,
+                            auth_timeout_s=auth_timeout_s, max_backlog_bytes=max_backlog_bytes or 2 * max_message_size,
+                            log=self._log)
+        self.listen_address = self._inbox.address
         self.address = advertise or self.listen_address
-        self._ipc_path = urlsplit(listen).path if listen.startswith("ipc://") else None
-
-        self._threads = [threading.Thread(target=fn, name=f"conveyor-router-{what}-{node_id}", daemon=True)
-                         for what, fn in (("recv", self._receive_loop), ("deliver", self._deliver_loop),
-                                          ("ctl", self._control_loop))]
-        for thread in self._threads:
-            thread.start()
+        self._control = threading.Thread(target=self._control_loop, name=f"conveyor-router-ctl-{node_id}", daemon=True)
+        self._inbox.start()
+        self._control.start()
         for url in peers:
             self.connect(url)
 
@@ -283,7 +239,7 @@ class Router:
                 sock = pynng.Push0(send_timeout=int(self.send_timeout_s * 1000), send_buffer_size=_SEND_BUFFER,
                                    reconnect_time_min=50, reconnect_time_max=int(max(self.heartbeat_s, 0.1) * 1000))
             except pynng.NNGException as e:
-                raise _os_error(f"Router {self.node_id!r} cannot open a link to {url}", e) from None
+                raise nng_os_error(f"Router {self.node_id!r} cannot open a link to {url}", e) from None
             link = self._links[url] = _Link(url, sock)
             link.learned = learned
 
@@ -501,9 +457,9 @@ class Router:
                     if beat:
                         last_beat = now
                 self._check_timeouts()
-                self._guard.expire()
+                self._inbox.guard.expire()
             except Exception as e:  # a bug here must not stop the heartbeats
-                self._receive_error("control", e)
+                self._inbox.error("control", e)
 
     def _announce(self) -> None:
         """Send our state on every connected link: sealed for the proven peer behind it, and for each fresh
@@ -540,7 +496,7 @@ class Router:
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         with self._lock:
-            if self._stalled:  # our receive thread is behind: silence is ours, not theirs
+            if self._inbox.stalled:  # our receive thread is behind: silence is ours, not theirs
                 return
             dead = [(p, f"silent for {self.peer_timeout_s}s") for p in self._peers.values()
                     if p.alive and now - p.last_seen > self.peer_timeout_s]
@@ -648,143 +604,49 @@ class Router:
         if not was_alive or self.node_id not in peer.heard or new_link:
             self._wake.set()  # tell it (again) that we heard it
 
-    # --- receiving ---------------------------------------------------------------------------------
-    def _receive_loop(self) -> None:
-        while True:
-            try:
-                msg = self._inbox.recv_msg()
-            except pynng.Closed:
-                return
-            except Exception as e:
-                if self._closing:
-                    return
-                self._receive_error("recv", e)
-                continue
-            try:
-                self._handle(msg)
-            except Exception as e:  # a bug or an input nobody foresaw: count it, keep receiving
-                self._receive_error("handle", e)
-
-    def _receive_error(self, where: str, error: BaseException) -> None:
-        self._count("receive_errors")
-        self._log.log(f"{where}:{type(error).__name__}", "router %s: %s: %s: %s", self.node_id, where,
-                      type(error).__name__, error)
-
-    def _handle(self, msg: Any) -> None:
-        """Check one received message (size, tag, incarnation, counter) and act on it or queue it for delivery."""
-        view = memoryview(msg._buffer)  # pynng's view of the nng message: no copy until decoding
-        try:
-            frame = open_frame(self.secret, view, self.max_message_size, self._inc)
-        except OversizeError:
-            return self._count("rejected_size")
-        except ReplayError:
-            return self._count("rejected_replay")
-        except AuthError:
-            self._count("rejected_auth")
-            remote = _remote(msg.pipe) if msg.pipe is not None else "?"
-            with self._lock:
-                self._auth_failures[remote] = self._auth_failures.get(remote, 0) + 1
-                if len(self._auth_failures) > 64:
-                    self._auth_failures.pop(next(iter(self._auth_failures)))
-            self._log.log("auth", "router %s: a message from %s failed authentication: the node there uses another "
-                          "secret (check --secret-file / $CONVEYOR_SECRET on both hosts), or is not a Conveyor node",
-                          self.node_id, remote)
-            return
-        except MalformedFrame:
-            return self._count("malformed")
-        if frame.topic == CONTROL_TOPIC:
-            message = self._control_message(frame)
-            if message is None:
-                return self._count("malformed")
-            if frame.receiver_incarnation == HELLO:
-                return self._on_hello(frame, message) if message["kind"] == "state" else self._count("malformed")
-            self._guard.authenticated(msg.pipe)
-            return self._on_control(frame, message)
-        if frame.receiver_incarnation == HELLO:
-            return self._count("malformed")  # a hello carries our state only: nothing else is replayable
-        self._guard.authenticated(msg.pipe)
+    # --- what the inbox hands over ------------------------------------------------------------------
+    def _accept(self, frame: Frame) -> List[Callable[[Any], Any]]:
+        """The handlers to deliver an authentic data message to: none where its sender incarnation is not a
+        known peer's, its counter was seen, or its seq is a repeat or an absurd jump (each counted)."""
         with self._lock:
             peer = self._peers.get(frame.sender)
             if peer is None or peer.incarnation != frame.sender_incarnation:
                 retired = frame.sender_incarnation in self._retired.get(frame.sender, ())
                 self._counts["rejected_replay" if retired else "malformed"] += 1
-                return
+                return []
             if not peer.window.accept(frame.counter):
                 self._counts["rejected_replay"] += 1
-                return
+                return []
             if peer.alive:
                 peer.last_seen = time.monotonic()
             last = peer.last_seq.get(frame.topic, -1)
             if frame.seq <= last:
                 self._counts["duplicated"] += 1
-                return
+                return []
             if frame.seq - last > _MAX_SEQ_JUMP:
                 self._counts["malformed"] += 1  # would make every later message of its look old
-                return
+                return []
             self._counts["lost"] += frame.seq - last - 1 if last >= 0 else 0
             peer.last_seq[frame.topic] = frame.seq
             self._counts["received"] += 1
-            handlers = list(self._handlers.get(frame.topic, ()))
-            if not handlers:
-                return
-            size = len(view)
-            while self._backlog and self._backlog_bytes + size > self.max_backlog_bytes and not self._closing:
-                self._stalled = True  # handlers are behind: wait for room, judging no peer meanwhile
-                self._has_room.wait(self.heartbeat_s)
-            if self._stalled:
-                self._stalled = False
-                for p in self._peers.values():
-                    p.last_seen = max(p.last_seen, time.monotonic() - self.heartbeat_s)
-            self._backlog.append((msg, frame, handlers))
-            self._backlog_bytes += size
-            self._has_room.notify_all()
+            return list(self._handlers.get(frame.topic, ()))
 
-    def _control_message(self, frame: Frame) -> Optional[Dict[str, Any]]:
-        """The router's own message in ``frame`` if it is well formed, else None."""
-        if sum(len(p) for p in frame.payload) > _MAX_CONTROL_BYTES:
-            return None
-        try:
-            message = _codec.decode(frame.payload, copy=True)
-            if message["kind"] == "state":
-                if not (isinstance(message["address"], str) and all(isinstance(t, str) for t in message["topics"])
-                        and all(isinstance(h, str) for h in message["heard"])):
-                    return None
-            elif message["kind"] != "bye":
-                return None
-        except Exception:
-            return None
-        return message
+    def _auth_failed(self, remote: str) -> None:
+        """A message from ``remote`` failed its tag: remember the address for errors, warn once a minute."""
+        with self._lock:
+            self._auth_failures[remote] = self._auth_failures.get(remote, 0) + 1
+            if len(self._auth_failures) > 64:
+                self._auth_failures.pop(next(iter(self._auth_failures)))
+        self._log.log("auth", "router %s: a message from %s failed authentication: the node there uses another "
+                      "secret (check --secret-file / $CONVEYOR_SECRET on both hosts), or is not a Conveyor node",
+                      self.node_id, remote)
 
-    def _deliver_loop(self) -> None:
-        """Decode queued messages and call their handlers, in arrival order, off the receive thread."""
-        while True:
-            with self._lock:
-                while not self._backlog and not self._closing:
-                    self._has_room.wait()
-                if self._closing:
-                    return
-                msg, frame, handlers = self._backlog[0]
-            try:
-                payload = self._decode(frame.payload, copy=True)  # out of nng's message, which is then freed
-            except Exception as e:
-                self._count("malformed")
-                self._log.log(f"decode {frame.topic}", "router %s: cannot decode a message on %r from %s: %s",
-                              self.node_id, frame.topic, frame.sender, e)
-                payload = _UNDECODABLE
-            finally:
-                with self._lock:
-                    self._backlog.popleft()
-                    self._backlog_bytes -= len(msg._buffer)
-                    self._has_room.notify_all()
-                del msg, frame
-            if payload is _UNDECODABLE:
-                continue
-            for fn in handlers:
-                try:
-                    fn(payload)
-                except Exception:
-                    self._count("handler_errors")
-                    log.exception("router %s: handler %r raised", self.node_id, fn)
+    def _resumed(self) -> None:
+        """The inbox waited for its handlers: its peers' messages queued meanwhile; count them as heard now."""
+        with self._lock:
+            now = time.monotonic()
+            for peer in self._peers.values():
+                peer.last_seen = max(peer.last_seen, now - self.heartbeat_s)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -797,7 +659,7 @@ class Router:
         inbox's connections now, and those not authenticated yet; ``backlog_bytes``: received, not yet delivered."""
         with self._lock:
             return {**self._counts, "peers": sorted(p.node_id for p in self._peers.values() if p.alive),
-                    **self._guard.counts(), "backlog_bytes": self._backlog_bytes}
+                    **self._inbox.guard.counts(), "backlog_bytes": self._inbox.backlog_bytes}
 
     # --- closing -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -814,36 +676,9 @@ class Router:
             self._closing = self._closed = True
             links = list(self._links.values())
             self._changed.notify_all()
-            self._has_room.notify_all()
         self._wake.set()
         self._inbox.close()
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=5)
+        if self._control is not threading.current_thread():
+            self._control.join(timeout=5)
         for link in links:
             link.sock.close()
-        self._backlog.clear()
-        self._cleanup_sockets()
-
-    def _cleanup_sockets(self) -> None:
-        self._inbox.close() if hasattr(self, "_inbox") else None
-        path = getattr(self, "_ipc_path", None)
-        if path and os.path.exists(path):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-
-_UNDECODABLE = object()
-
-
-def _os_error(what: str, error: Exception) -> OSError:
-    """A one-line OSError for a failed nng call; running out of file descriptors names the limit."""
-    if "file" in str(error).lower():
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return OSError(errno.EMFILE, f"{what}: out of file descriptors (this process may open {soft}, "
-                                     f"`ulimit -n`); raise the limit, or run fewer nodes or connections per process")
-    return OSError(f"{what}: {error}")

@@ -1,6 +1,7 @@
 """Hand-made traffic for the router tests: messages sealed as a known peer would, raw sockets, memory."""
 import socket
 import struct
+import time
 
 import pynng
 
@@ -16,6 +17,10 @@ def as_peer(sender, receiver, secret):
     link counters are far above the router's own, so none repeats one of its, and the receiver then refuses
     ``sender``'s own later messages as too old: seal as a router kept for injecting only. ``frames=`` sends
     raw codec frames."""
+    deadline = time.monotonic() + WAIT
+    while sender.node_id not in receiver.peers():  # its state reached the receiver: its incarnation is known
+        assert time.monotonic() < deadline, f"{receiver.node_id} never heard {sender.node_id}"
+        time.sleep(0.01)
     counter = iter(range(1 << 40, 1 << 41))
     keys = dict(sender_incarnation=bytes.fromhex(sender.incarnation),
                 receiver_incarnation=bytes.fromhex(receiver.incarnation))
@@ -31,16 +36,16 @@ def raw_sender(address):
     return pynng.Push0(dial=address, send_timeout=WAIT * 1000)
 
 
-def tcp_connect(address):
+def tcp_connect(address, timeout=WAIT):
     """A plain TCP connection to ``tcp://host:port``."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=WAIT)
+    return socket.create_connection((host, int(port)), timeout=timeout)
 
 
-def sp_connect(address):
+def sp_connect(address, timeout=WAIT):
     """A TCP connection that speaks nng's Push0 handshake to ``tcp://host:port``; the caller writes
     length-prefixed messages (8 bytes big-endian, then the bytes) or parts of them."""
-    sock = tcp_connect(address)
+    sock = tcp_connect(address, timeout)
     sock.sendall(b"\x00SP\x00\x00\x50\x00\x00")  # SP over TCP, protocol Push0 (0x50)
     sock.recv(8)
     return sock

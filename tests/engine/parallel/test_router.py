@@ -9,11 +9,10 @@ import sys
 import threading
 from pathlib import Path
 
-import pynng
 import pytest
 
 from conveyor.engine import Task
-from conveyor.engine.parallel import encode, generate_secret, seal
+from conveyor.engine.parallel import generate_secret
 from conveyor.engine.parallel.router import Router
 from tests.engine.parallel._groups import kill_group
 from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, raw_sender

@@ -1,0 +1,269 @@
+"""A router's inbox: the Pull0 socket its peers send to, the checks every message passes, and delivery.
+
+Two threads keep receiving apart from the handlers:
+
+- the *receive* thread reads the socket and checks each message (size, tag, incarnation:
+  :func:`~conveyor.engine.parallel.frame.open_frame`); control messages go to the router at once, data
+  messages the router accepts (known sender, new counter, sane seq) join a backlog bounded in bytes;
+- the *delivery* thread decodes them and calls their handlers in arrival order, so decoding a large
+  message or a slow handler never delays the messages that keep peers alive. While the backlog is
+  full the receive thread waits, and :attr:`Inbox.stalled` tells the router that silence is ours.
+
+Nothing a peer or a stranger sends ends either loop: refusals are counted by kind, and any other
+exception is counted in ``receive_errors`` and logged at most once a minute per kind. The socket's
+connections are bounded by a :class:`~conveyor.engine.parallel.guard.PipeGuard`.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import resource
+import shutil
+import socket
+import tempfile
+import threading
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
+from urllib.parse import urlsplit
+
+import pynng
+
+from conveyor.engine.parallel import codec as _codec
+from conveyor.engine.parallel.frame import (HELLO, AuthError, Frame, MalformedFrame, OversizeError, ReplayError,
+                                            open_frame)
+from conveyor.engine.parallel.guard import PipeGuard, RateLimitedLog, _remote
+
+__all__ = ["CONTROL_TOPIC", "Inbox"]
+
+CONTROL_TOPIC = "\x00router"
+"""Reserved topic of the router's own state and goodbye messages."""
+
+_MAX_CONTROL_BYTES = 1 << 16  # a state message is a few hundred bytes; more is not one of ours
+_UNDECODABLE = object()
+
+
+class _Router(Protocol):
+    """What the inbox asks of its router (:class:`~conveyor.engine.parallel.router.Router`)."""
+    node_id: str
+    secret: bytes
+    max_message_size: int
+    heartbeat_s: float
+
+    def _count(self, name: str, n: int = 1) -> None: ...
+    def _on_hello(self, frame: Frame, message: Dict[str, Any]) -> None: ...
+    def _on_control(self, frame: Frame, message: Dict[str, Any]) -> None: ...
+    def _accept(self, frame: Frame) -> List[Callable[[Any], Any]]: ...
+    def _auth_failed(self, remote: str) -> None: ...
+    def _resumed(self) -> None: ...
+
+
+class Inbox:
+    """Listens at ``listen`` (None: ipc in a private temporary directory) for ``router``, whose incarnation
+    is ``incarnation``; see the module docstring. :attr:`address` is where it listens (a port of 0 filled in)."""
+
+    def __init__(self, router: _Router, incarnation: bytes, listen: Optional[str], *, decode: Callable[..., Any],
+                 max_connections: int, max_pending_bytes: int, auth_timeout_s: float, max_backlog_bytes: int,
+                 log: RateLimitedLog) -> None:
+        self._router, self._inc, self._decode, self._log = router, incarnation, decode, log
+        self.max_backlog_bytes = max_backlog_bytes
+        self._lock = threading.Lock()
+        self._has_room = threading.Condition(self._lock)
+        self._backlog: Deque[Tuple[Any, Frame, List[Callable[[Any], Any]]]] = collections.deque()
+        self._backlog_bytes = 0
+        self.stalled = False
+        self._closing = False
+        node_id = router.node_id
+        self._tmpdir: Optional[str] = None
+        if listen is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="conveyor-router-")
+            listen = f"ipc://{self._tmpdir}/{node_id.replace('/', '_')}.ipc"
+        recv_max = 2 * router.max_message_size
+        self.guard = PipeGuard(max_connections, max(1, max_pending_bytes // recv_max), auth_timeout_s,
+                               router._count, log, node_id)
+        try:
+            self._sock = pynng.Pull0(recv_max_size=recv_max)
+        except pynng.NNGException as e:
+            self._remove_tmpdir()
+            raise nng_os_error(f"Router {node_id!r} cannot open its inbox", e) from None
+        self._sock.add_pre_pipe_connect_cb(self.guard.opened)
+        self._sock.add_post_pipe_remove_cb(self.guard.closed)
+        try:
+            listener = self._sock.listen(listen)
+        except pynng.AddressInUse:
+            self.close_socket()
+            raise OSError(errno.EADDRINUSE, f"Router {node_id!r} cannot listen on {listen}: the address is already "
+                                            f"in use (another run or process holds it); choose another port or "
+                                            f"path, or stop that process") from None
+        except pynng.NNGException as e:
+            self.close_socket()
+            raise nng_os_error(f"Router {node_id!r} cannot listen on {listen}", e) from None
+        parts = urlsplit(listen)
+        if parts.scheme.startswith("tcp") and parts.port == 0:
+            port = socket.ntohs(listener.local_address.port)  # pynng gives it in network byte order
+            listen = f"{parts.scheme}://{parts.netloc.rsplit(':', 1)[0]}:{port}"
+        self.address = listen
+        self._ipc_path = parts.path if listen.startswith("ipc://") else None
+        self.threads = [threading.Thread(target=fn, name=f"conveyor-router-{what}-{node_id}", daemon=True)
+                        for what, fn in (("recv", self._receive_loop), ("deliver", self._deliver_loop))]
+
+    def start(self) -> None:
+        """Start receiving (once the router knows its own address)."""
+        for thread in self.threads:
+            thread.start()
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes received and accepted, not yet delivered."""
+        return self._backlog_bytes
+
+    # --- the receive thread ------------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                msg = self._sock.recv_msg()
+            except pynng.Closed:
+                return
+            except Exception as e:
+                if self._closing:
+                    return
+                self.error("recv", e)
+                continue
+            try:
+                self._handle(msg)
+            except Exception as e:  # a bug or an input nobody foresaw: count it, keep receiving
+                self.error("handle", e)
+
+    def error(self, where: str, error: BaseException) -> None:
+        """Count an unexpected exception in ``receive_errors``; log its kind at most once a minute."""
+        self._router._count("receive_errors")
+        self._log.log(f"{where}:{type(error).__name__}", "router %s: %s: %s: %s", self._router.node_id, where,
+                      type(error).__name__, error)
+
+    def _handle(self, msg: Any) -> None:
+        """Check one received message and hand it to the router, or queue it for delivery."""
+        router = self._router
+        view = memoryview(msg._buffer)  # pynng's view of the nng message: no copy until decoding
+        try:
+            frame = open_frame(router.secret, view, router.max_message_size, self._inc)
+        except OversizeError:
+            return router._count("rejected_size")
+        except ReplayError:
+            return router._count("rejected_replay")
+        except AuthError:
+            router._count("rejected_auth")
+            return router._auth_failed(_remote(msg.pipe) if msg.pipe is not None else "?")
+        except MalformedFrame:
+            return router._count("malformed")
+        if frame.topic == CONTROL_TOPIC:
+            message = control_message(frame)
+            if message is None:
+                return router._count("malformed")
+            if frame.receiver_incarnation == HELLO:
+                return router._on_hello(frame, message) if message["kind"] == "state" else router._count("malformed")
+            self.guard.authenticated(msg.pipe)
+            return router._on_control(frame, message)
+        if frame.receiver_incarnation == HELLO:
+            return router._count("malformed")  # a hello carries our state only: nothing else is replayable
+        self.guard.authenticated(msg.pipe)
+        handlers = router._accept(frame)
+        if handlers:
+            self._queue(msg, frame, handlers, len(view))
+
+    def _queue(self, msg: Any, frame: Frame, handlers: List[Callable[[Any], Any]], size: int) -> None:
+        with self._lock:
+            stalled = False
+            while self._backlog and self._backlog_bytes + size > self.max_backlog_bytes and not self._closing:
+                self.stalled = stalled = True  # handlers are behind: wait for room, judging no peer meanwhile
+                self._has_room.wait(self._router.heartbeat_s)
+            self.stalled = False
+            self._backlog.append((msg, frame, handlers))
+            self._backlog_bytes += size
+            self._has_room.notify_all()
+        if stalled:
+            self._router._resumed()
+
+    # --- the delivery thread -----------------------------------------------------------------------
+    def _deliver_loop(self) -> None:
+        """Decode queued messages and call their handlers, in arrival order, off the receive thread."""
+        router = self._router
+        while True:
+            with self._lock:
+                while not self._backlog and not self._closing:
+                    self._has_room.wait()
+                if self._closing:
+                    return
+                msg, frame, handlers = self._backlog[0]
+            try:
+                payload = self._decode(frame.payload, copy=True)  # out of nng's message, which is then freed
+            except Exception as e:
+                router._count("malformed")
+                self._log.log(f"decode {frame.topic}", "router %s: cannot decode a message on %r from %s: %s",
+                              router.node_id, frame.topic, frame.sender, e)
+                payload = _UNDECODABLE
+            finally:
+                with self._lock:
+                    self._backlog.popleft()
+                    self._backlog_bytes -= len(msg._buffer)
+                    self._has_room.notify_all()
+                del msg, frame
+            if payload is _UNDECODABLE:
+                continue
+            for fn in handlers:
+                try:
+                    fn(payload)
+                except Exception:
+                    router._count("handler_errors")
+                    self._log.logger.exception("router %s: handler %r raised", router.node_id, fn)
+
+    # --- closing -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop both threads, drop what was not delivered, close the socket (the ipc file goes with it)."""
+        with self._lock:
+            self._closing = True
+            self._has_room.notify_all()
+        self._sock.close()
+        for thread in self.threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=5)
+        self._backlog.clear()
+        self.close_socket()
+
+    def close_socket(self) -> None:
+        self._sock.close()
+        path = getattr(self, "_ipc_path", None)
+        if path and os.path.exists(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._remove_tmpdir()
+
+    def _remove_tmpdir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def control_message(frame: Frame) -> Optional[Dict[str, Any]]:
+    """The router's own message in ``frame`` if it is well formed, else None."""
+    if sum(len(p) for p in frame.payload) > _MAX_CONTROL_BYTES:
+        return None
+    try:
+        message = _codec.decode(frame.payload, copy=True)
+        if message["kind"] == "state":
+            if not (isinstance(message["address"], str) and all(isinstance(t, str) for t in message["topics"])
+                    and all(isinstance(h, str) for h in message["heard"])):
+                return None
+        elif message["kind"] != "bye":
+            return None
+    except Exception:
+        return None
+    return message
+
+
+def nng_os_error(what: str, error: Exception) -> OSError:
+    """A one-line OSError for a failed nng call; running out of file descriptors names the limit."""
+    if "file" in str(error).lower():
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return OSError(errno.EMFILE, f"{what}: out of file descriptors (this process may open {soft}, "
+                                     f"`ulimit -n`); raise the limit, or run fewer nodes or connections per process")
+    return OSError(f"{what}: {error}")
