@@ -386,5 +386,6 @@ def test_running_out_of_file_descriptors_is_a_one_line_error_naming_the_limit_an
         assert proc.wait(WAIT) == 0
     finally:
         proc.kill()
+        proc.wait(WAIT)
     assert "out of file descriptors" in error and "ulimit -n" in error and "\n" not in error
     assert received == ["after", 0]
