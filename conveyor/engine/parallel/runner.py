@@ -19,12 +19,15 @@ thread starts there). It then forks every worker of the launch, restarts
 included. Each worker has one end of its own socket pair with the launcher (passed through the
 zygote's connection as a descriptor, SCM_RIGHTS), and everything private travels over that pair,
 never in the environment or on the command line: the preparation data again, then ``main`` and its
-args (pickled by reference, so ``main`` must be a module-level function and a script that calls the
-runner needs an ``if __name__ == "__main__":`` guard, as with multiprocessing), then the shared secret.
+args (pickled by reference, so ``main`` must be a module-level function), then the shared secret.
 The zygote reaps the workers and reports their exit codes, and signals one for the launcher only while
-it is unreaped (so never a reused pid); it ignores SIGINT and SIGTERM (the launcher decides) and leaves
-once the launcher closes its connection and its workers are gone. A worker ends as multiprocessing's forked children do: non-daemon threads joined,
-``atexit`` handlers run, streams flushed, then ``os._exit`` (no second teardown of the interpreter).
+it is unreaped (so never a reused pid); it ignores SIGINT and holds SIGTERM blocked (the launcher decides;
+a worker forked from it unblocks SIGTERM once its handler is in, so one sent at its birth is delivered then,
+not lost) and leaves once the launcher closes its connection and its workers are gone. A script that
+calls the runner without an ``if __name__ == "__main__":`` guard would call it again in the zygote, which
+imports it: that is refused at once, with the fix, as :mod:`multiprocessing` does. A worker ends as
+multiprocessing's forked children do: non-daemon threads joined, ``atexit`` handlers run, streams
+flushed, then ``os._exit`` (no second teardown of the interpreter).
 No multiprocessing helper process (resource tracker) is started, so stopping the workers leaves nothing.
 
 The secret: ``secret=`` (bytes), else ``$CONVEYOR_SECRET``, else one generated for this launch; a
@@ -50,7 +53,9 @@ The launcher then supervises. Faults, two kinds:
 
 SIGTERM to the launcher (from its main thread) or Ctrl-C stops every worker with SIGTERM (each ends its
 run gracefully, see below; SIGKILL after ``grace_s``), removes the ipc files, and ends the launcher with
-``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself.
+``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself. The ipc
+files of a launch go in ``$TMPDIR/conveyor-run-<launcher pid>-*``; a launch removes such directories
+of this user whose launcher is gone (one killed by SIGKILL cannot remove its own).
 
 Inside a worker, SIGINT is ignored (Ctrl-C reaches the whole process group; the launcher decides). The
 first SIGTERM while ``main`` is inside ``task.run`` stops the run gracefully: ``task.finish`` is set and
@@ -59,7 +64,8 @@ the current iteration (a ``CkptSaver`` writes its final checkpoint) and ``main``
 ``task.run``, or a second SIGTERM, raises ``SystemExit(143)``, so ``finally`` blocks and ``with
 task.start()`` exits run.
 When its ``main`` returns, a worker tells its peers and waits until each has finished too or is gone,
-before closing its router: no message it sent is cut off by closing early.
+before closing its router: no message it sent is cut off by closing early. Once its result or error is
+sent, a SIGTERM ends the worker at once (no traceback from an exit handler it interrupts).
 """
 from __future__ import annotations
 
@@ -102,6 +108,8 @@ DEFAULT_MAX_RETRIES = 3
 """Restarts per worker under ``auto_recover=True`` when ``max_retries`` is None."""
 
 _ZYGOTE_CODE = "from conveyor.engine.parallel.runner import _zygote_main; _zygote_main()"
+_RUN_DIR_PREFIX = "conveyor-run-"
+"""``$TMPDIR/conveyor-run-<launcher pid>-<random>``: the ipc files of a launch that was given no ``address``."""
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
 
 
@@ -126,6 +134,14 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return f"\n\"\"\"\n{self.tb.rstrip()}\n\"\"\""
+
+
+class _UnguardedLaunch(RuntimeError):
+    """The runner was called while the zygote imports the launcher's main module: a script with no main guard."""
+
+
+_importing_main = False
+"""True in the zygote while it imports the launcher's main module (a call of the runner then is refused)."""
 
 
 class _Terminated(SystemExit):
@@ -298,6 +314,10 @@ class _Plan:
 
 # --- the launcher --------------------------------------------------------------------------------------
 def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
+    if _importing_main:
+        script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
+        raise _UnguardedLaunch(f"Parallel.runner: {script} calls the runner again in the zygote that imports it to "
+                               f"find main: put the call under `if __name__ == \"__main__\":`, as multiprocessing asks")
     if not callable(main):
         raise TypeError(f"Parallel.runner(...)(main): main must be callable, got {main!r}")
     if plan.n == 1 and plan.topology == "alone":
@@ -312,7 +332,9 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
         secret = load_secret(generate=False) if SECRET_ENV in os.environ else None
         secret, generated = (generate_secret(), True) if secret is None else (secret, False)
     own_dir = plan.protocol == "ipc" and plan.address is None
-    ipc_dir = tempfile.mkdtemp(prefix="conveyor-run-") if own_dir else plan.address
+    if own_dir:
+        _remove_stale_run_dirs()
+    ipc_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-") if own_dir else plan.address
     listens = [_listen_address(plan, i, node_id, ipc_dir) for i, node_id in enumerate(plan.node_ids)]
     workers: List[_Worker] = []
     zygote: Optional[_Zygote] = None
@@ -376,6 +398,28 @@ def _check_local(urls: Iterable[str]) -> None:
             raise ValueError(f"Parallel.runner: refusing {url} with a secret generated for this launch: nodes on other "
                              f"hosts cannot know it. Give every node the same secret (secret=, --secret-file FILE or "
                              f"${SECRET_ENV}), or use protocol='ipc' or address='127.0.0.1'")
+
+
+def _remove_stale_run_dirs() -> None:
+    """Remove this user's ``conveyor-run-<pid>-*`` directories whose launcher (``pid``) is gone: one that was
+    killed (SIGKILL) could not remove its own."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid = entry.name[len(_RUN_DIR_PREFIX):].split("-", 1)[0]
+            if entry.name.startswith(_RUN_DIR_PREFIX) and pid.isdigit() and not _alive(int(pid)) \
+                    and entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def _unlink(path: str) -> None:
@@ -479,6 +523,8 @@ class _Zygote:
             raise WorkerError(f"Parallel.runner: the zygote (pid {self.proc.pid}) that forks the workers is gone "
                               f"(exit code {self.proc.poll()}; its stderr has the details); its workers stop when "
                               f"the launcher closes their connections") from None
+        if message[0] == "failed":
+            raise WorkerError(message[1])
         if message[0] == "forked":
             self._forked.append(message[1])
         elif message[0] == "exit":
@@ -568,7 +614,7 @@ def _supervise(plan: _Plan, workers: List[_Worker], program: bytes, zygote: _Zyg
                     if other.restarts and not other.ready and not other.ended:
                         log.warning("Parallel.runner: %s returned while %s was still joining; the job is ending, "
                                     "so it is killed (it has not started main)", worker, other)
-                        other.proc.kill()  # SIGKILL: a worker just forked still ignores SIGTERM, as the zygote does
+                        other.proc.kill()
         if not planned and all(w.address is not _Worker for w in workers):
             for i, worker in enumerate(workers):
                 worker.conn.send(_dial_plan(plan, i, workers))
@@ -717,13 +763,30 @@ class _signals_ignored:
 # --- the worker ----------------------------------------------------------------------------------------
 def _zygote_main() -> None:
     """Entry point of the zygote (``python -c``; argv[1] is the inherited descriptor of its connection)."""
+    global _importing_main
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)
-    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a TERM to the whole group: the launcher decides
-        signal.signal(signum, signal.SIG_IGN)
+    # Ctrl-C or a TERM to the whole group: the launcher decides. SIGTERM is held, not ignored, so that a
+    # worker forked from here, which inherits this, gets a SIGTERM sent before its handler is in.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     conn = mp_connection.Connection(fd)
     preparation, modules = conn.recv()
-    mp_spawn.prepare(preparation)
+    _importing_main = True
+    try:
+        mp_spawn.prepare(preparation)
+    except BaseException as exc:
+        if not isinstance(exc, _UnguardedLaunch):
+            traceback.print_exc()
+        conn.send(("failed", str(exc) if isinstance(exc, _UnguardedLaunch) else
+                   f"Parallel.runner: the zygote could not import the main module of the launcher "
+                   f"({type(exc).__name__}: {exc}); its traceback is above"))
+        with contextlib.suppress(OSError):
+            while os.read(fd, 65536):  # until the launcher closes: its requests never meet a closed socket
+                pass
+        os._exit(1)
+    finally:
+        _importing_main = False
     _preload(modules)
     _fork_workers(conn)
     os._exit(0)
@@ -788,6 +851,7 @@ def _forked_worker(fd: int) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
+        signal.signal(signal.SIGTERM, _exit_at_once)  # its result or error is sent: a stop interrupts nothing
         try:
             for thread in threading.enumerate():
                 if thread is not threading.current_thread() and not thread.daemon:
@@ -799,11 +863,16 @@ def _forked_worker(fd: int) -> None:
             os._exit(code)
 
 
+def _exit_at_once(signum: int, frame: Any) -> None:
+    os._exit(128 + signum)
+
+
 def _worker(fd: int) -> int:
     """A worker's life on its connection ``fd`` to the launcher; its exit code."""
     os.set_inheritable(fd, False)  # the worker's own children must not hold the launcher's connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # held since the fork (see _zygote_main)
     conn = mp_connection.Connection(fd)
     try:
         mp_spawn.prepare(conn.recv())
