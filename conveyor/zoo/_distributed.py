@@ -43,14 +43,13 @@ from conveyor.envs import make_env_manager
 from conveyor.middleware import EVAL_EVENT, ContextExchanger, ModelExchanger
 from conveyor.policy.base import Snapshot
 from conveyor.schema import ConfigError
-from conveyor.zoo._online import Collection, experiment_dir, use_saving
+from conveyor.zoo._online import NODES_FILE, Collection, check_layout, experiment_dir, run_directory, use_saving
 
 __all__ = ["DistributedRun", "EvaluatedWeights", "Layout", "LearnerClock", "NODES_FILE", "PROGRESS_TOPIC",
            "RemoteEvaluations", "train_distributed", "train_node"]
 
 log = logging.getLogger(__name__)
 
-NODES_FILE = "nodes.json"
 PROGRESS_TOPIC = "conveyor.zoo.progress"
 """Learner -> the other nodes: ``{"node", "train_iter", "env_step", "stop"}`` after each iteration, and once at the end."""
 COLLECTOR_LEAD = 2
@@ -170,9 +169,12 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     for node_id in ids:
         layout.role(node_id)
     from conveyor.zoo._offline import is_offline
-    if is_offline(load_entry(entry)):  # an unknown name fails here too, before any process starts
+    loaded = load_entry(entry)  # an unknown name fails here, before any process starts
+    if is_offline(loaded):
         raise ConfigError(f"{entry} trains offline from a dataset, with no collectors or evaluators to spread "
                           f"over processes: drop --collectors/--evaluators")
+    if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
+        check_layout(run_directory(cfg if cfg is not None else loaded.main_config, exp_name), distributed=True)
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
