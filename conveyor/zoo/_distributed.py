@@ -80,7 +80,7 @@ class EvaluatedWeights:
 
 
 codec.register(Snapshot, "conveyor.zoo.EvaluatedWeights",
-               lambda s: {"version": s.version, "model": dict(s.state_dict()["model"])},
+               lambda s: {"version": s.version, "model": s.model_state_dict()},
                lambda d: EvaluatedWeights(d["version"], d["model"]))
 
 

@@ -13,9 +13,8 @@ hub's reach everyone); ``"mesh"``, every worker dials every other; ``"alone"``, 
 How a worker starts: each launch first starts a zygote, ``python -c`` running :func:`_zygote_main`,
 which gets multiprocessing's preparation data (``sys.path``, the working directory, the main module, as
 its ``spawn`` start method sends them; the main module is imported there) and imports the modules that
-``main`` and its args are pickled from (torch and conveyor with them, once, not once per worker; and
-``torch._dynamo``, which torch imports at a process's first optimizer; no torch op runs and no Python
-thread starts there). It then forks every worker of the launch, restarts
+``main`` and its args are pickled from (torch and conveyor with them, once, not once per worker; no
+torch op runs and no Python thread starts there). It then forks every worker of the launch, restarts
 included. Each worker has one end of its own socket pair with the launcher (passed through the
 zygote's connection as a descriptor, SCM_RIGHTS), and everything private travels over that pair,
 never in the environment or on the command line: the preparation data again, then ``main`` and its
@@ -793,11 +792,10 @@ def _zygote_main() -> None:
 
 
 def _preload(modules: Sequence[str]) -> None:
-    """Import ``modules`` in the zygote, and ``torch._dynamo`` once torch is in: torch imports it lazily when a
-    process makes its first optimizer, which took 1.5-2.5 s in every worker that made one."""
-    for name in [*modules, "torch._dynamo"]:
-        if name == "torch._dynamo" and "torch" not in sys.modules:
-            continue
+    """Import ``modules`` in the zygote. Not ``torch._dynamo`` (1.5 s here), which torch imports when a process
+    makes its first optimizer: workers that only act never need it, and a learner imports it while they
+    start (docs/distributed.md)."""
+    for name in modules:
         try:
             importlib.import_module(name)
         except Exception:  # a worker imports it again, and sends the error to the launcher
