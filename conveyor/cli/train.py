@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
             return usage_error(f"{flag} must be > 0, got {value}")
     if args.ckpt_interval is not None and not args.ckpt_interval > 0:
         return usage_error(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
+    with distributed.started_ahead(args):  # a distributed run's zygote imports torch while this process does
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

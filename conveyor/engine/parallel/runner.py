@@ -94,7 +94,7 @@ import conveyor
 from conveyor.engine.compose import note
 from conveyor.engine.parallel.frame import SECRET_ENV, generate_secret, load_secret
 
-__all__ = ["Parallel", "RemoteTraceback", "WorkerError", "WorkerRouter"]
+__all__ = ["Parallel", "RemoteTraceback", "WorkerError", "WorkerRouter", "zygote_ahead"]
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,8 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
         if generated and plan.topology != "alone":
             _check_local(listens + plan.attach_to)
         with _terminate_on_sigterm():
-            zygote = _Zygote(_modules(program), plan.ready_timeout_s)
+            zygote = _take_spare(_modules(program), plan.ready_timeout_s) or _Zygote(_modules(program),
+                                                                                    plan.ready_timeout_s)
             for i, node_id in enumerate(plan.node_ids):
                 spec = {"node_id": node_id, "n_workers": plan.n, "topology": plan.topology, "listen": listens[i],
                         "secret": secret, "labels": plan.labels, "ready_timeout_s": plan.ready_timeout_s,
@@ -358,6 +359,52 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
             elif plan.protocol == "ipc":
                 for url in listens:
                     _unlink(url[len("ipc://"):])
+
+
+_spare: Optional["_Zygote"] = None
+"""A zygote started ahead of the next launch (:func:`zygote_ahead`)."""
+
+
+@contextlib.contextmanager
+def zygote_ahead(modules: Sequence[str] = ()) -> Iterator[None]:
+    """Start the zygote of the next launch inside this block now, importing ``modules``, so that its imports run
+    while this process prepares the launch (the CLI imports torch to read an entry's config). The first
+    launch inside takes it if this process's preparation data (working directory, ``sys.path``, main
+    module) are still those it started with, and starts its own otherwise; one that no launch took is
+    closed on the way out."""
+    global _spare
+    if _spare is not None:
+        raise RuntimeError("zygote_ahead: a zygote started ahead is already waiting for a launch")
+    _spare = _Zygote(modules, 60.0)
+    try:
+        yield
+    finally:
+        spare, _spare = _spare, None
+        if spare is not None:
+            spare.kill()
+
+
+def _take_spare(modules: Sequence[str], ready_timeout_s: float) -> Optional["_Zygote"]:
+    """The zygote started ahead, told to import ``modules`` too; None if there is none or it no longer fits."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is None:
+        return None
+    if spare.proc.poll() is not None or spare.preparation != _preparation("conveyor-zygote"):
+        spare.kill()
+        return None
+    spare.ready_timeout_s = ready_timeout_s
+    with _whole_messages():
+        spare.conn.send(("preload", list(modules)))
+    return spare
+
+
+def _preparation(name: str) -> Dict[str, Any]:
+    """multiprocessing's preparation data for a process called ``name``, without its own key (no process
+    needs it, and it must not travel)."""
+    preparation = mp_spawn.get_preparation_data(name)
+    preparation.pop("authkey", None)
+    return preparation
 
 
 def _modules(program: bytes) -> List[str]:
@@ -490,9 +537,8 @@ class _Zygote:
         self.ready_timeout_s = ready_timeout_s
         self._children: Dict[int, _Forked] = {}
         self._forked: List[int] = []
-        preparation = mp_spawn.get_preparation_data("conveyor-zygote")
-        preparation.pop("authkey", None)  # multiprocessing's own key: no process needs it, and it must not travel
-        self.conn.send((preparation, list(modules)))
+        self.preparation = _preparation("conveyor-zygote")
+        self.conn.send((self.preparation, list(modules)))
 
     def fork(self, theirs: socket.socket) -> _Forked:
         """A new worker holding ``theirs`` (its end of the launcher's socket pair) as its connection."""
@@ -529,6 +575,12 @@ class _Zygote:
         elif message[0] == "exit":
             self._children.pop(message[1]).returncode = message[2]
 
+    def kill(self) -> None:
+        """End a zygote that forked no worker at once (SIGKILL; it may still be importing) and reap it."""
+        self.conn.close()
+        self.proc.kill()
+        self.proc.wait()
+
     def close(self, grace_s: float) -> None:
         """Close the connection (the zygote then exits) and reap it; call once every worker is reaped."""
         self.conn.close()
@@ -558,9 +610,7 @@ class _Worker:
         finally:
             theirs.close()
         worker = cls(spec, proc, mp_connection.Connection(ours.detach()), zygote.ready_timeout_s)
-        preparation = mp_spawn.get_preparation_data(f"conveyor-worker-{spec['node_id']}")
-        preparation.pop("authkey", None)  # multiprocessing's own key: the worker needs none, and it must not travel
-        worker.conn.send(preparation)
+        worker.conn.send(_preparation(f"conveyor-worker-{spec['node_id']}"))
         worker.conn.send((spec, program))
         return worker
 
@@ -833,6 +883,8 @@ def _fork_workers(conn: Any) -> None:
                     os.close(fd)
                     children[os.pidfd_open(pid)] = pid
                     conn.send(("forked", pid))
+                elif message[0] == "preload":  # the modules of a launch that took a zygote started ahead
+                    _preload(message[1])
                 elif message[0] == "signal" and message[1] in children.values():
                     os.kill(message[1], message[2])
             except (EOFError, OSError):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.engine import Parallel
-from conveyor.engine.parallel.runner import RemoteTraceback
+from conveyor.engine.parallel.runner import RemoteTraceback, zygote_ahead
 from tests.engine.parallel import _runner_mains as mains
 from tests.engine.parallel._groups import ROOT, kill_group, script_groups
 
@@ -133,6 +133,28 @@ def test_a_launch_removes_the_ipc_directories_that_killed_launchers_left(tmp_pat
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     assert runner(2)(mains.whoami, 1)
     assert list(tmp.iterdir()) == [live]
+
+
+def children():
+    """The pids of this process's children."""
+    return {int(pid) for tid in os.listdir("/proc/self/task")
+            for pid in Path(f"/proc/self/task/{tid}/children").read_text().split()}
+
+
+def test_a_launch_takes_the_zygote_started_ahead_and_one_left_untaken_is_ended(tmp_path, monkeypatch):
+    before = children()
+    with zygote_ahead(["tests.engine.parallel._runner_mains"]):
+        [spare] = children() - before
+        parents = runner(2)(mains.note_at_exit, str(tmp_path))
+    assert set(parents) == {spare}  # no second zygote was started
+    with zygote_ahead():
+        [spare] = children() - before
+    assert children() == before  # not taken: ended on the way out
+    with zygote_ahead():
+        [spare] = children() - before
+        monkeypatch.chdir(tmp_path)  # the workers would start elsewhere than the zygote started ahead
+        parents = runner(2)(mains.note_at_exit, str(tmp_path))
+    assert spare not in parents and children() == before
 
 
 def test_a_misspelt_topology_is_refused_with_the_closest_name():
