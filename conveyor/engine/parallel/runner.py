@@ -56,6 +56,9 @@ run gracefully, see below; SIGKILL after ``grace_s``), removes the ipc files, an
 files of a launch go in ``$TMPDIR/conveyor-run-<launcher pid>-*``; a launch removes such directories
 of this user whose launcher is gone (one killed by SIGKILL cannot remove its own).
 
+:func:`zygote_ahead` starts the zygote of the next launch early, so that its imports overlap what the
+launching process still does (``conveyor train --collectors`` reads the entry's config, importing torch).
+
 Inside a worker, SIGINT is ignored (Ctrl-C reaches the whole process group; the launcher decides). The
 first SIGTERM while ``main`` is inside ``task.run`` stops the run gracefully: ``task.finish`` is set and
 :data:`~conveyor.engine.task.STOP_EVENT` emitted (the exchangers stop waiting), the run ends normally after
@@ -452,8 +455,8 @@ def _remove_stale_run_dirs() -> None:
     root = tempfile.gettempdir()
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
-            pid = entry.name[len(_RUN_DIR_PREFIX):].split("-", 1)[0]
-            if entry.name.startswith(_RUN_DIR_PREFIX) and pid.isdigit() and not _alive(int(pid)) \
+            pid, dash, _ = entry.name[len(_RUN_DIR_PREFIX):].partition("-")  # no dash: an older name, no pid in it
+            if entry.name.startswith(_RUN_DIR_PREFIX) and dash and pid.isdigit() and not _alive(int(pid)) \
                     and entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
                 shutil.rmtree(entry.path, ignore_errors=True)
 
