@@ -23,7 +23,8 @@ CASES = {
     "transport": (["--quick"], {"ratio_1k", "ratio_64k", "ratio_1m"}),
     "distributed_throughput": (["--quick"], {"one_collector_steps_per_s", "two_collectors_steps_per_s", "ratio"}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
-                            {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio"}),
+                            {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
+                             "wall_ratio_after_startup"}),
 }
 
 

@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+import contextlib
+from typing import Any, ContextManager, Optional
 
 from conveyor.cli._common import message
 from conveyor.cli.task import add_launch_arguments, launch_options
 
-__all__ = ["add_arguments", "requested", "train"]
+__all__ = ["add_arguments", "requested", "started_ahead", "train"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def requested(args: argparse.Namespace) -> bool:
     """Whether the command line asks for a distributed run."""
     return args.collectors is not None or args.evaluators != 0
+
+
+def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
+    """For a distributed run, its zygote started now (``Parallel.runner``'s zygote_ahead), so that its imports
+    (torch among them, about 2 s) overlap those of this process, which reads the entry's config first."""
+    if not requested(args):
+        return contextlib.nullcontext()
+    from conveyor.engine.parallel.runner import zygote_ahead
+    return zygote_ahead(["conveyor.zoo._distributed"])
 
 
 def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:

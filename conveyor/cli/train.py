@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
             return usage_error(f"{flag} must be > 0, got {value}")
     if args.ckpt_interval is not None and not args.ckpt_interval > 0:
         return usage_error(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
+    with distributed.started_ahead(args):  # a distributed run's zygote imports torch while this process does
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -79,12 +84,12 @@ def run(args: argparse.Namespace) -> int:
     from conveyor.middleware import EvaluationError
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
-    from conveyor.zoo._online import RunDirError, TrainingInterrupted
+    from conveyor.zoo._online import RunDirError, TrainingInterrupted, run_directory
 
     try:
         entry = load_entry(args.entry)
         cfg = _config(entry, args)
-        run_dir = _run_dir(cfg if cfg is not None else entry.main_config, args.exp_name)
+        run_dir = run_directory(cfg if cfg is not None else entry.main_config, args.exp_name)
         if distributed.requested(args):  # learner, collectors and evaluators as processes (cli/_distributed.py)
             ctx = distributed.train(args, cfg)
         else:
@@ -169,14 +174,6 @@ def _keywords(entry: ModuleType, args: argparse.Namespace) -> dict:
                                   f"max_train_iter=None, resume=False, async_mode=False, progress=True, "
                                   f"ckpt_interval=None)")
     return given
-
-
-def _run_dir(cfg: Any, exp_name: Optional[str]) -> Path:
-    from conveyor.config import TOP_SCHEMA
-    from conveyor.zoo._online import experiment_dir
-    if exp_name is None:
-        exp_name = cfg.get("exp_name", TOP_SCHEMA["exp_name"].default)
-    return experiment_dir({"exp_name": exp_name})
 
 
 def _position(ctx: Any) -> str:

@@ -15,7 +15,9 @@ then call the subclass's hooks: :meth:`Policy._forward_learn`, :meth:`Policy._fo
 :meth:`Policy._forward_eval`, :meth:`Policy._value` and, for per-env state, :meth:`Policy._reset`.
 Hooks are ordinary overridden methods; nothing is looked up by name. Whatever a subclass adds to the
 checkpoint (a target network, an optimizer, an observation normaliser) it hands to
-:meth:`Policy.register_state` once, in its constructor.
+:meth:`Policy.register_state` once, in its constructor. Optimizers are :class:`LazyOptimizer` objects, made on
+first use: a process that only acts never makes one (making a torch optimizer imports ``torch._dynamo``,
+about 1.5 s of CPU).
 
 Versioned weights. Learning updates ``policy.model`` in place; acting never reads it. :meth:`Policy.publish`
 copies the model's weights into an immutable acting copy and numbers it (:attr:`Policy.version`); the
@@ -36,7 +38,7 @@ import abc
 import copy
 import threading
 import weakref
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -49,7 +51,7 @@ from conveyor.data.batch import to_tensor
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["Policy", "LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot", "Acting", "Stateful",
-           "make_target", "hard_update", "soft_update", "TargetSync"]
+           "LazyOptimizer", "make_target", "hard_update", "soft_update", "TargetSync"]
 
 
 @runtime_checkable
@@ -59,6 +61,45 @@ class Stateful(Protocol):
     def state_dict(self) -> Mapping[str, Any]: ...
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any: ...
+
+
+class LazyOptimizer:
+    """``optimizer_cls(module.parameters(), **options)``, made on first use: a step, any attribute of the
+    optimizer (``param_groups``, ``zero_grad``...), a checkpoint. A process that only acts (a distributed
+    collector or evaluator, a collector process) never makes it, and so never imports ``torch._dynamo``,
+    which torch imports when an optimizer is made (about 1.5 s of CPU). :attr:`base_lrs`: the learning rates
+    it was made with."""
+
+    def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: nn.Module, **options: Any) -> None:
+        self._cls, self._module, self._options = optimizer_cls, module, options
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._lock = threading.Lock()
+        self.base_lrs: list[float] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, made now if it was not yet."""
+        with self._lock:
+            if self._optimizer is None:
+                self._optimizer = self._cls(self._module.parameters(), **self._options)
+                self.base_lrs = [float(group["lr"]) for group in self._optimizer.param_groups]
+            return self._optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state (a fresh one's if nothing made it yet)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the optimizer's state."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"LazyOptimizer({self._optimizer!r})" if self._optimizer is not None else "LazyOptimizer(not made yet)"
 
 
 class _GeneratorState:
@@ -367,10 +408,15 @@ class Policy(abc.ABC):
             raise ValueError(f"{type(self).__name__}.set_lr_factor: factor must be >= 0, got {factor!r}")
         with self._learn_lock:
             for name, component in self._stateful.items():
-                if isinstance(component, torch.optim.Optimizer):
-                    base = self._base_lrs[name]
-                    for group, lr in zip(component.param_groups, base):
-                        group["lr"] = lr * factor
+                if isinstance(component, LazyOptimizer):
+                    optimizer = component.optimizer
+                    base = component.base_lrs
+                elif isinstance(component, torch.optim.Optimizer):
+                    optimizer, base = component, self._base_lrs[name]
+                else:
+                    continue
+                for group, lr in zip(optimizer.param_groups, base):
+                    group["lr"] = lr * factor
 
     # --- helpers for subclasses ------------------------------------------------------------------
     def register_state(self, name: str, component: Stateful) -> None:
@@ -405,7 +451,7 @@ class Policy(abc.ABC):
                              "n-step enhancer to the pipeline, or set policy.nstep=1")
         return self.cfg.discount_factor
 
-    def _apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+    def _apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | LazyOptimizer,
                          parameters: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Backward ``loss`` and step ``optimizer`` (whose parameters are ``parameters``), clipping by
         ``cfg.learn.grad_clip``; the norm if clipped."""
@@ -677,6 +723,11 @@ class Snapshot:
     def state_dict(self) -> dict[str, Any]:
         """The policy's checkpoint whose model weights are exactly this version's (see :meth:`Policy.state_dict`)."""
         return self._policy._checkpoint(self._version)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """A copy of this version's model weights alone, as a dict (without the rest of :meth:`state_dict`, for
+        which a policy would make its optimizers)."""
+        return {name: tensor.clone() for name, tensor in self._version.model.state_dict().items()}
 
     def __repr__(self) -> str:
         return f"<{self._mode} snapshot of {type(self._policy).__name__}, version {self.version}>"

@@ -21,7 +21,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Acting, Policy, _hidden_sizes_check, fused_adam, offline_schema
+from conveyor.policy.base import Acting, LazyOptimizer, Policy, _hidden_sizes_check, fused_adam, offline_schema
 from conveyor.policy.continuous import ActionScaler
 from conveyor.policy.model import EncoderHead
 from conveyor.policy.sac import _bound_check
@@ -92,8 +92,8 @@ class BCPolicy(Policy):
                                                   device=self.device)
             except ValueError as exc:
                 raise ConfigError(f"policy.model.action_low/action_high: {exc}") from None
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.learn.learning_rate,
-                                          fused=fused_adam(self.device))
+        self.optimizer = LazyOptimizer(torch.optim.Adam, self.model, lr=self.cfg.learn.learning_rate,
+                                       fused=fused_adam(self.device))
         self.register_state("optimizer", self.optimizer)
         self._parameters = list(self.model.parameters())
 

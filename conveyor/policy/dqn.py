@@ -16,7 +16,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import (Acting, Policy, TargetSync, fused_adam, make_target, nstep_option,
+from conveyor.policy.base import (Acting, LazyOptimizer, Policy, TargetSync, fused_adam, make_target, nstep_option,
                                   replay_buffer_schema)
 from conveyor.policy.model import QNetwork
 from conveyor.schema import ConfigError, Option
@@ -104,8 +104,8 @@ class DQNPolicy(Policy):
         learn = self.cfg.learn
         self.target_model = make_target(self.model)
         self._target_sync = TargetSync(self.target_model, self.model)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learn.learning_rate,
-                                          fused=fused_adam(self.device))
+        self.optimizer = LazyOptimizer(torch.optim.Adam, self.model, lr=learn.learning_rate,
+                                       fused=fused_adam(self.device))
         self.register_state("target_model", self.target_model)
         self.register_state("optimizer", self.optimizer)
         self._parameters = list(self.model.parameters())

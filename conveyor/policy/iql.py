@@ -23,7 +23,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import fused_adam, offline_schema
+from conveyor.policy.base import LazyOptimizer, fused_adam, offline_schema
 from conveyor.policy.model import EncoderHead
 from conveyor.policy.sac import SACModel, TanhActorCriticPolicy, _optional_positive
 from conveyor.schema import Option
@@ -90,9 +90,9 @@ class IQLPolicy(TanhActorCriticPolicy):
                             f"IQLModel; got {type(self.model).__name__}")
         learn = self.cfg.learn
         self.value: nn.Module = self.model.value
-        self.value_optimizer = torch.optim.Adam(self.value.parameters(),
-                                                lr=learn.value_learning_rate or learn.learning_rate,
-                                                fused=fused_adam(self.device))
+        self.value_optimizer = LazyOptimizer(torch.optim.Adam, self.value,
+                                             lr=learn.value_learning_rate or learn.learning_rate,
+                                             fused=fused_adam(self.device))
         self.register_state("value_optimizer", self.value_optimizer)
         self._value_params = list(self.value.parameters())
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
-from conveyor.policy.base import Acting, ActorCriticCollectMode, Policy, _optional_positive, fused_adam
+from conveyor.policy.base import (Acting, ActorCriticCollectMode, LazyOptimizer, Policy, _optional_positive,
+                                  fused_adam)
 from conveyor.policy.normaliser import ObsNormaliser
 from conveyor.schema import ConfigError, Option
 
@@ -186,8 +187,8 @@ class PPOPolicy(Policy):
             self.obs_normaliser = ObsNormaliser(obs_shape, clip=model_cfg.obs_norm_clip)
             self.register_state("obs_normaliser", self.obs_normaliser)
         self._committed_at = 0  # train_iter when the normaliser last folded in collected observations
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learn.learning_rate, eps=1e-5,
-                                          fused=fused_adam(self.device))
+        self.optimizer = LazyOptimizer(torch.optim.Adam, self.model, lr=learn.learning_rate, eps=1e-5,
+                                       fused=fused_adam(self.device))
         self.register_state("optimizer", self.optimizer)
         self._parameters = list(self.model.parameters())
 

@@ -28,8 +28,8 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import (Acting, Policy, TargetSync, _hidden_sizes_check, fused_adam, make_target,
-                                  nstep_option, replay_buffer_schema)
+from conveyor.policy.base import (Acting, LazyOptimizer, Policy, TargetSync, _hidden_sizes_check, fused_adam,
+                                  make_target, nstep_option, replay_buffer_schema)
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor
 from conveyor.schema import ConfigError, Option
 
@@ -185,10 +185,10 @@ class TanhActorCriticPolicy(Policy):
             raise ConfigError(f"policy.model.action_low/action_high: {exc}") from None
         self.action_dim = action_dim
         lr = learn.learning_rate
-        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=learn.actor_learning_rate or lr,
-                                                fused=fused_adam(self.device))
-        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=learn.critic_learning_rate or lr,
-                                                 fused=fused_adam(self.device))
+        self.actor_optimizer = LazyOptimizer(torch.optim.Adam, self.actor, lr=learn.actor_learning_rate or lr,
+                                             fused=fused_adam(self.device))
+        self.critic_optimizer = LazyOptimizer(torch.optim.Adam, self.critic, lr=learn.critic_learning_rate or lr,
+                                              fused=fused_adam(self.device))
         self.register_state("target_critic", self.target_critic)
         self.register_state("actor_optimizer", self.actor_optimizer)
         self.register_state("critic_optimizer", self.critic_optimizer)
@@ -249,9 +249,9 @@ class SACPolicy(TanhActorCriticPolicy):
         self.target_entropy = float(-self.action_dim if learn.target_entropy is None else learn.target_entropy)
         self.temperature = _Temperature(learn.alpha).to(self.device)
         self.temperature.requires_grad_(learn.auto_alpha)
-        self.alpha_optimizer = torch.optim.Adam(self.temperature.parameters(),
-                                                lr=learn.alpha_learning_rate or learn.learning_rate,
-                                                fused=fused_adam(self.device))
+        self.alpha_optimizer = LazyOptimizer(torch.optim.Adam, self.temperature,
+                                             lr=learn.alpha_learning_rate or learn.learning_rate,
+                                             fused=fused_adam(self.device))
         self._learn_generator = torch.Generator(device=self.device)
         self._learn_generator.manual_seed(int(self.rng.integers(0, 2**62)))
         self.register_state("temperature", self.temperature)

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
@@ -43,14 +44,13 @@ from conveyor.envs import make_env_manager
 from conveyor.middleware import EVAL_EVENT, ContextExchanger, ModelExchanger
 from conveyor.policy.base import Snapshot
 from conveyor.schema import ConfigError
-from conveyor.zoo._online import Collection, experiment_dir, use_saving
+from conveyor.zoo._online import NODES_FILE, Collection, check_layout, experiment_dir, run_directory, use_saving
 
 __all__ = ["DistributedRun", "EvaluatedWeights", "Layout", "LearnerClock", "NODES_FILE", "PROGRESS_TOPIC",
            "RemoteEvaluations", "train_distributed", "train_node"]
 
 log = logging.getLogger(__name__)
 
-NODES_FILE = "nodes.json"
 PROGRESS_TOPIC = "conveyor.zoo.progress"
 """Learner -> the other nodes: ``{"node", "train_iter", "env_step", "stop"}`` after each iteration, and once at the end."""
 COLLECTOR_LEAD = 2
@@ -80,7 +80,7 @@ class EvaluatedWeights:
 
 
 codec.register(Snapshot, "conveyor.zoo.EvaluatedWeights",
-               lambda s: {"version": s.version, "model": dict(s.state_dict()["model"])},
+               lambda s: {"version": s.version, "model": s.model_state_dict()},
                lambda d: EvaluatedWeights(d["version"], d["model"]))
 
 
@@ -124,6 +124,7 @@ class _Node:
     layout: Layout
     ran: bool = False
     collected: int = 0
+    first_step_at: Optional[float] = None
 
 
 _node: Optional[_Node] = None
@@ -134,7 +135,7 @@ class DistributedRun:
     """What :func:`train_distributed` returns: the learner's counters and last evaluation (when the learner
     ran on another host: the newest the nodes here heard of), and a summary of every node started here
     (``node_id``, ``role``, ``pid``, ``env_step``, ``train_iter``, ``last_eval_value``, ``collected``: env
-    steps a collector collected)."""
+    steps a collector collected, ``first_step_at``: the ``time.time()`` of its first collected step)."""
 
     env_step: Optional[int] = None
     train_iter: Optional[int] = None
@@ -170,9 +171,12 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     for node_id in ids:
         layout.role(node_id)
     from conveyor.zoo._offline import is_offline
-    if is_offline(load_entry(entry)):  # an unknown name fails here too, before any process starts
+    loaded = load_entry(entry)  # an unknown name fails here, before any process starts
+    if is_offline(loaded):
         raise ConfigError(f"{entry} trains offline from a dataset, with no collectors or evaluators to spread "
                           f"over processes: drop --collectors/--evaluators")
+    if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
+        check_layout(run_directory(cfg if cfg is not None else loaded.main_config, exp_name), distributed=True)
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
@@ -215,7 +219,8 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
                           f"train_online) split into learner, collectors and evaluators")
     return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "restarts": task.router.restarts,
             "env_step": int(ctx.env_step),
-            "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected}
+            "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
+            "first_step_at": node.first_step_at}
 
 
 def train_node(cfg: EasyDict, policy: Any, collection: Collection, build: Callable[[List[Any], Any], None],
@@ -254,7 +259,7 @@ def train_node(cfg: EasyDict, policy: Any, collection: Collection, build: Callab
                            ckpt_interval=ckpt_interval)
             task.run()  # SIGTERM from the launcher (Parallel.runner's worker handler) finishes the iteration, then
             ctx = task.ctx  # the run ends normally and the learner writes its final checkpoint
-    node.collected = clock.collected
+    node.collected, node.first_step_at = clock.collected, clock.first_step_at
     return ctx
 
 
@@ -276,7 +281,8 @@ class LearnerClock:
     larger of its own and the learner's, so exploration schedules follow the whole run). A collector that
     ran ``lead`` iterations since they last moved waits until they move; an evaluator waits so before
     every iteration but its first. ``stop`` sets ``task.finish``. :attr:`collected` counts the env steps
-    this node's own iterations added. Every wait is bounded by ``timeout_s``, and ends at once when the
+    this node's own iterations added; :attr:`first_step_at` is the ``time.time()`` when they first added
+    any (a collector's start-up ends there). Every wait is bounded by ``timeout_s``, and ends at once when the
     node is asked to stop (:data:`~conveyor.engine.STOP_EVENT`) or the learner is lost (a warning; the
     node's run then ends, as it does on ``stop``: there is nothing left to collect or evaluate for).
 
@@ -288,6 +294,7 @@ class LearnerClock:
             raise ValueError(f"LearnerClock(lead={lead!r}): must be an int >= 1")
         self.timeout_s = timeout_s
         self.collected = 0
+        self.first_step_at: Optional[float] = None
         self._router = task.router
         self._learner = task.has_role(Role.LEARNER)
         self._lead = lead if task.has_role(Role.COLLECTOR) else 1
@@ -351,6 +358,8 @@ class LearnerClock:
         self._since += 1
         before = ctx.env_step
         yield
+        if ctx.env_step > before and self.first_step_at is None:
+            self.first_step_at = time.time()
         self.collected += ctx.env_step - before
 
     def _stop_others(self, error: Optional[BaseException]) -> None:

@@ -1,17 +1,20 @@
 """What every online zoo entry does around its pipeline: the run directory, the config, envs, the saved
 state, resume, signals.
 
-Rules (docs/checkpoints.md): a run lives in ``runs/<exp_name>/`` (``config.json``, ``ckpt/``, ``tb/``);
-a new run refuses a name that already holds a run (continue it with ``resume=True``, or pick another
-name); ``resume=True`` reads the saved config and ``ckpt/latest.pth.tar`` and goes on exactly where that
-checkpoint was; SIGINT or SIGTERM finish the current iteration, write ``final`` and ``latest`` and raise
-:class:`TrainingInterrupted` (a second signal stops at once).
+Rules (docs/checkpoints.md): a run lives in ``runs/<exp_name>/`` (``config.json``, ``ckpt/``, ``tb/``, and
+``nodes.json`` for a distributed run); a new run refuses a name that already holds a run (continue it with
+``resume=True``, or pick another name); ``resume=True`` reads the saved config and ``ckpt/latest.pth.tar``
+and goes on exactly where that checkpoint was, in the layout it was trained in (one process, or
+distributed), or starts the run over from its saved config when it stopped before its first checkpoint
+(a failed or killed start); SIGINT or SIGTERM finish the current iteration, write ``final`` and
+``latest`` and raise :class:`TrainingInterrupted` (a second signal stops at once).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import json
+import logging
 import random
 import signal
 import threading
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 from easydict import EasyDict
 
-from conveyor.config import compile_config
+from conveyor.config import TOP_SCHEMA, compile_config
 from conveyor.engine import OnlineRLContext, task
 from conveyor.envs import make_env_manager
 from conveyor.middleware import (CheckpointError, CkptSaver, load_checkpoint, online_logger, progress_bar,
@@ -32,11 +35,15 @@ from conveyor.schema import ConfigError
 
 __all__ = ["prepare", "experiment_dir", "read_run_config", "seed_everything", "collection_and_evaluator_env",
            "use_reporting", "use_saving", "train_online", "run_pipeline", "counters", "GlobalRNG", "RunDirError",
-           "TrainingInterrupted", "check_exp_name", "stop_on_signals"]
+           "TrainingInterrupted", "check_exp_name", "stop_on_signals", "run_directory", "check_layout", "NODES_FILE"]
+
+log = logging.getLogger(__name__)
 
 RUNS = Path("runs")
 CONFIG_FILE = "config.json"
 LATEST = "latest.pth.tar"
+NODES_FILE = "nodes.json"
+"""In the run directory of a distributed run: every node's id, roles, pid, host and address (the learner writes it)."""
 
 
 class RunDirError(ValueError):
@@ -71,6 +78,13 @@ def check_exp_name(name: Any) -> str:
 def experiment_dir(cfg: Mapping[str, Any]) -> Path:
     """``runs/<exp_name>``: where an entry's config, logs and checkpoints go."""
     return RUNS / check_exp_name(cfg["exp_name"])
+
+
+def run_directory(cfg: Mapping[str, Any], exp_name: Optional[str] = None) -> Path:
+    """The run directory of an entry run with config ``cfg`` (raw: its ``exp_name`` may be left to the default)
+    and the ``exp_name`` argument, which wins."""
+    return experiment_dir({"exp_name": exp_name if exp_name is not None else
+                           cfg.get("exp_name", TOP_SCHEMA["exp_name"].default)})
 
 
 def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Mapping[str, Any]] = None, *,
@@ -124,12 +138,33 @@ def read_run_config(run_dir: Path) -> Dict[str, Any]:
     return saved
 
 
+def check_layout(run_dir: Path, distributed: bool) -> None:
+    """Refuse to resume the run in ``run_dir`` in another layout than the one its checkpoint was trained in:
+    in one process, or distributed (then the run has a ``nodes.json``). A run with no checkpoint fits any."""
+    nodes = run_dir / NODES_FILE
+    if not (run_dir / "ckpt" / LATEST).is_file() or nodes.is_file() == distributed:
+        return
+    if distributed:
+        raise RunDirError(f"cannot resume '{run_dir.name}' as a distributed run: it was trained in one process "
+                          f"({run_dir} has no {NODES_FILE}); resume it without --collectors and --evaluators")
+    try:
+        roles = [role for row in json.loads(nodes.read_text()) for role in row["roles"]]
+        collectors, evaluators = roles.count("collector"), roles.count("evaluator")
+        flags = f"--collectors {collectors}" + (f" --evaluators {evaluators}" if evaluators else "")
+        layout = f"1 learner and {collectors} collector{'s' * (collectors != 1)}" + \
+            (f" and {evaluators} evaluator{'s' * (evaluators != 1)}" if evaluators else "")
+    except (OSError, ValueError, TypeError, KeyError):
+        flags, layout = "--collectors N as it was started", "a distributed run"
+    raise RunDirError(f"cannot resume '{run_dir.name}' in one process: it was trained as {layout} ({nodes}); "
+                      f"resume it with {flags}")
+
+
 def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], seed: Optional[int]) -> EasyDict:
     latest = run_dir / "ckpt" / LATEST
-    if not latest.is_file():
+    path = run_dir / CONFIG_FILE
+    if not latest.is_file() and not path.is_file():
         raise FileNotFoundError(f"cannot resume '{run_dir.name}': no checkpoint at {latest}; start without "
                                 f"--resume, or pass the --exp-name of an earlier run")
-    path = run_dir / CONFIG_FILE
     try:
         saved = read_run_config(run_dir)
     except FileNotFoundError:
@@ -140,6 +175,7 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
     if saved.get("policy") != policy.__name__:
         raise RunDirError(f"cannot resume '{run_dir.name}' with {policy.__name__}: it is a {saved.get('policy')} "
                           f"run; resume it with its own entry, or choose another --exp-name")
+    check_layout(run_dir, distributed=bool(task.roles))
     cfg = compile_config(EasyDict(saved["config"]), policy=policy)
     if seed is not None and seed != cfg.seed:
         raise RunDirError(f"--seed {seed} differs from the seed {cfg.seed} of run '{run_dir.name}': leave --seed "
@@ -149,6 +185,10 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
         if mine != json.loads(json.dumps(cfg)):
             raise RunDirError(f"the config given differs from the one run '{run_dir.name}' saved in {path}: resume "
                               f"without a config, or start a new run")
+    if not latest.is_file():
+        log.warning("run '%s' stopped before its first checkpoint (a failed or killed start): it starts over from "
+                    "its saved config", run_dir.name)
+        (run_dir / NODES_FILE).unlink(missing_ok=True)  # the nodes of that start; this one writes its own
     return cfg
 
 
@@ -300,8 +340,9 @@ def use_saving(cfg: EasyDict, policy: Any, report: Callable[[], None], *, buffer
     task.register_state("rng", GlobalRNG())
     task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
     report()
-    if resume:
-        _resume(exp_dir / "ckpt" / LATEST, meta["policy"])
+    latest = exp_dir / "ckpt" / LATEST
+    if resume and latest.is_file():  # without one, prepare() has started the run over
+        _resume(latest, meta["policy"])
 
 
 def _resume(path: Path, policy_name: str) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -185,3 +187,26 @@ def test_policy_package_imports_no_upper_layer():
 def test_public_names_are_exported():
     for name in conveyor.policy.__all__:
         assert getattr(conveyor.policy, name) is not None
+
+
+ACT_THEN_CHECKPOINT = """
+import sys
+import numpy as np
+from conveyor.config import compile_config
+from conveyor.zoo.{entry} import main_config
+from conveyor.policy import {cls}
+policy = {cls}(compile_config(main_config, policy={cls}).policy)
+policy.eval_mode.forward(np.zeros((2, {obs_dim}), dtype=np.float32))
+acted = 'torch._dynamo' in sys.modules
+policy.state_dict()
+print(acted, 'torch._dynamo' in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("entry, cls, obs_dim", [("cartpole.dqn", "DQNPolicy", 4), ("cartpole.ppo", "PPOPolicy", 4),
+                                                 ("pendulum.sac", "SACPolicy", 3), ("pendulum.iql", "IQLPolicy", 3)])
+def test_a_policy_that_only_acts_makes_no_optimizer_so_never_imports_torch_dynamo(entry, cls, obs_dim):
+    """A torch optimizer imports torch._dynamo when made (1.5 s): a collector or evaluator process never pays it."""
+    code = ACT_THEN_CHECKPOINT.format(entry=entry, cls=cls, obs_dim=obs_dim)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]  # a checkpoint makes them

@@ -14,6 +14,7 @@ from conveyor.engine import Role
 from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo._distributed import Layout, train_distributed
+from tests.cli_helpers import TINY, assert_usage_error
 from tests.test_cli_task import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +140,38 @@ def test_a_name_that_holds_a_run_is_refused_in_one_line(in_tmp, capsys):
     (in_tmp / "runs" / "taken" / "config.json").write_text("{}")
     assert cli_main(["train", "cartpole/dqn", "--collectors", "1", "--exp-name", "taken", "--no-progress"]) == 2
     assert "already holds a run: continue it with --resume" in capsys.readouterr().err
+
+
+def files_of(folder):
+    """Every file and folder under ``folder``, with its size and modification time."""
+    return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("first, then, fragment", [
+    ([], ["--collectors", "2"], "cannot resume 'layout' as a distributed run: it was trained in one process "
+                                "(runs/layout has no nodes.json); resume it without --collectors and --evaluators"),
+    (["--collectors", "2"], [], "cannot resume 'layout' in one process: it was trained as 1 learner and 2 collectors "
+                                "(runs/layout/nodes.json); resume it with --collectors 2"),
+])
+def test_resuming_in_another_layout_is_one_line_naming_both_and_leaves_the_run_directory_as_it_was(
+        in_tmp, capsys, first, then, fragment):
+    assert cli_main(["train", "cartpole/dqn", *TINY, *first, "--exp-name", "layout"]) == 0
+    capsys.readouterr()
+    before = files_of(in_tmp / "runs")
+    code = cli_main(["train", "cartpole/dqn", "--resume", "--max-env-step", "128", "--no-progress", *then,
+                     "--exp-name", "layout"])
+    assert_usage_error(code, capsys, fragment)
+    assert files_of(in_tmp / "runs") == before
+
+
+def test_a_distributed_run_whose_start_failed_is_started_over_by_resume(in_tmp, capsys):
+    with pytest.raises(RuntimeError, match="the learner fails at its start"):
+        train_distributed(str(Path(__file__).with_name("_learner_fails_at_start_entry.py")), collectors=2,
+                          exp_name="again", max_env_step=64, progress=False)
+    assert (in_tmp / "runs" / "again" / "config.json").is_file() and not (in_tmp / "runs" / "again" / "ckpt").exists()
+    assert cli_main(["train", "cartpole/dqn", "--collectors", "2", "--resume", "--exp-name", "again", "--max-env-step",
+                     "64", "--no-progress"]) == 0, capsys.readouterr().err
+    assert load_checkpoint(in_tmp / "runs" / "again" / "ckpt" / "final.pth.tar")["ctx"]["env_step"] >= 64
 
 
 def test_roles_follow_node_ids():

@@ -13,18 +13,20 @@ hub's reach everyone); ``"mesh"``, every worker dials every other; ``"alone"``, 
 How a worker starts: each launch first starts a zygote, ``python -c`` running :func:`_zygote_main`,
 which gets multiprocessing's preparation data (``sys.path``, the working directory, the main module, as
 its ``spawn`` start method sends them; the main module is imported there) and imports the modules that
-``main`` and its args are pickled from (torch and conveyor with them, once, not once per worker; and
-``torch._dynamo``, which torch imports at a process's first optimizer; no torch op runs and no Python
-thread starts there). It then forks every worker of the launch, restarts
+``main`` and its args are pickled from (torch and conveyor with them, once, not once per worker; no
+torch op runs and no Python thread starts there). It then forks every worker of the launch, restarts
 included. Each worker has one end of its own socket pair with the launcher (passed through the
 zygote's connection as a descriptor, SCM_RIGHTS), and everything private travels over that pair,
 never in the environment or on the command line: the preparation data again, then ``main`` and its
-args (pickled by reference, so ``main`` must be a module-level function and a script that calls the
-runner needs an ``if __name__ == "__main__":`` guard, as with multiprocessing), then the shared secret.
+args (pickled by reference, so ``main`` must be a module-level function), then the shared secret.
 The zygote reaps the workers and reports their exit codes, and signals one for the launcher only while
-it is unreaped (so never a reused pid); it ignores SIGINT and SIGTERM (the launcher decides) and leaves
-once the launcher closes its connection and its workers are gone. A worker ends as multiprocessing's forked children do: non-daemon threads joined,
-``atexit`` handlers run, streams flushed, then ``os._exit`` (no second teardown of the interpreter).
+it is unreaped (so never a reused pid); it ignores SIGINT and holds SIGTERM blocked (the launcher decides;
+a worker forked from it unblocks SIGTERM once its handler is in, so one sent at its birth is delivered then,
+not lost) and leaves once the launcher closes its connection and its workers are gone. A script that
+calls the runner without an ``if __name__ == "__main__":`` guard would call it again in the zygote, which
+imports it: that is refused at once, with the fix, as :mod:`multiprocessing` does. A worker ends as
+multiprocessing's forked children do: non-daemon threads joined, ``atexit`` handlers run, streams
+flushed, then ``os._exit`` (no second teardown of the interpreter).
 No multiprocessing helper process (resource tracker) is started, so stopping the workers leaves nothing.
 
 The secret: ``secret=`` (bytes), else ``$CONVEYOR_SECRET``, else one generated for this launch; a
@@ -50,7 +52,12 @@ The launcher then supervises. Faults, two kinds:
 
 SIGTERM to the launcher (from its main thread) or Ctrl-C stops every worker with SIGTERM (each ends its
 run gracefully, see below; SIGKILL after ``grace_s``), removes the ipc files, and ends the launcher with
-``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself.
+``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself. The ipc
+files of a launch go in ``$TMPDIR/conveyor-run-<launcher pid>-*``; a launch removes such directories
+of this user whose launcher is gone (one killed by SIGKILL cannot remove its own).
+
+:func:`zygote_ahead` starts the zygote of the next launch early, so that its imports overlap what the
+launching process still does (``conveyor train --collectors`` reads the entry's config, importing torch).
 
 Inside a worker, SIGINT is ignored (Ctrl-C reaches the whole process group; the launcher decides). The
 first SIGTERM while ``main`` is inside ``task.run`` stops the run gracefully: ``task.finish`` is set and
@@ -59,7 +66,8 @@ the current iteration (a ``CkptSaver`` writes its final checkpoint) and ``main``
 ``task.run``, or a second SIGTERM, raises ``SystemExit(143)``, so ``finally`` blocks and ``with
 task.start()`` exits run.
 When its ``main`` returns, a worker tells its peers and waits until each has finished too or is gone,
-before closing its router: no message it sent is cut off by closing early.
+before closing its router: no message it sent is cut off by closing early. Once its result or error is
+sent, a SIGTERM ends the worker at once (no traceback from an exit handler it interrupts).
 """
 from __future__ import annotations
 
@@ -89,7 +97,7 @@ import conveyor
 from conveyor.engine.compose import note
 from conveyor.engine.parallel.frame import SECRET_ENV, generate_secret, load_secret
 
-__all__ = ["Parallel", "RemoteTraceback", "WorkerError", "WorkerRouter"]
+__all__ = ["Parallel", "RemoteTraceback", "WorkerError", "WorkerRouter", "zygote_ahead"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,8 @@ DEFAULT_MAX_RETRIES = 3
 """Restarts per worker under ``auto_recover=True`` when ``max_retries`` is None."""
 
 _ZYGOTE_CODE = "from conveyor.engine.parallel.runner import _zygote_main; _zygote_main()"
+_RUN_DIR_PREFIX = "conveyor-run-"
+"""``$TMPDIR/conveyor-run-<launcher pid>-<random>``: the ipc files of a launch that was given no ``address``."""
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(conveyor.__file__)))
 
 
@@ -126,6 +136,14 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return f"\n\"\"\"\n{self.tb.rstrip()}\n\"\"\""
+
+
+class _UnguardedLaunch(RuntimeError):
+    """The runner was called while the zygote imports the launcher's main module: a script with no main guard."""
+
+
+_importing_main = False
+"""True in the zygote while it imports the launcher's main module (a call of the runner then is refused)."""
 
 
 class _Terminated(SystemExit):
@@ -298,6 +316,10 @@ class _Plan:
 
 # --- the launcher --------------------------------------------------------------------------------------
 def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
+    if _importing_main:
+        script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
+        raise _UnguardedLaunch(f"Parallel.runner: {script} calls the runner again in the zygote that imports it to "
+                               f"find main: put the call under `if __name__ == \"__main__\":`, as multiprocessing asks")
     if not callable(main):
         raise TypeError(f"Parallel.runner(...)(main): main must be callable, got {main!r}")
     if plan.n == 1 and plan.topology == "alone":
@@ -312,7 +334,9 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
         secret = load_secret(generate=False) if SECRET_ENV in os.environ else None
         secret, generated = (generate_secret(), True) if secret is None else (secret, False)
     own_dir = plan.protocol == "ipc" and plan.address is None
-    ipc_dir = tempfile.mkdtemp(prefix="conveyor-run-") if own_dir else plan.address
+    if own_dir:
+        _remove_stale_run_dirs()
+    ipc_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-") if own_dir else plan.address
     listens = [_listen_address(plan, i, node_id, ipc_dir) for i, node_id in enumerate(plan.node_ids)]
     workers: List[_Worker] = []
     zygote: Optional[_Zygote] = None
@@ -320,7 +344,8 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
         if generated and plan.topology != "alone":
             _check_local(listens + plan.attach_to)
         with _terminate_on_sigterm():
-            zygote = _Zygote(_modules(program), plan.ready_timeout_s)
+            zygote = _take_spare(_modules(program), plan.ready_timeout_s) or _Zygote(_modules(program),
+                                                                                    plan.ready_timeout_s)
             for i, node_id in enumerate(plan.node_ids):
                 spec = {"node_id": node_id, "n_workers": plan.n, "topology": plan.topology, "listen": listens[i],
                         "secret": secret, "labels": plan.labels, "ready_timeout_s": plan.ready_timeout_s,
@@ -337,6 +362,52 @@ def _launch(plan: _Plan, main: Callable[..., Any], args: tuple) -> List[Any]:
             elif plan.protocol == "ipc":
                 for url in listens:
                     _unlink(url[len("ipc://"):])
+
+
+_spare: Optional["_Zygote"] = None
+"""A zygote started ahead of the next launch (:func:`zygote_ahead`)."""
+
+
+@contextlib.contextmanager
+def zygote_ahead(modules: Sequence[str] = ()) -> Iterator[None]:
+    """Start the zygote of the next launch inside this block now, importing ``modules``, so that its imports run
+    while this process prepares the launch (the CLI imports torch to read an entry's config). The first
+    launch inside takes it if this process's preparation data (working directory, ``sys.path``, main
+    module) are still those it started with, and starts its own otherwise; one that no launch took is
+    closed on the way out."""
+    global _spare
+    if _spare is not None:
+        raise RuntimeError("zygote_ahead: a zygote started ahead is already waiting for a launch")
+    _spare = _Zygote(modules, 60.0)
+    try:
+        yield
+    finally:
+        spare, _spare = _spare, None
+        if spare is not None:
+            spare.kill()
+
+
+def _take_spare(modules: Sequence[str], ready_timeout_s: float) -> Optional["_Zygote"]:
+    """The zygote started ahead, told to import ``modules`` too; None if there is none or it no longer fits."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is None:
+        return None
+    if spare.proc.poll() is not None or spare.preparation != _preparation("conveyor-zygote"):
+        spare.kill()
+        return None
+    spare.ready_timeout_s = ready_timeout_s
+    with _whole_messages():
+        spare.conn.send(("preload", list(modules)))
+    return spare
+
+
+def _preparation(name: str) -> Dict[str, Any]:
+    """multiprocessing's preparation data for a process called ``name``, without its own key (no process
+    needs it, and it must not travel)."""
+    preparation = mp_spawn.get_preparation_data(name)
+    preparation.pop("authkey", None)
+    return preparation
 
 
 def _modules(program: bytes) -> List[str]:
@@ -376,6 +447,28 @@ def _check_local(urls: Iterable[str]) -> None:
             raise ValueError(f"Parallel.runner: refusing {url} with a secret generated for this launch: nodes on other "
                              f"hosts cannot know it. Give every node the same secret (secret=, --secret-file FILE or "
                              f"${SECRET_ENV}), or use protocol='ipc' or address='127.0.0.1'")
+
+
+def _remove_stale_run_dirs() -> None:
+    """Remove this user's ``conveyor-run-<pid>-*`` directories whose launcher (``pid``) is gone: one that was
+    killed (SIGKILL) could not remove its own."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid, dash, _ = entry.name[len(_RUN_DIR_PREFIX):].partition("-")  # no dash: an older name, no pid in it
+            if entry.name.startswith(_RUN_DIR_PREFIX) and dash and pid.isdigit() and not _alive(int(pid)) \
+                    and entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def _unlink(path: str) -> None:
@@ -447,9 +540,8 @@ class _Zygote:
         self.ready_timeout_s = ready_timeout_s
         self._children: Dict[int, _Forked] = {}
         self._forked: List[int] = []
-        preparation = mp_spawn.get_preparation_data("conveyor-zygote")
-        preparation.pop("authkey", None)  # multiprocessing's own key: no process needs it, and it must not travel
-        self.conn.send((preparation, list(modules)))
+        self.preparation = _preparation("conveyor-zygote")
+        self.conn.send((self.preparation, list(modules)))
 
     def fork(self, theirs: socket.socket) -> _Forked:
         """A new worker holding ``theirs`` (its end of the launcher's socket pair) as its connection."""
@@ -479,10 +571,18 @@ class _Zygote:
             raise WorkerError(f"Parallel.runner: the zygote (pid {self.proc.pid}) that forks the workers is gone "
                               f"(exit code {self.proc.poll()}; its stderr has the details); its workers stop when "
                               f"the launcher closes their connections") from None
+        if message[0] == "failed":
+            raise WorkerError(message[1])
         if message[0] == "forked":
             self._forked.append(message[1])
         elif message[0] == "exit":
             self._children.pop(message[1]).returncode = message[2]
+
+    def kill(self) -> None:
+        """End a zygote that forked no worker at once (SIGKILL; it may still be importing) and reap it."""
+        self.conn.close()
+        self.proc.kill()
+        self.proc.wait()
 
     def close(self, grace_s: float) -> None:
         """Close the connection (the zygote then exits) and reap it; call once every worker is reaped."""
@@ -513,9 +613,7 @@ class _Worker:
         finally:
             theirs.close()
         worker = cls(spec, proc, mp_connection.Connection(ours.detach()), zygote.ready_timeout_s)
-        preparation = mp_spawn.get_preparation_data(f"conveyor-worker-{spec['node_id']}")
-        preparation.pop("authkey", None)  # multiprocessing's own key: the worker needs none, and it must not travel
-        worker.conn.send(preparation)
+        worker.conn.send(_preparation(f"conveyor-worker-{spec['node_id']}"))
         worker.conn.send((spec, program))
         return worker
 
@@ -568,7 +666,7 @@ def _supervise(plan: _Plan, workers: List[_Worker], program: bytes, zygote: _Zyg
                     if other.restarts and not other.ready and not other.ended:
                         log.warning("Parallel.runner: %s returned while %s was still joining; the job is ending, "
                                     "so it is killed (it has not started main)", worker, other)
-                        other.proc.kill()  # SIGKILL: a worker just forked still ignores SIGTERM, as the zygote does
+                        other.proc.kill()
         if not planned and all(w.address is not _Worker for w in workers):
             for i, worker in enumerate(workers):
                 worker.conn.send(_dial_plan(plan, i, workers))
@@ -717,24 +815,40 @@ class _signals_ignored:
 # --- the worker ----------------------------------------------------------------------------------------
 def _zygote_main() -> None:
     """Entry point of the zygote (``python -c``; argv[1] is the inherited descriptor of its connection)."""
+    global _importing_main
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)
-    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a TERM to the whole group: the launcher decides
-        signal.signal(signum, signal.SIG_IGN)
+    # Ctrl-C or a TERM to the whole group: the launcher decides. SIGTERM is held, not ignored, so that a
+    # worker forked from here, which inherits this, gets a SIGTERM sent before its handler is in.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     conn = mp_connection.Connection(fd)
     preparation, modules = conn.recv()
-    mp_spawn.prepare(preparation)
+    _importing_main = True
+    try:
+        mp_spawn.prepare(preparation)
+    except BaseException as exc:
+        if not isinstance(exc, _UnguardedLaunch):
+            traceback.print_exc()
+        conn.send(("failed", str(exc) if isinstance(exc, _UnguardedLaunch) else
+                   f"Parallel.runner: the zygote could not import the main module of the launcher "
+                   f"({type(exc).__name__}: {exc}); its traceback is above"))
+        with contextlib.suppress(OSError):
+            while os.read(fd, 65536):  # until the launcher closes: its requests never meet a closed socket
+                pass
+        os._exit(1)
+    finally:
+        _importing_main = False
     _preload(modules)
     _fork_workers(conn)
     os._exit(0)
 
 
 def _preload(modules: Sequence[str]) -> None:
-    """Import ``modules`` in the zygote, and ``torch._dynamo`` once torch is in: torch imports it lazily when a
-    process makes its first optimizer, which took 1.5-2.5 s in every worker that made one."""
-    for name in [*modules, "torch._dynamo"]:
-        if name == "torch._dynamo" and "torch" not in sys.modules:
-            continue
+    """Import ``modules`` in the zygote. Not ``torch._dynamo`` (1.5 s here), which torch imports when a process
+    makes its first optimizer: workers that only act never need it, and a learner imports it while they
+    start (docs/distributed.md)."""
+    for name in modules:
         try:
             importlib.import_module(name)
         except Exception:  # a worker imports it again, and sends the error to the launcher
@@ -772,6 +886,8 @@ def _fork_workers(conn: Any) -> None:
                     os.close(fd)
                     children[os.pidfd_open(pid)] = pid
                     conn.send(("forked", pid))
+                elif message[0] == "preload":  # the modules of a launch that took a zygote started ahead
+                    _preload(message[1])
                 elif message[0] == "signal" and message[1] in children.values():
                     os.kill(message[1], message[2])
             except (EOFError, OSError):
@@ -788,6 +904,7 @@ def _forked_worker(fd: int) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
+        signal.signal(signal.SIGTERM, _exit_at_once)  # its result or error is sent: a stop interrupts nothing
         try:
             for thread in threading.enumerate():
                 if thread is not threading.current_thread() and not thread.daemon:
@@ -799,11 +916,16 @@ def _forked_worker(fd: int) -> None:
             os._exit(code)
 
 
+def _exit_at_once(signum: int, frame: Any) -> None:
+    os._exit(128 + signum)
+
+
 def _worker(fd: int) -> int:
     """A worker's life on its connection ``fd`` to the launcher; its exit code."""
     os.set_inheritable(fd, False)  # the worker's own children must not hold the launcher's connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # held since the fork (see _zygote_main)
     conn = mp_connection.Connection(fd)
     try:
         mp_spawn.prepare(conn.recv())

@@ -1,6 +1,7 @@
 """A launcher process for the signal tests: ``python _runner_launcher.py OUT_DIR IPC_DIR N``.
 
-Runs ``ready_then_wait`` on N mesh workers over ipc sockets in IPC_DIR until it is signalled.
+Runs ``ready_then_wait`` on N mesh workers over ipc sockets in IPC_DIR (``-``: the runner's own directory
+under $TMPDIR) until it is signalled.
 """
 import sys
 
@@ -9,4 +10,5 @@ from tests.engine.parallel._runner_mains import ready_then_wait
 
 if __name__ == "__main__":  # the workers import this file as their main module too
     out_dir, ipc_dir, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    Parallel.runner(n, topology="mesh", protocol="ipc", address=ipc_dir, grace_s=5)(ready_then_wait, out_dir)
+    Parallel.runner(n, topology="mesh", protocol="ipc", address=None if ipc_dir == "-" else ipc_dir,
+                    grace_s=5)(ready_then_wait, out_dir)

@@ -65,3 +65,30 @@ def note_at_exit(out_dir):
     path = Path(out_dir, f"exit-{task.router.node_id}")
     atexit.register(path.write_text, "ran")
     return os.getppid()
+
+
+def parent_signals():
+    """The parent's (the zygote's) blocked and ignored signal masks, from /proc."""
+    fields = dict(line.split(":\t") for line in Path(f"/proc/{os.getppid()}/status").read_text().splitlines()
+                  if ":\t" in line)
+    return {"blocked": int(fields["SigBlk"], 16), "ignored": int(fields["SigIgn"], 16)}
+
+
+def fail_while_the_other_is_exiting(fifo):
+    """Node 1 returns and then waits in an exit handler (having said so on the FIFO ``fifo``); node 0 raises
+    once it has heard that, so the launcher's SIGTERM reaches node 1 inside its exit handler."""
+    import atexit
+    import select
+    if task.router.node_id == 1:
+        def exiting():
+            with open(fifo, "wb") as out:
+                out.write(b"x")
+            threading.Event().wait(WAIT)
+        atexit.register(exiting)
+        return 1
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert select.select([fd], [], [], WAIT)[0] and os.read(fd, 1) == b"x", "node 1 never reached its exit handler"
+    finally:
+        os.close(fd)
+    raise ValueError("node 0 fails while node 1 runs its exit handlers")

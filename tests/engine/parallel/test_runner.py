@@ -3,15 +3,19 @@ import json
 import os
 import select
 import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from conveyor.engine import Parallel
-from conveyor.engine.parallel.runner import RemoteTraceback
+from conveyor.engine.parallel.runner import RemoteTraceback, zygote_ahead
 from tests.engine.parallel import _runner_mains as mains
-from tests.engine.parallel._groups import script_groups
+from tests.engine.parallel._groups import ROOT, kill_group, script_groups
 
 WAIT = 20  # seconds: the bound on every wait below; a healthy run takes a second or two
 FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
@@ -71,6 +75,88 @@ def test_a_worker_that_raises_makes_the_runner_raise_its_error_and_leaves_no_wor
         assert_gone(int((tmp_path / pid_file).read_text()))
 
 
+UNGUARDED = """
+    from conveyor.engine import Parallel
+
+
+    def main():
+        return 1
+
+
+    Parallel.runner(2)(main)  # no `if __name__ == "__main__":` around it
+"""
+
+
+def test_a_script_without_a_main_guard_is_refused_at_once_with_the_fix(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(UNGUARDED))
+    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=WAIT)  # not the ready_timeout_s of 60 s
+    finally:
+        kill_group(proc, WAIT)
+    assert proc.returncode == 1
+    assert err.splitlines()[-1].endswith(f"{script} calls the runner again in the zygote that imports it to find "
+                                         f"main: put the call under `if __name__ == \"__main__\":`, as "
+                                         f"multiprocessing asks"), err
+
+
+def test_a_worker_is_forked_with_sigterm_held_not_ignored_so_one_sent_at_its_birth_is_not_lost():
+    """A worker inherits the zygote's signal state until its own handler is in: SIGTERM must wait there."""
+    sigterm = 1 << (signal.SIGTERM - 1)
+    for masks in runner(2)(mains.parent_signals):
+        assert masks["blocked"] & sigterm and not masks["ignored"] & sigterm
+
+
+def test_a_sigterm_during_a_workers_exit_handlers_ends_it_without_a_traceback(tmp_path, capfd):
+    fifo = tmp_path / "exiting"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="node 0 fails"):
+        Parallel.runner(2, topology="alone", ready_timeout_s=WAIT, grace_s=WAIT)(mains.fail_while_the_other_is_exiting,
+                                                                               str(fifo))
+    assert time.monotonic() - started < WAIT  # node 1 ended on SIGTERM, not on SIGKILL after grace_s
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "_Terminated" not in err, err
+
+
+def test_a_launch_removes_the_ipc_directories_that_killed_launchers_left(tmp_path, launcher, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    proc = launcher(2, "-")  # ipc files in the runner's own directory under $TMPDIR
+    kill_and_wait_for_its_workers(proc, read_ready_lines(proc, 2))  # killed, it cannot remove its directory
+    assert [p.name.startswith("conveyor-run-") for p in tmp.iterdir()] == [True]
+    live = tmp / f"conveyor-run-{os.getpid()}-of-a-launcher-still-running"
+    live.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert runner(2)(mains.whoami, 1)
+    assert list(tmp.iterdir()) == [live]
+
+
+def children():
+    """The pids of this process's children."""
+    return {int(pid) for tid in os.listdir("/proc/self/task")
+            for pid in Path(f"/proc/self/task/{tid}/children").read_text().split()}
+
+
+def test_a_launch_takes_the_zygote_started_ahead_and_one_left_untaken_is_ended(tmp_path, monkeypatch):
+    before = children()
+    with zygote_ahead(["tests.engine.parallel._runner_mains"]):
+        [spare] = children() - before
+        parents = runner(2)(mains.note_at_exit, str(tmp_path))
+    assert set(parents) == {spare}  # no second zygote was started
+    with zygote_ahead():
+        [spare] = children() - before
+    assert children() == before  # not taken: ended on the way out
+    with zygote_ahead():
+        [spare] = children() - before
+        monkeypatch.chdir(tmp_path)  # the workers would start elsewhere than the zygote started ahead
+        parents = runner(2)(mains.note_at_exit, str(tmp_path))
+    assert spare not in parents and children() == before
+
+
 def test_a_misspelt_topology_is_refused_with_the_closest_name():
     with pytest.raises(ValueError, match="did you mean 'mesh'"):
         Parallel.runner(2, topology="mesj")
@@ -116,9 +202,18 @@ def test_the_workers_and_their_zygote_stop_themselves_when_the_launcher_is_kille
     ipc_dir.mkdir()
     proc = launcher(2, ipc_dir)
     pids = read_ready_lines(proc, 2)
-    parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in pids}
+    parents = {parent_of(pid) for pid in pids}
     assert len(parents) == 1 and proc.pid not in parents  # forked by one zygote, not by the launcher
-    fds = [os.pidfd_open(pid) for pid in [*pids, *parents]]  # readable once the process has ended
+    kill_and_wait_for_its_workers(proc, pids)
+
+
+def parent_of(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def kill_and_wait_for_its_workers(proc, pids):
+    """SIGKILL the launcher ``proc``; wait until its workers ``pids`` and their zygote have stopped themselves."""
+    fds = [os.pidfd_open(pid) for pid in {*pids, *map(parent_of, pids)}]  # readable once the process has ended
     try:
         proc.kill()
         proc.wait(timeout=WAIT)
