@@ -26,10 +26,15 @@ Faults (membership comes from the router: a peer that dies, disconnects or close
 - :data:`conveyor.engine.STOP_EVENT` (SIGTERM to a worker) ends every wait at once; the run then ends
   normally with ``task.finish``.
 - Both unsubscribe from their topics when the ``with task.start():`` block that made them closes.
+- A message that is not what its topic carries (a peer with the secret sent a wrong type, a missing key,
+  a negative count, arrays of another layout than the first accepted batch or than this node's weights) is
+  dropped on receipt, counted in ``stats()["rejected"]`` and logged at most once a minute per topic: it
+  never reaches the pipeline, and never ends the run.
 """
 from __future__ import annotations
 
 import logging
+import reprlib
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set
@@ -38,8 +43,8 @@ from conveyor.engine import CLOSE_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLCo
 from conveyor.engine.parallel import codec
 from conveyor.policy.normaliser import FrozenNormaliser
 
-__all__ = ["ContextExchanger", "ModelExchanger", "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC",
-           "MODEL_REQUEST_TOPIC"]
+__all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "DATA_TOPIC", "TRAIN_ITER_TOPIC",
+           "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,88 @@ codec.register(FrozenNormaliser, "conveyor.FrozenNormaliser",
                lambda n: {"mean": n.mean, "inv_std": n.inv_std, "clip": n.clip}, lambda d: FrozenNormaliser(**d))
 
 _RETRY_S = 0.25  # a receiver waiting for weights repeats its request this often (a request can pass its subscription)
+_LOG_EVERY_S = 60.0  # a kind of rejected message is logged at most this often
+
+
+class BadMessage(ValueError):
+    """A peer's message that decoded but is not what its topic carries; its handler drops it."""
+
+
+class Rejections:
+    """The messages a node's handlers dropped as :class:`BadMessage`: counted, and logged at most once a
+    minute per topic (a peer may send many)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.count = 0
+        self._logged: Dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, fn: Callable[[Any], None], topic: str) -> Callable[[Any], None]:
+        """``fn`` as a handler of ``topic`` that drops, counts and logs the payloads it raises BadMessage for."""
+        def handle(payload: Any) -> None:
+            try:
+                fn(payload)
+            except BadMessage as e:
+                self.reject(topic, str(e))
+        return handle
+
+    def reject(self, topic: str, why: str) -> None:
+        """Count one dropped message on ``topic``; log it unless that topic was logged within the last minute."""
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            quiet = now - self._logged.get(topic, -_LOG_EVERY_S) < _LOG_EVERY_S
+            if not quiet:
+                self._logged[topic] = now
+            count = self.count
+        if not quiet:
+            log.warning("%s: dropped a message on %r: %s (%d rejected so far; logged at most once a minute)",
+                        self.owner, topic, why, count)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def check_fields(payload: Any, **checks: Callable[[Any], bool]) -> Dict[str, Any]:
+    """``payload`` if it is a dict holding every key of ``checks`` with a value its check accepts; else
+    :class:`BadMessage` naming the first that fails. ``int`` checks a count (an int in ``[0, 2**63)``)."""
+    if not isinstance(payload, dict):
+        raise BadMessage(f"a {type(payload).__name__}, not a dict")
+    for key, check in checks.items():
+        if key not in payload:
+            raise BadMessage(f"no {key!r} key")
+        if not (_count if check is int else check)(payload[key]):
+            raise BadMessage(f"{key!r} cannot be {reprlib.repr(payload[key])}")
+    return payload
+
+
+def layout(value: Any, rows: Optional[Set[int]] = None) -> Any:
+    """What two values must share to be used alike: their structure (keys, lengths, types) and each array's
+    dtype and shape. With ``rows`` (a set), arrays are batches: their first dim is left out of the layout and
+    added to ``rows`` (a batch whose arrays disagree on it gets 2 or more); a scalar array is a BadMessage.
+    Objects with ``__slots__`` (the codec's registered types, such as FrozenNormaliser) by their slots."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        shape = tuple(value.shape)
+        if rows is not None:
+            if not shape:
+                raise BadMessage("a batch holds a scalar array")
+            rows.add(shape[0])
+            shape = shape[1:]
+        return str(value.dtype), shape
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(layout(v, rows) for v in value)
+    items = getattr(value, "items", None)
+    if callable(items):  # a dict or a treetensor tree
+        return type(value).__name__, tuple(sorted((str(k), layout(v, rows)) for k, v in items()))
+    slots = getattr(type(value), "__slots__", None)
+    if slots:  # a registered codec type (FrozenNormaliser)
+        return type(value).__name__, tuple(layout(getattr(value, name, None), rows) for name in slots)
+    return type(value).__name__
 
 
 def _active_router() -> Any:
@@ -79,6 +166,7 @@ class _Exchanger:
         self._stopping = False
         self._learner = self._collector = False
         self._subscribed: tuple = ()
+        self._rejections = Rejections(f"{name} on node {getattr(self._router, 'node_id', '-')}")
         if self._router is None:
             return
         if not task.roles:
@@ -90,11 +178,16 @@ class _Exchanger:
                                f"run a learner takes its data from collector processes (its own collector would "
                                f"overwrite what they sent): give collecting to other workers, or run one process")
         self._collector = not self._learner and task.has_role(task.role.COLLECTOR)
-        self._subscribed = (learner_topic, learner_fn) if self._learner else (other_topic, other_fn)
+        self._subscribed = ((learner_topic, self._rejections(learner_fn, learner_topic)) if self._learner else
+                            (other_topic, self._rejections(other_fn, other_topic)))
         self._router.on(*self._subscribed)
         task.on(STOP_EVENT, self._stop)
         task.on(PEER_LOST_EVENT, self._peer_lost)
         task.on(CLOSE_EVENT, self.close)
+
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: messages dropped on receipt as not what their topic carries (see the module docstring)."""
+        return {"rejected": self._rejections.count}
 
     def close(self) -> None:
         """Unsubscribe from the router (called when the ``with task.start():`` block closes)."""
@@ -108,12 +201,13 @@ class _Exchanger:
             self._cond.notify_all()
 
     def _peer_lost(self, node: Any) -> None:
+        finished = str(node) in self._router.peers()  # its main returned (a goodbye), else the router lost it
         with self._cond:
-            self._forget(str(node))
+            self._forget(str(node), finished)
             self._cond.notify_all()
 
-    def _forget(self, node: str) -> None:
-        """A peer is lost (called holding ``_cond``)."""
+    def _forget(self, node: str, finished: bool) -> None:
+        """A peer has left: ``finished`` (said goodbye), or lost (called holding ``_cond``)."""
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float, poke: Optional[Callable[[], None]] = None) -> Optional[bool]:
         """Wait (holding ``_cond``) until ``ready()``: True; until asked to stop: False; ``timeout_s`` over:
@@ -144,6 +238,10 @@ class _Exchanger:
         log.log(level, "node %s: %s", self._router.node_id, why)
         task.finish = True
         task.end_iteration()
+
+
+def _any(value: Any) -> bool:
+    return True
 
 
 def _merge_trajectories(batches: List[Any]) -> Any:
@@ -184,7 +282,9 @@ class ContextExchanger(_Exchanger):
         self._inbox: List[Dict[str, Any]] = []
         self._train_iter: Optional[int] = None
         self._collectors: Set[str] = set()  # learner: the live collectors that have sent data
-        self._lost: List[str] = []  # learner: collectors lost since the last batch
+        self._left: Dict[str, bool] = {}  # learner: collectors gone since it last had none, by id: finished?
+        self._gone: Set[str] = set()  # learner: nodes gone (one speaks again only as a restarted, live peer)
+        self._layouts: Dict[str, Any] = {}  # learner: the layout of the first batch accepted, by field
         self._had_learner = False  # collector: a send reached a learner
         super().__init__("ContextExchanger", DATA_TOPIC, self._got_data, TRAIN_ITER_TOPIC, self._got_train_iter)
 
@@ -193,20 +293,45 @@ class ContextExchanger(_Exchanger):
             else "evaluator"
         return f"ContextExchanger({side}, timeout_s={self.timeout_s}, grace_s={self.grace_s})"
 
-    def _got_data(self, payload: Dict[str, Any]) -> None:
+    def _got_data(self, payload: Any) -> None:
+        check_fields(payload, node=lambda v: isinstance(v, str), env_step=int, env_episode=int,
+                     episodes=lambda v: v is None or isinstance(v, list), trajectories=_any, train_data=_any)
+        layouts = [(name, self._batch_layout(name, value)) for name, value in (
+            ("trajectories", payload["trajectories"]), ("train_data", payload["train_data"]),
+            *(("episodes", ep) for ep in payload["episodes"] or ())) if value is not None]
+        node = payload["node"]
+        live = node not in self._gone or node in self._router.peers()  # not a late message of a lost one
         with self._cond:
+            first = {**dict(reversed(layouts)), **self._layouts}  # the accepted ones, else this message's first
+            for name, found in layouts:
+                if first[name] != found:
+                    raise BadMessage(f"its {name} are laid out otherwise than the first batch's (keys, dtypes, "
+                                     f"shapes after the first dim)")
+            self._layouts = first
             self._inbox.append(payload)
-            self._collectors.add(str(payload["node"]))
+            if live:
+                self._collectors.add(node)
+                self._gone.discard(node)
             self._cond.notify_all()
 
-    def _got_train_iter(self, payload: Dict[str, Any]) -> None:
+    @staticmethod
+    def _batch_layout(name: str, value: Any) -> Any:
+        rows: Set[int] = set()
+        found = layout(value, rows)
+        if len(rows) > 1:
+            raise BadMessage(f"its {name} hold arrays of different lengths ({sorted(rows)})")
+        return found
+
+    def _got_train_iter(self, payload: Any) -> None:
+        check_fields(payload, train_iter=int)
         with self._cond:
             self._train_iter = max(self._train_iter or 0, int(payload["train_iter"]))
 
-    def _forget(self, node: str) -> None:
+    def _forget(self, node: str, finished: bool) -> None:
+        self._gone.add(node)
         if node in self._collectors:
             self._collectors.discard(node)
-            self._lost.append(node)
+            self._left[node] = finished
 
     def __call__(self, ctx: OnlineRLContext) -> Iterator[None]:
         if self._router is None:
@@ -230,19 +355,24 @@ class ContextExchanger(_Exchanger):
 
     def _receive(self, ctx: OnlineRLContext) -> None:
         with self._cond:
-            got = self._wait(lambda: bool(self._inbox) or bool(self._lost and not self._collectors), self.timeout_s)
+            lost: List[str] = []
+            got = self._wait(lambda: bool(self._inbox) or bool(self._left and not self._collectors), self.timeout_s)
             if got is None:
                 raise self._timeout(f"collected data on {DATA_TOPIC!r}", "collector", self.timeout_s)
             if got and not self._inbox:
-                log.warning("node %s: no collector left (lost: %s); the learner stops in %ss unless one joins",
-                            self._router.node_id, ", ".join(self._lost), self.grace_s)
-                self._lost = []
+                lost = [node for node, finished in self._left.items() if not finished]
+                done = [node for node, finished in self._left.items() if finished]
+                log.log(logging.WARNING if lost else logging.INFO,
+                        "node %s: no collector left (%s); the learner stops in %ss unless one joins",
+                        self._router.node_id, "; ".join(f"{what}: {', '.join(nodes)}" for what, nodes in
+                                                        (("lost", lost), ("finished", done)) if nodes), self.grace_s)
+                self._left = {}
                 got = self._wait(lambda: bool(self._inbox), self.grace_s)
             if not got:
-                return self._end_run(logging.INFO if self._stopping else logging.WARNING,
+                return self._end_run(logging.INFO if self._stopping or not lost else logging.WARNING,
                                      "asked to stop" if self._stopping else
                                      f"no collector joined within grace_s={self.grace_s}s; the learner stops")
-            got, self._inbox, self._lost = self._inbox, [], []
+            got, self._inbox = self._inbox, []  # a loss stays noted until the wait above has seen it
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
@@ -338,6 +468,7 @@ class ModelExchanger(_Exchanger):
         self._uses = 0
         self._sent = -1
         self._last: Optional[Dict[str, Any]] = None  # learner: the last version sent
+        self._layout: Any = None  # receiver: the layout of its policy's acting state
         self._send_lock = threading.Lock()
         super().__init__("ModelExchanger", MODEL_REQUEST_TOPIC, self._answer, MODEL_TOPIC, self._got_model)
 
@@ -369,8 +500,15 @@ class ModelExchanger(_Exchanger):
             self._router.publish(MODEL_TOPIC, self._last)
 
     # --- receiver ------------------------------------------------------------------------------------
-    def _got_model(self, state: Dict[str, Any]) -> None:
-        version = int(state["version"])
+    def _got_model(self, state: Any) -> None:
+        check_fields(state, version=int, tensors=lambda v: isinstance(v, list), extras=_any)
+        if self._layout is None:  # this node's own weights: what every version must look like
+            own = self.policy.acting_state()
+            self._layout = layout(own["tensors"]), type(own["extras"])
+        if (layout(state["tensors"]), type(state["extras"])) != self._layout:
+            raise BadMessage("its tensors are not laid out as this node's policy's (count, dtypes, shapes), or its "
+                             "extras are of another type")
+        version = state["version"]
         with self._cond:
             if version > self._heard:
                 self._heard, self._newest = version, state
@@ -385,7 +523,7 @@ class ModelExchanger(_Exchanger):
         with self._cond:
             self._learners.update(node for node in found if node not in self._left)
 
-    def _forget(self, node: str) -> None:
+    def _forget(self, node: str, finished: bool) -> None:
         self._left.add(node)
         if node in self._learners:
             self._learners.discard(node)

@@ -41,6 +41,7 @@ from conveyor.engine.parallel import codec
 from conveyor.engine.parallel.cluster import NodeTable
 from conveyor.envs import make_env_manager
 from conveyor.middleware import EVAL_EVENT, ContextExchanger, ModelExchanger
+from conveyor.middleware.exchanger import Rejections, check_fields
 from conveyor.policy.base import Snapshot
 from conveyor.schema import ConfigError
 from conveyor.zoo._online import Collection, experiment_dir, use_saving
@@ -296,10 +297,11 @@ class LearnerClock:
         self._latest: Optional[Dict[str, Any]] = None
         self._seen: Optional[tuple] = None
         self._ended = False  # asked to stop, or the learner is lost
+        self._rejections = Rejections(f"LearnerClock on node {self._router.node_id}")
         if self._learner:
             task.on(FINISH_EVENT, self._stop_others)
         else:
-            self._router.on(PROGRESS_TOPIC, self._got)
+            self._router.on(PROGRESS_TOPIC, self._rejections(self._got, PROGRESS_TOPIC))
             task.on(STOP_EVENT, self._end)
             task.on(PEER_LOST_EVENT, self._peer_lost)
 
@@ -308,16 +310,24 @@ class LearnerClock:
             self._ended = True
             self._changed.notify_all()
 
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: progress messages dropped on receipt as not what :data:`PROGRESS_TOPIC` carries."""
+        return {"rejected": self._rejections.count}
+
     def _peer_lost(self, node: Any) -> None:
-        latest = self._latest
-        if (latest is not None and str(node) == latest["node"]) or not self._router.peers():
-            log.warning("node %s: the learner (node %s) is lost; this node ends its run", self._router.node_id, node)
+        latest, peers = self._latest, self._router.peers()
+        if (latest is not None and str(node) == latest["node"]) or not peers:
+            goodbye = str(node) in peers or (latest is not None and latest["stop"])  # it finished, not a loss
+            log.log(logging.INFO if goodbye else logging.WARNING, "node %s: the learner (node %s) %s; this node ends "
+                    "its run", self._router.node_id, node, "has finished" if goodbye else "is lost")
             self._end()
 
     def __repr__(self) -> str:
         return f"LearnerClock({'learner' if self._learner else f'lead={self._lead}'}, timeout_s={self.timeout_s})"
 
-    def _got(self, progress: Dict[str, Any]) -> None:
+    def _got(self, progress: Any) -> None:
+        check_fields(progress, node=lambda v: isinstance(v, str), train_iter=int, env_step=int,
+                     stop=lambda v: isinstance(v, bool))
         with self._changed:
             self._latest = progress
             self._changed.notify_all()

@@ -1,4 +1,6 @@
 """Distributed zoo runs: 1 learner, collectors and evaluators as processes; nodes.json, resume, the CLI's flags."""
+import contextlib
+import inspect
 import json
 import os
 import signal
@@ -11,7 +13,8 @@ import pytest
 
 from conveyor.cli import main as cli_main
 from conveyor.engine import Role
-from conveyor.middleware import load_checkpoint
+from conveyor.engine.parallel.router import Router
+from conveyor.middleware import ContextExchanger, load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo._distributed import Layout, train_distributed
 from tests.test_cli_task import free_ports
@@ -210,3 +213,95 @@ def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp, au
     assert time.monotonic() - started < EXCHANGE_TIMEOUT_S / 2  # not ended by a wait running out
     others = [r for r in info.value.results if r is not None]
     assert sorted(r["role"] for r in others) == ["collector", "collector", "evaluator"]
+
+
+GRACE_S = inspect.signature(ContextExchanger).parameters["grace_s"].default  # what the zoo's learner waits
+PEER_TIMEOUT_S = inspect.signature(Router).parameters["peer_timeout_s"].default
+MARGIN_S = 20  # the end of the run after the wait: a final checkpoint, closing four processes on a busy machine
+
+
+@pytest.fixture
+def launch(in_tmp):
+    """Start ``conveyor train cartpole/dqn --collectors 2`` in its own session; its group is killed at the end."""
+    procs = []
+
+    def start(exp):
+        proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                                 "--exp-name", exp, "--no-progress", "--ckpt-interval", "0.2"], cwd=in_tmp,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        return proc, in_tmp / "runs" / exp
+
+    yield start
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):  # a stopped learner too: SIGKILL ends it
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        wait_for(lambda: not group_alive(proc.pid), 30, f"the end of process group {proc.pid}")
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def training_nodes(run):
+    """nodes.json's rows once every node runs and the learner has trained (its first interval checkpoint)."""
+    nodes = run / "nodes.json"
+    wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 3, 240, "3 nodes in nodes.json")
+    wait_for(lambda: (run / "ckpt" / "latest.pth.tar").is_file(), 120, "the learner's first checkpoint")
+    return json.loads(nodes.read_text())
+
+
+def running(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_when_every_collector_is_killed_the_learner_ends_within_grace_s_with_its_final_checkpoint(launch):
+    proc, run = launch("nocollector")
+    learner, *collectors = training_nodes(run)
+    for row in collectors:
+        os.kill(row["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=GRACE_S + MARGIN_S + 30)
+    assert time.monotonic() - killed < GRACE_S + MARGIN_S, err[-2000:]
+    assert proc.returncode == 1 and (run / "ckpt" / "final.pth.tar").is_file(), err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("conveyor: error: ") and last.count("killed by SIGKILL") == 2, err[-2000:]
+    assert "no collector left (lost: " in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_when_continued(launch):
+    proc, run = launch("stopped")
+    learner, *collectors = training_nodes(run)
+    os.kill(learner["pid"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for(lambda: not any(running(row["pid"]) for row in collectors), PEER_TIMEOUT_S + MARGIN_S, "the collectors' end")
+    assert time.monotonic() - stopped < PEER_TIMEOUT_S + MARGIN_S
+    os.kill(learner["pid"], signal.SIGCONT)
+    continued = time.monotonic()
+    out, err = proc.communicate(timeout=GRACE_S + MARGIN_S + 30)
+    assert time.monotonic() - continued < GRACE_S + MARGIN_S, err[-2000:]
+    assert proc.returncode == 0 and (run / "ckpt" / "final.pth.tar").is_file(), err[-2000:]
+    assert "the learner (node 0) is lost" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_normal_end_logs_no_lost_peer(in_tmp):
+    done = subprocess.run([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                           "--evaluators", "1", "--max-env-step", "300", "--no-progress", "--exp-name", "calm"],
+                          cwd=in_tmp, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300, start_new_session=True)
+    assert done.returncode == 0 and done.stdout.startswith("budget reached"), done.stderr[-2000:]
+    assert "lost" not in done.stderr, done.stderr
