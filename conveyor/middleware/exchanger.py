@@ -22,7 +22,8 @@ Faults (membership comes from the router: a peer that dies, disconnects or close
   it logs a warning and waits ``grace_s`` for one to (re)join (``Parallel.runner(auto_recover=True)``
   restarts a killed one); if none sends, it ends the run normally (``task.finish``), so a ``CkptSaver``
   writes its final checkpoint.
-- A collector or an evaluator whose learners are all gone (finished or dead) ends its run normally at once.
+- A collector or an evaluator whose learners are all gone (finished or dead) ends its run normally at once;
+  with ``rejoin_s`` > 0, whose learner was lost (not finished) waits that long for one to come back first.
 - :data:`conveyor.engine.STOP_EVENT` (SIGTERM to a worker) ends every wait at once; the run then ends
   normally with ``task.finish``.
 - Both unsubscribe from their topics when the ``with task.start():`` block that made them closes.
@@ -102,6 +103,13 @@ class Rejections:
         if not quiet:
             log.warning("%s: dropped a message on %r: %s (%d rejected so far; logged at most once a minute)",
                         self.owner, topic, why, count)
+
+
+def _seconds(where: str, name: str, value: Any, zero_ok: bool = False) -> float:
+    """``value`` as a float number of seconds (> 0, or >= 0 with ``zero_ok``); else a ValueError naming it."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"{where}({name}={value!r}): must be a number of seconds {'>= 0' if zero_ok else '> 0'}")
+    return float(value)
 
 
 def _count(value: Any) -> bool:
@@ -271,14 +279,14 @@ class ContextExchanger(_Exchanger):
     A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
     heard from is lost it waits ``grace_s`` for one to (re)join, then ends the run normally. A collector
     waits at most ``timeout_s`` for a learner to subscribe before its first send, and ends its run when
-    the learners it sent to are gone.
+    the learners it sent to are gone, after waiting ``rejoin_s`` (default 0) for one to (re)subscribe
+    unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
     """
 
-    def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0) -> None:
-        for name, value in (("timeout_s", timeout_s), ("grace_s", grace_s)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ContextExchanger({name}={value!r}): must be a number of seconds > 0")
-        self.timeout_s, self.grace_s = float(timeout_s), float(grace_s)
+    def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0) -> None:
+        self.timeout_s = _seconds("ContextExchanger", "timeout_s", timeout_s)
+        self.grace_s = _seconds("ContextExchanger", "grace_s", grace_s)
+        self.rejoin_s = _seconds("ContextExchanger", "rejoin_s", rejoin_s, zero_ok=True)
         self._inbox: List[Dict[str, Any]] = []
         self._train_iter: Optional[int] = None
         self._collectors: Set[str] = set()  # learner: the live collectors that have sent data
@@ -385,6 +393,8 @@ class ContextExchanger(_Exchanger):
             self._had_learner = True
             return
         if self._had_learner:  # every learner it sent to has left: unsubscribed (finished), or lost
+            if self._rejoined() and self._router.publish(DATA_TOPIC, payload) > 0:
+                return
             log.info("node %s: no learner left to send collected data to; the collector stops",
                      self._router.node_id)
             task.finish = True
@@ -394,6 +404,17 @@ class ContextExchanger(_Exchanger):
             raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
                                f"to (live peers: {self._router.peers()})")
         self._had_learner = True
+
+
+    def _rejoined(self) -> bool:
+        """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""
+        if not self.rejoin_s or task.finish or self._stopping:
+            return False
+        try:
+            self._router.wait_for_subscribers(DATA_TOPIC, 1, timeout=self.rejoin_s)
+        except TimeoutError:
+            return False
+        return True
 
 
 class _ModelVersions:
@@ -439,12 +460,15 @@ class ModelExchanger(_Exchanger):
     ``max_staleness`` versions older than what the learner has made of the earlier ones; the next waits for
     a newer version (``0``: every batch on fresh weights, on-policy). ``None``: never waits after the
     first. Every wait is bounded by ``timeout_s``. A receiver whose learners are all gone (finished or
-    lost) ends its run normally at once, at the start of an iteration or in a wait.
+    lost) ends its run normally at once, at the start of an iteration or in a wait; with ``rejoin_s`` > 0,
+    when the last one was lost (not finished) it first waits that long for a learner to (re)join (one
+    restarted by ``auto_recover``) and goes on with that learner's first version, whatever its number.
 
     Reads / writes ctx: nothing; it reads and writes the policy's weights.
     """
 
-    def __init__(self, model_or_policy: Any, max_staleness: Optional[int] = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, model_or_policy: Any, max_staleness: Optional[int] = None, timeout_s: float = 60.0,
+                 rejoin_s: float = 0.0) -> None:
         if all(callable(getattr(model_or_policy, m, None)) for m in ("acting_state", "load_acting_state")):
             self.policy = model_or_policy
             self._bare = False
@@ -456,12 +480,12 @@ class ModelExchanger(_Exchanger):
         if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
                                           or max_staleness < 0):
             raise ValueError(f"ModelExchanger(max_staleness={max_staleness!r}): must be an int >= 0, or None")
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ValueError(f"ModelExchanger(timeout_s={timeout_s!r}): must be a number of seconds > 0")
-        self.max_staleness, self.timeout_s = max_staleness, float(timeout_s)
+        self.max_staleness, self.timeout_s = max_staleness, _seconds("ModelExchanger", "timeout_s", timeout_s)
+        self.rejoin_s = _seconds("ModelExchanger", "rejoin_s", rejoin_s, zero_ok=True)
         self._learners: Set[str] = set()  # receiver: the live learners seen subscribed to requests
-        self._left: Set[str] = set()  # receiver: peers that finished or were lost (never counted as learners again)
+        self._left: Set[str] = set()  # receiver: peers that finished (never counted as learners again)
         self._learners_gone = False  # receiver: every learner seen has left
+        self._rejoin_due = False  # receiver: every learner left, the last one lost: wait for one to rejoin
         self._newest: Optional[Dict[str, Any]] = None  # receiver: the newest version received, not yet loaded
         self._heard = -1  # receiver: the newest version number heard of
         self._loaded: Optional[int] = None
@@ -521,26 +545,55 @@ class ModelExchanger(_Exchanger):
     def _note_learners(self) -> None:
         found = self._router.subscribers(MODEL_REQUEST_TOPIC)  # a learner that finished may still be listed
         with self._cond:
-            self._learners.update(node for node in found if node not in self._left)
+            new = {node for node in found if node not in self._left and node not in self._learners}
+            if new:  # a lost learner is not listed: one found again has been restarted
+                self._learners.update(new)
+                self._learners_gone = False
 
     def _forget(self, node: str, finished: bool) -> None:
-        self._left.add(node)
+        if finished:
+            self._left.add(node)
         if node in self._learners:
             self._learners.discard(node)
             self._learners_gone = not self._learners
+            self._rejoin_due = self._learners_gone and not finished and self.rejoin_s > 0
 
     def _await_version(self, newer_than: int, what: str) -> bool:
-        """Wait for a version newer than ``newer_than``; False if asked to stop or every learner is gone."""
+        """Wait for a version newer than ``newer_than`` (or the first of a learner that rejoins); False if asked
+        to stop or every learner is gone."""
         with self._cond:
-            got = self._wait(lambda: self._heard > newer_than or self._learners_gone or task.finish, self.timeout_s,
-                             self._request)  # a run told to finish stops waiting for weights
+            got = self._wait(lambda: self._heard > newer_than or self._learners_gone or self._rejoin_due or task.finish,
+                             self.timeout_s, self._request)  # a run told to finish stops waiting for weights
             if got is None:
                 raise self._timeout(what, "learner", self.timeout_s)
-            return bool(got) and self._heard > newer_than
+            if got and self._heard > newer_than and not self._rejoin_due:
+                return True
+        return bool(got) and self._rejoin_due and self._rejoin()
+
+    def _rejoin(self) -> bool:
+        """Every learner is gone, the last one lost (not finished): wait ``rejoin_s`` for one to (re)join and load
+        its first version (a restarted learner goes on from its checkpoint: its numbers start afresh); whether
+        one did."""
+        self._rejoin_due = False
+        if self._stopping or task.finish:
+            return False
+        log.warning("node %s: every learner is lost; waiting up to %ss for one to rejoin", self._router.node_id,
+                    self.rejoin_s)
+        with self._cond:
+            self._heard, self._newest, self._loaded = -1, None, None
+            got = self._wait(lambda: self._heard >= 0 or task.finish, self.rejoin_s, self._request)
+        if not (got and self._heard >= 0):
+            log.warning("node %s: no learner rejoined within rejoin_s=%ss", self._router.node_id, self.rejoin_s)
+            return False
+        log.info("node %s: a learner rejoined with version %s", self._router.node_id, self._heard)
+        self._learners_gone = False  # it answered; the next _note_learners lists it
+        self._note_learners()
+        self._load_newest()
+        return True
 
     def _receive(self) -> bool:
         """Load the newest version, waiting as the first version and ``max_staleness`` require; False: stop."""
-        if self._learners_gone or self._stopping:
+        if self._stopping or (self._rejoin_due and not self._rejoin()) or self._learners_gone:
             return False
         if self._loaded is None and not self._await_version(-1, f"weights on {MODEL_TOPIC!r} (the first version)"):
             return False

@@ -1,5 +1,6 @@
 """Exchangers: collected data to learners, train_iter and versioned weights back, over real worker processes."""
 import logging
+import time
 
 import numpy as np
 import treetensor.torch as ttorch
@@ -330,3 +331,64 @@ def test_a_collector_drops_and_counts_wrong_weights_from_a_peer_with_the_secret(
         task.run(max_step=1)  # waits for the first version: the good one, after every wrong one
     assert exchanger.loaded_version == 3 and policy.weight() == 1.0
     assert exchanger.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
+
+
+def weights(version):
+    return {"version": version, "tensors": [torch.full((1, 2), float(version)), torch.full((1,), float(version))],
+            "extras": {"eps": float(version)}}
+
+
+@pytest.mark.timeout(30)
+def test_with_rejoin_s_a_collector_whose_learner_was_lost_goes_on_with_the_restarted_learners_first_version(fake_router):
+    learners = ["0"]
+    fake_router.subscribers = lambda topic: list(learners)
+
+    def publish(topic, payload):  # the restarted learner answers a request with the version of its checkpoint
+        if topic == MODEL_REQUEST_TOPIC and learners:
+            deliver(weights(2 if lost else 5))
+        return len(learners)
+
+    fake_router.publish, lost = publish, []
+    policy = mains.FakePolicy()
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ModelExchanger(policy, max_staleness=None, timeout_s=WAIT, rejoin_s=WAIT)
+        [deliver] = fake_router.handlers["conveyor.exchange.model"]
+        used = []
+
+        def collect(ctx):
+            used.append(policy.version)
+            if ctx.total_step == 0:  # the learner dies; a new incarnation subscribes again
+                learners.clear()
+                lost.append(True)
+                task.emit(PEER_LOST_EVENT, "0")
+                learners.append("0")
+
+        task.use(exchanger).use(collect)
+        task.run(max_step=3)
+        assert used == [5, 2, 2] and not task.finish and exchanger.loaded_version == 2
+
+
+@pytest.mark.parametrize("how", ["finished", "lost_for_good"])
+def test_with_rejoin_s_a_collector_ends_its_run_when_its_learner_finished_or_none_rejoins(fake_router, how):
+    learners = ["0"]
+    fake_router.subscribers = lambda topic: list(learners)
+    fake_router.peers = lambda: ["0"] if how == "finished" else []  # a finished peer is live until it closes
+    policy = mains.FakePolicy()
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ModelExchanger(policy, timeout_s=WAIT, rejoin_s=0.3)
+        [deliver] = fake_router.handlers["conveyor.exchange.model"]
+        deliver(weights(1))
+        used = []
+
+        def collect(ctx):
+            used.append(policy.version)
+            learners.clear()
+            task.emit(PEER_LOST_EVENT, "0")
+
+        task.use(exchanger).use(collect)
+        started = time.monotonic()
+        task.run(max_step=3)
+        assert used == [1] and task.finish
+        assert (time.monotonic() - started < 0.3) == (how == "finished")  # a goodbye is not waited for

@@ -200,19 +200,34 @@ def test_without_auto_recover_a_killed_collector_is_named_once_the_others_end(in
     assert learner["env_step"] >= 600  # trained on with the other collector
 
 
-@pytest.mark.parametrize("auto_recover", [False, True])
-def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp, auto_recover):
-    """Its restart (auto_recover) would wait for peers that are ending: it is stopped, not left waiting."""
+LEARNER_DIES = Path(__file__).with_name("_learner_dies_entry.py")
+
+
+def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp):
     from conveyor.engine.parallel.runner import WorkerError
     from conveyor.zoo._distributed import EXCHANGE_TIMEOUT_S
     started = time.monotonic()
-    with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:  # the first life, or its restart
-        train_distributed(str(Path(__file__).with_name("_learner_dies_entry.py")), collectors=2, evaluators=1,
-                          exp_name="nolearner", max_env_step=2000, progress=False, auto_recover=auto_recover,
-                          ready_timeout_s=EXCHANGE_TIMEOUT_S)
+    with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:
+        train_distributed(str(LEARNER_DIES), collectors=2, evaluators=1, exp_name="nolearner", max_env_step=2000,
+                          progress=False, ready_timeout_s=EXCHANGE_TIMEOUT_S)
     assert time.monotonic() - started < EXCHANGE_TIMEOUT_S / 2  # not ended by a wait running out
     others = [r for r in info.value.results if r is not None]
     assert sorted(r["role"] for r in others) == ["collector", "collector", "evaluator"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_with_auto_recover_a_killed_learner_resumes_from_the_latest_checkpoint_and_the_others_rejoin_it(in_tmp):
+    run = train_distributed(str(LEARNER_DIES), collectors=2, evaluators=1, exp_name="relearn", max_env_step=600,
+                            progress=False, auto_recover=True, max_retries=1, ckpt_interval=0.01)
+    learner, = by_role(run, "learner")
+    lives = [[int(n) for n in line.split()] for line in (in_tmp / "learner_lives.txt").read_text().splitlines()]
+    assert [restarts for restarts, _, _ in lives] == [0, 1] and learner["restarts"] == 1
+    assert lives[0][1] == 0 and lives[1][1] > 0  # the restarted learner's first iteration went on from a checkpoint
+    assert run.env_step >= 600 and (in_tmp / "runs" / "relearn" / "ckpt" / "final.pth.tar").is_file()
+    others = [node for node in run.nodes if node["role"] != "learner"]  # the first processes, fed the new learner
+    assert sorted(n["role"] for n in others) == ["collector", "collector", "evaluator"]
+    assert all(n["restarts"] == 0 for n in others)
 
 
 GRACE_S = inspect.signature(ContextExchanger).parameters["grace_s"].default  # what the zoo's learner waits
