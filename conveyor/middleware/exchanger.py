@@ -18,7 +18,8 @@ sent, then the new weights, after training (so a collector that has a version al
 Faults (membership comes from the router: a peer that dies, disconnects or closes is lost at once, see
 :data:`conveyor.engine.PEER_LOST_EVENT`; no wait runs into its timeout for a peer known to be gone):
 
-- A learner trains on whatever its live collectors send. When the last collector it heard from is lost,
+- A learner trains on whatever its live collectors send. It knows a collector by its subscription to
+  :data:`COLLECTOR_TOPIC` (before its first batch) or its batches. When the last one it knows is lost,
   it logs a warning and waits ``grace_s`` for one to (re)join (``Parallel.runner(auto_recover=True)``
   restarts a killed one); if none sends, it ends the run normally (``task.finish``), so a ``CkptSaver``
   writes its final checkpoint.
@@ -44,8 +45,8 @@ from conveyor.engine import CLOSE_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLCo
 from conveyor.engine.parallel import codec
 from conveyor.policy.normaliser import FrozenNormaliser
 
-__all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "DATA_TOPIC", "TRAIN_ITER_TOPIC",
-           "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout"]
+__all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "COLLECTOR_TOPIC", "DATA_TOPIC",
+           "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ MODEL_TOPIC = "conveyor.exchange.model"
 """Learner -> the others: ``policy.acting_state()`` (``version``, ``tensors``, ``extras``)."""
 MODEL_REQUEST_TOPIC = "conveyor.exchange.model_request"
 """A receiver -> learners: ``{"node": id}``, asking for the newest version (a late joiner's first one)."""
+COLLECTOR_TOPIC = "conveyor.exchange.collector"
+"""Subscribed to by collectors, so that learners know them before their first batch; nothing is sent on it."""
 
 # A version's extras travel with its weights: PPO's are its frozen observation statistics (tensors or trees
 # of them; they arrive on the CPU).
@@ -173,7 +176,7 @@ class _Exchanger:
         self._cond = threading.Condition()
         self._stopping = False
         self._learner = self._collector = False
-        self._subscribed: tuple = ()
+        self._subscribed: List[tuple] = []  # (topic, handler)
         self._rejections = Rejections(f"{name} on node {getattr(self._router, 'node_id', '-')}")
         if self._router is None:
             return
@@ -186,9 +189,8 @@ class _Exchanger:
                                f"run a learner takes its data from collector processes (its own collector would "
                                f"overwrite what they sent): give collecting to other workers, or run one process")
         self._collector = not self._learner and task.has_role(task.role.COLLECTOR)
-        self._subscribed = ((learner_topic, self._rejections(learner_fn, learner_topic)) if self._learner else
-                            (other_topic, self._rejections(other_fn, other_topic)))
-        self._router.on(*self._subscribed)
+        topic, fn = (learner_topic, learner_fn) if self._learner else (other_topic, other_fn)
+        self._subscribe(topic, self._rejections(fn, topic))
         task.on(STOP_EVENT, self._stop)
         task.on(PEER_LOST_EVENT, self._peer_lost)
         task.on(CLOSE_EVENT, self.close)
@@ -199,9 +201,13 @@ class _Exchanger:
 
     def close(self) -> None:
         """Unsubscribe from the router (called when the ``with task.start():`` block closes)."""
-        if self._subscribed:
-            self._router.off(*self._subscribed)
-            self._subscribed = ()
+        for topic, fn in self._subscribed:
+            self._router.off(topic, fn)
+        self._subscribed = []
+
+    def _subscribe(self, topic: str, fn: Callable[[Any], Any]) -> None:
+        self._router.on(topic, fn)
+        self._subscribed.append((topic, fn))
 
     def _stop(self) -> None:
         with self._cond:
@@ -252,6 +258,10 @@ def _any(value: Any) -> bool:
     return True
 
 
+def _ignore(payload: Any) -> None:
+    pass
+
+
 def _merge_trajectories(batches: List[Any]) -> Any:
     if len(batches) <= 1:
         return batches[0] if batches else None
@@ -277,7 +287,8 @@ class ContextExchanger(_Exchanger):
     Reads ctx (learner, after): ``train_iter``.
 
     A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
-    heard from is lost it waits ``grace_s`` for one to (re)join, then ends the run normally. A collector
+    knows (subscribed to :data:`COLLECTOR_TOPIC`, or sent a batch) is lost it waits ``grace_s`` for one to
+    (re)join, then ends the run normally. A collector
     waits at most ``timeout_s`` for a learner to subscribe before its first send, and ends its run when
     the learners it sent to are gone, after waiting ``rejoin_s`` (default 0) for one to (re)subscribe
     unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
@@ -292,9 +303,12 @@ class ContextExchanger(_Exchanger):
         self._collectors: Set[str] = set()  # learner: the live collectors that have sent data
         self._left: Dict[str, bool] = {}  # learner: collectors gone since it last had none, by id: finished?
         self._gone: Set[str] = set()  # learner: nodes gone (one speaks again only as a restarted, live peer)
+        self._finished: Set[str] = set()  # learner: nodes that finished (gone for good)
         self._layouts: Dict[str, Any] = {}  # learner: the layout of the first batch accepted, by field
         self._had_learner = False  # collector: a send reached a learner
         super().__init__("ContextExchanger", DATA_TOPIC, self._got_data, TRAIN_ITER_TOPIC, self._got_train_iter)
+        if self._collector:
+            self._subscribe(COLLECTOR_TOPIC, _ignore)
 
     def __repr__(self) -> str:
         side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
@@ -335,8 +349,17 @@ class ContextExchanger(_Exchanger):
         with self._cond:
             self._train_iter = max(self._train_iter or 0, int(payload["train_iter"]))
 
+    def _note_collectors(self) -> None:
+        """Learner: count the collectors subscribed to :data:`COLLECTOR_TOPIC` as live (a lost one is listed
+        again only once restarted; one that finished, never)."""
+        found = self._router.subscribers(COLLECTOR_TOPIC)
+        with self._cond:
+            self._collectors.update(node for node in found if node not in self._finished)
+
     def _forget(self, node: str, finished: bool) -> None:
         self._gone.add(node)
+        if finished:
+            self._finished.add(node)
         if node in self._collectors:
             self._collectors.discard(node)
             self._left[node] = finished
@@ -364,7 +387,8 @@ class ContextExchanger(_Exchanger):
     def _receive(self, ctx: OnlineRLContext) -> None:
         with self._cond:
             lost: List[str] = []
-            got = self._wait(lambda: bool(self._inbox) or bool(self._left and not self._collectors), self.timeout_s)
+            got = self._wait(lambda: bool(self._inbox) or bool(self._left and not self._collectors), self.timeout_s,
+                             self._note_collectors)
             if got is None:
                 raise self._timeout(f"collected data on {DATA_TOPIC!r}", "collector", self.timeout_s)
             if got and not self._inbox:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conveyor.engine import FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, Parallel, task
-from conveyor.middleware.exchanger import DATA_TOPIC, MODEL_REQUEST_TOPIC, ContextExchanger, ModelExchanger
+from conveyor.middleware.exchanger import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, ContextExchanger,
+                                          ModelExchanger)
 from tests.middleware import _exchanger_mains as mains
 
 WAIT = 20
@@ -392,3 +393,23 @@ def test_with_rejoin_s_a_collector_ends_its_run_when_its_learner_finished_or_non
         task.run(max_step=3)
         assert used == [1] and task.finish
         assert (time.monotonic() - started < 0.3) == (how == "finished")  # a goodbye is not waited for
+
+
+@pytest.mark.timeout(20)
+def test_a_learner_whose_collectors_are_lost_before_their_first_batch_stops_after_grace_s(fake_router):
+    calls = []
+
+    def subscribers(topic):  # both collectors are known by their subscription; on the next look both are gone
+        calls.append(topic)
+        if topic == COLLECTOR_TOPIC and len(calls) == 2:
+            for node in ("1", "2"):
+                task.emit(PEER_LOST_EVENT, node)
+        return ["1", "2"] if topic == COLLECTOR_TOPIC and len(calls) == 1 else []
+
+    fake_router.subscribers = subscribers
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        trained = []
+        task.use(ContextExchanger(timeout_s=60, grace_s=0.05)).use(trained.append)
+        task.run(max_step=5)
+        assert trained == [] and task.finish and task.ctx.total_step == 1
