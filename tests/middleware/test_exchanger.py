@@ -261,22 +261,6 @@ def test_a_collector_that_finished_is_a_goodbye_not_a_lost_peer(fake_router, cap
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-@pytest.fixture
-def peer_with_the_secret():
-    """This node's router (node "0", attached to the task) and another node's ("9") with the same secret."""
-    from conveyor.engine.parallel import generate_secret
-    from conveyor.engine.parallel.router import Router
-
-    secret = generate_secret()
-    with Router("0", secret, **FAST) as mine, Router("9", secret, peers=[mine.address], **FAST) as peer:
-        task.attach_router(mine)
-        try:
-            peer.wait_for_peers(1, WAIT)
-            yield mine, peer
-        finally:
-            task.detach_router()
-
-
 def _batch(obs, **changes):
     return {"node": "9", "trajectories": ttorch.Tensor({"obs": obs}), "episodes": None, "train_data": None,
             "env_step": 1, "env_episode": 0, **changes}

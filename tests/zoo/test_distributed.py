@@ -320,3 +320,25 @@ def test_a_normal_end_logs_no_lost_peer(in_tmp):
                           timeout=300, start_new_session=True)
     assert done.returncode == 0 and done.stdout.startswith("budget reached"), done.stderr[-2000:]
     assert "lost" not in done.stderr, done.stderr
+
+
+def test_a_collectors_clock_drops_and_counts_wrong_progress_from_a_peer_with_the_secret(peer_with_the_secret):
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.zoo._distributed import PROGRESS_TOPIC, LearnerClock
+    mine, peer = peer_with_the_secret
+    good = {"node": "9", "train_iter": 3, "env_step": 7, "stop": False}
+    wrong = [[1, 2], "stop", {"node": "9"}, {**good, "stop": "yes"}, {**good, "env_step": -7}, {**good, "node": 9}]
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.COLLECTOR)
+        clock = LearnerClock(lead=1, timeout_s=20)
+
+        def send(ctx):  # after the first iteration; the second waits for the learner's counters to move
+            if ctx.total_step == 0:
+                peer.wait_for_subscribers(PROGRESS_TOPIC, 1, 20)
+                for payload in [*wrong, good]:
+                    peer.publish(PROGRESS_TOPIC, payload)
+
+        task.use(clock).use(send)
+        task.run(max_step=2)
+        assert (task.ctx.train_iter, task.ctx.env_step) == (3, 7) and not task.finish
+    assert clock.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
