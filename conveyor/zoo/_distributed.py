@@ -409,13 +409,19 @@ class RemoteEvaluations:
         self._policy = policy
         self._lock = threading.Lock()
         self._newest: Optional[Dict[str, Any]] = None
-        task.on(EVAL_EVENT, self._got)
+        self._rejections = Rejections("RemoteEvaluations on the learner")
+        task.on(EVAL_EVENT, self._rejections(self._got, EVAL_EVENT))
         task.on(FINISH_EVENT, lambda error: self(task.ctx))
+
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: evaluation results dropped on receipt (no ``mean`` number, no ``train_iter`` count)."""
+        return {"rejected": self._rejections.count}
 
     def __repr__(self) -> str:
         return "RemoteEvaluations()"
 
-    def _got(self, result: Dict[str, Any]) -> None:
+    def _got(self, result: Any) -> None:
+        check_fields(result, mean=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), train_iter=int)
         snapshot = result.get("snapshot")
         if isinstance(snapshot, EvaluatedWeights):
             snapshot.policy = self._policy

@@ -342,3 +342,25 @@ def test_a_collectors_clock_drops_and_counts_wrong_progress_from_a_peer_with_the
         task.run(max_step=2)
         assert (task.ctx.train_iter, task.ctx.env_step) == (3, 7) and not task.finish
     assert clock.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
+
+
+def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_secret(peer_with_the_secret):
+    import threading
+
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.middleware import EVAL_EVENT
+    from conveyor.zoo._distributed import RemoteEvaluations
+    mine, peer = peer_with_the_secret
+    wrong = [[[1]], [{"train_iter": 2}], [{"mean": "high", "train_iter": 2}], [{"mean": 5.0, "train_iter": -1}]]
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.LEARNER)
+        evaluations = RemoteEvaluations(policy=None)
+        arrived = threading.Event()
+        task.on(EVAL_EVENT, lambda result: arrived.set() if result == {"mean": 5.0, "train_iter": 2} else None)
+        peer.wait_for_subscribers(EVAL_EVENT, 1, 20)
+        for args in [*wrong, [{"mean": 5.0, "train_iter": 2}]]:  # a task event travels as its argument list
+            peer.publish(EVAL_EVENT, args)
+        assert arrived.wait(20)
+        evaluations(task.ctx)
+        assert (task.ctx.last_eval_value, task.ctx.last_eval_iter) == (5.0, 2)
+    assert evaluations.stats() == {"rejected": len(wrong)}
