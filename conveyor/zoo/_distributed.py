@@ -244,7 +244,7 @@ def train_node(cfg: EasyDict, policy: Any, collection: Collection, build: Callab
             evaluator_env = resources.enter_context(make_env_manager(cfg.env, "evaluator", cfg.seed))
         with task.start(ctx=OnlineRLContext()):
             if learner:
-                NodeTable(experiment_dir(cfg) / NODES_FILE)
+                NodeTable(experiment_dir(cfg) / NODES_FILE, keep=task.router.restarts > 0)  # none announces again
             else:
                 NodeTable.announce(EXCHANGE_TIMEOUT_S)
             rejoin_s = EXCHANGE_TIMEOUT_S if node.auto_recover else 0.0  # a lost learner is restarted: wait for it
@@ -293,7 +293,8 @@ class LearnerClock:
     Reads / writes ctx: ``train_iter``, ``env_step``. Place it first, before the exchangers.
     """
 
-    def __init__(self, lead: int = COLLECTOR_LEAD, timeout_s: float = EXCHANGE_TIMEOUT_S, rejoin_s: float = 0.0) -> None:
+    def __init__(self, lead: int = COLLECTOR_LEAD, timeout_s: float = EXCHANGE_TIMEOUT_S,
+                 rejoin_s: float = 0.0) -> None:
         if not isinstance(lead, int) or lead < 1:
             raise ValueError(f"LearnerClock(lead={lead!r}): must be an int >= 1")
         self.timeout_s, self.rejoin_s = timeout_s, rejoin_s

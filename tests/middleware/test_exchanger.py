@@ -324,7 +324,7 @@ def weights(version):
 
 
 @pytest.mark.timeout(30)
-def test_with_rejoin_s_a_collector_whose_learner_was_lost_goes_on_with_the_restarted_learners_first_version(fake_router):
+def test_with_rejoin_s_a_collector_whose_learner_was_lost_goes_on_with_its_restarts_first_version(fake_router):
     learners = ["0"]
     fake_router.subscribers = lambda topic: list(learners)
 

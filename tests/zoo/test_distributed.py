@@ -228,6 +228,8 @@ def test_with_auto_recover_a_killed_learner_resumes_from_the_latest_checkpoint_a
     others = [node for node in run.nodes if node["role"] != "learner"]  # the first processes, fed the new learner
     assert sorted(n["role"] for n in others) == ["collector", "collector", "evaluator"]
     assert all(n["restarts"] == 0 for n in others)
+    rows = json.loads((in_tmp / "runs" / "relearn" / "nodes.json").read_text())
+    assert sorted(r["pid"] for r in rows) == sorted(n["pid"] for n in run.nodes)  # the new learner and the others
 
 
 GRACE_S = inspect.signature(ContextExchanger).parameters["grace_s"].default  # what the zoo's learner waits
@@ -302,7 +304,8 @@ def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_
     learner, *collectors = training_nodes(run)
     os.kill(learner["pid"], signal.SIGSTOP)
     stopped = time.monotonic()
-    wait_for(lambda: not any(running(row["pid"]) for row in collectors), PEER_TIMEOUT_S + MARGIN_S, "the collectors' end")
+    wait_for(lambda: not any(running(row["pid"]) for row in collectors), PEER_TIMEOUT_S + MARGIN_S,
+             "the collectors' end")
     assert time.monotonic() - stopped < PEER_TIMEOUT_S + MARGIN_S
     os.kill(learner["pid"], signal.SIGCONT)
     continued = time.monotonic()
