@@ -80,6 +80,7 @@ def _train(args: argparse.Namespace) -> int:
         import torch
         if not torch.cuda.is_available():
             return usage_error("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    from conveyor.engine.parallel.runner import RemoteTraceback, WorkerError
     from conveyor.envs import EnvCrashedError
     from conveyor.middleware import EvaluationError
     from conveyor.schema import ConfigError
@@ -108,6 +109,11 @@ def _train(args: argparse.Namespace) -> int:
         return usage_error(os_message(exc))
     except (EnvCrashedError, EvaluationError) as exc:
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
+        return 1
+    except WorkerError as exc:  # a node died; the others ended their runs without it (docs/distributed.md)
+        if isinstance(exc.__cause__, RemoteTraceback):  # a node's exception that does not unpickle here: a bug
+            raise
+        print(f"conveyor: error: {message(exc)}; run directory {run_dir}", file=sys.stderr)
         return 1
     used = _used_config(run_dir, cfg, entry)
     max_train_iter = args.max_train_iter or used.get("policy", {}).get("learn", {}).get("max_train_iter")

@@ -95,11 +95,14 @@ def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes, weig
                     outputs = {name: _portable(getattr(ctx, name)) for name in _OUTPUTS}
                     reply: Any = (counters, outputs, list(events))
                 elif command == "state_dict":
-                    reply = [mw.state_dict() if _stateful(mw) else None for mw in chain]
+                    reply = {"chain": [mw.state_dict() if _stateful(mw) else None for mw in chain],
+                             "collect": policy.collect_mode.state_dict() if _stateful(policy.collect_mode) else None}
                 elif command == "load_state_dict":
-                    for mw, state in zip(chain, arg, strict=True):
+                    for mw, state in zip(chain, arg["chain"], strict=True):
                         if state is not None:
                             mw.load_state_dict(state)
+                    if arg["collect"] is not None:
+                        policy.collect_mode.load_state_dict(arg["collect"])
                     reply = None
                 else:
                     raise ValueError(f"unknown request {command!r}")
@@ -243,7 +246,8 @@ class ProcessCollector:
     number changed, acts on it under the same number, so collected rows record the version that produced them. Episode events
     of the child are emitted here. A child that dies ends the run with an error saying how it ended;
     ``close()`` (or leaving a ``with`` block) stops it. ``state_dict()`` / ``load_state_dict()`` gather
-    the chain's (env states, current observations, carried n-step rows), so checkpoints and resume work
+    the chain's (env states, current observations, carried n-step rows) and the replica's collect state
+    (its exploration generator, a recurrent policy's hidden state per env), so checkpoints and resume work
     as with the chain in-process. ``start_method``: multiprocessing's, by default its default, or "spawn"
     once this process has initialised CUDA (a forked child could not use it). ``split_cpus``: run this
     thread (and the threads it starts from now on, such as an async pipeline's) on the CPU it is on and
@@ -308,13 +312,15 @@ class ProcessCollector:
         for args in events:
             task.emit(EPISODE_EVENT, *args)
 
-    def state_dict(self) -> List[Any]:
-        """The state of each middleware of the child's chain (None for those without state)."""
+    def state_dict(self) -> Dict[str, Any]:
+        """``chain``: the state of each middleware of the child's chain (None for those without state);
+        ``collect``: the replica's ``collect_mode.state_dict()`` (None if it has none)."""
         return self._request(("state_dict", None))
 
-    def load_state_dict(self, state: List[Any]) -> None:
-        """Restore the child chain's state from :meth:`state_dict`."""
-        self._request(("load_state_dict", state))
+    def load_state_dict(self, state: Any) -> None:
+        """Restore the child's chain and collect state from :meth:`state_dict` (a list: the chain's only, as
+        checkpoints written before the collect state was saved hold it)."""
+        self._request(("load_state_dict", {"chain": state, "collect": None} if isinstance(state, list) else state))
 
     def close(self) -> None:
         """Stop the child process (idempotent)."""

@@ -18,18 +18,25 @@ sent, then the new weights, after training (so a collector that has a version al
 Faults (membership comes from the router: a peer that dies, disconnects or closes is lost at once, see
 :data:`conveyor.engine.PEER_LOST_EVENT`; no wait runs into its timeout for a peer known to be gone):
 
-- A learner trains on whatever its live collectors send. When the last collector it heard from is lost,
+- A learner trains on whatever its live collectors send. It knows a collector by its subscription to
+  :data:`COLLECTOR_TOPIC` (before its first batch) or its batches. When the last one it knows is lost,
   it logs a warning and waits ``grace_s`` for one to (re)join (``Parallel.runner(auto_recover=True)``
   restarts a killed one); if none sends, it ends the run normally (``task.finish``), so a ``CkptSaver``
   writes its final checkpoint.
-- A collector or an evaluator whose learners are all gone (finished or dead) ends its run normally at once.
+- A collector or an evaluator whose learners are all gone (finished or dead) ends its run normally at once;
+  with ``rejoin_s`` > 0, whose learner was lost (not finished) waits that long for one to come back first.
 - :data:`conveyor.engine.STOP_EVENT` (SIGTERM to a worker) ends every wait at once; the run then ends
   normally with ``task.finish``.
 - Both unsubscribe from their topics when the ``with task.start():`` block that made them closes.
+- A message that is not what its topic carries (a peer with the secret sent a wrong type, a missing key,
+  a negative count, arrays of another layout than the first accepted batch or than this node's weights) is
+  dropped on receipt, counted in ``stats()["rejected"]`` and logged at most once a minute per topic: it
+  never reaches the pipeline, and never ends the run.
 """
 from __future__ import annotations
 
 import logging
+import reprlib
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set
@@ -38,8 +45,8 @@ from conveyor.engine import CLOSE_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLCo
 from conveyor.engine.parallel import codec
 from conveyor.policy.normaliser import FrozenNormaliser
 
-__all__ = ["ContextExchanger", "ModelExchanger", "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC",
-           "MODEL_REQUEST_TOPIC"]
+__all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "COLLECTOR_TOPIC", "DATA_TOPIC",
+           "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,8 @@ MODEL_TOPIC = "conveyor.exchange.model"
 """Learner -> the others: ``policy.acting_state()`` (``version``, ``tensors``, ``extras``)."""
 MODEL_REQUEST_TOPIC = "conveyor.exchange.model_request"
 """A receiver -> learners: ``{"node": id}``, asking for the newest version (a late joiner's first one)."""
+COLLECTOR_TOPIC = "conveyor.exchange.collector"
+"""Subscribed to by collectors, so that learners know them before their first batch; nothing is sent on it."""
 
 # A version's extras travel with its weights: PPO's are its frozen observation statistics (tensors or trees
 # of them; they arrive on the CPU).
@@ -59,6 +68,95 @@ codec.register(FrozenNormaliser, "conveyor.FrozenNormaliser",
                lambda n: {"mean": n.mean, "inv_std": n.inv_std, "clip": n.clip}, lambda d: FrozenNormaliser(**d))
 
 _RETRY_S = 0.25  # a receiver waiting for weights repeats its request this often (a request can pass its subscription)
+_LOG_EVERY_S = 60.0  # a kind of rejected message is logged at most this often
+
+
+class BadMessage(ValueError):
+    """A peer's message that decoded but is not what its topic carries; its handler drops it."""
+
+
+class Rejections:
+    """The messages a node's handlers dropped as :class:`BadMessage`: counted, and logged at most once a
+    minute per topic (a peer may send many)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.count = 0
+        self._logged: Dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, fn: Callable[[Any], None], topic: str) -> Callable[[Any], None]:
+        """``fn`` as a handler of ``topic`` that drops, counts and logs the payloads it raises BadMessage for."""
+        def handle(payload: Any) -> None:
+            try:
+                fn(payload)
+            except BadMessage as e:
+                self.reject(topic, str(e))
+        return handle
+
+    def reject(self, topic: str, why: str) -> None:
+        """Count one dropped message on ``topic``; log it unless that topic was logged within the last minute."""
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            quiet = now - self._logged.get(topic, -_LOG_EVERY_S) < _LOG_EVERY_S
+            if not quiet:
+                self._logged[topic] = now
+            count = self.count
+        if not quiet:
+            log.warning("%s: dropped a message on %r: %s (%d rejected so far; logged at most once a minute)",
+                        self.owner, topic, why, count)
+
+
+def _seconds(where: str, name: str, value: Any, zero_ok: bool = False) -> float:
+    """``value`` as a float number of seconds (> 0, or >= 0 with ``zero_ok``); else a ValueError naming it."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"{where}({name}={value!r}): must be a number of seconds {'>= 0' if zero_ok else '> 0'}")
+    return float(value)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def check_fields(payload: Any, **checks: Callable[[Any], bool]) -> Dict[str, Any]:
+    """``payload`` if it is a dict holding every key of ``checks`` with a value its check accepts; else
+    :class:`BadMessage` naming the first that fails. ``int`` checks a count (an int in ``[0, 2**63)``)."""
+    if not isinstance(payload, dict):
+        raise BadMessage(f"a {type(payload).__name__}, not a dict")
+    for key, check in checks.items():
+        if key not in payload:
+            raise BadMessage(f"no {key!r} key")
+        if not (_count if check is int else check)(payload[key]):
+            raise BadMessage(f"{key!r} cannot be {reprlib.repr(payload[key])}")
+    return payload
+
+
+def layout(value: Any, rows: Optional[Set[int]] = None) -> Any:
+    """What two values must share to be used alike: their structure (keys, lengths, types) and each array's
+    dtype and shape. With ``rows`` (a set), arrays are batches: their first dim is left out of the layout and
+    added to ``rows`` (a batch whose arrays disagree on it gets 2 or more); a scalar array is a BadMessage.
+    Objects with ``__slots__`` (the codec's registered types, such as FrozenNormaliser) by their slots."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        shape = tuple(value.shape)
+        if rows is not None:
+            if not shape:
+                raise BadMessage("a batch holds a scalar array")
+            rows.add(shape[0])
+            shape = shape[1:]
+        return str(value.dtype), shape
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(layout(v, rows) for v in value)
+    items = getattr(value, "items", None)
+    if callable(items):  # a dict or a treetensor tree
+        return type(value).__name__, tuple(sorted((str(k), layout(v, rows)) for k, v in items()))
+    slots = getattr(type(value), "__slots__", None)
+    if slots:  # a registered codec type (FrozenNormaliser)
+        return type(value).__name__, tuple(layout(getattr(value, name, None), rows) for name in slots)
+    return type(value).__name__
 
 
 def _active_router() -> Any:
@@ -78,7 +176,8 @@ class _Exchanger:
         self._cond = threading.Condition()
         self._stopping = False
         self._learner = self._collector = False
-        self._subscribed: tuple = ()
+        self._subscribed: List[tuple] = []  # (topic, handler)
+        self._rejections = Rejections(f"{name} on node {getattr(self._router, 'node_id', '-')}")
         if self._router is None:
             return
         if not task.roles:
@@ -90,17 +189,25 @@ class _Exchanger:
                                f"run a learner takes its data from collector processes (its own collector would "
                                f"overwrite what they sent): give collecting to other workers, or run one process")
         self._collector = not self._learner and task.has_role(task.role.COLLECTOR)
-        self._subscribed = (learner_topic, learner_fn) if self._learner else (other_topic, other_fn)
-        self._router.on(*self._subscribed)
+        topic, fn = (learner_topic, learner_fn) if self._learner else (other_topic, other_fn)
+        self._subscribe(topic, self._rejections(fn, topic))
         task.on(STOP_EVENT, self._stop)
         task.on(PEER_LOST_EVENT, self._peer_lost)
         task.on(CLOSE_EVENT, self.close)
 
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: messages dropped on receipt as not what their topic carries (see the module docstring)."""
+        return {"rejected": self._rejections.count}
+
     def close(self) -> None:
         """Unsubscribe from the router (called when the ``with task.start():`` block closes)."""
-        if self._subscribed:
-            self._router.off(*self._subscribed)
-            self._subscribed = ()
+        for topic, fn in self._subscribed:
+            self._router.off(topic, fn)
+        self._subscribed = []
+
+    def _subscribe(self, topic: str, fn: Callable[[Any], Any]) -> None:
+        self._router.on(topic, fn)
+        self._subscribed.append((topic, fn))
 
     def _stop(self) -> None:
         with self._cond:
@@ -108,12 +215,13 @@ class _Exchanger:
             self._cond.notify_all()
 
     def _peer_lost(self, node: Any) -> None:
+        finished = str(node) in self._router.peers()  # its main returned (a goodbye), else the router lost it
         with self._cond:
-            self._forget(str(node))
+            self._forget(str(node), finished)
             self._cond.notify_all()
 
-    def _forget(self, node: str) -> None:
-        """A peer is lost (called holding ``_cond``)."""
+    def _forget(self, node: str, finished: bool) -> None:
+        """A peer has left: ``finished`` (said goodbye), or lost (called holding ``_cond``)."""
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float, poke: Optional[Callable[[], None]] = None) -> Optional[bool]:
         """Wait (holding ``_cond``) until ``ready()``: True; until asked to stop: False; ``timeout_s`` over:
@@ -146,6 +254,14 @@ class _Exchanger:
         task.end_iteration()
 
 
+def _any(value: Any) -> bool:
+    return True
+
+
+def _ignore(payload: Any) -> None:
+    pass
+
+
 def _merge_trajectories(batches: List[Any]) -> Any:
     if len(batches) <= 1:
         return batches[0] if batches else None
@@ -171,42 +287,82 @@ class ContextExchanger(_Exchanger):
     Reads ctx (learner, after): ``train_iter``.
 
     A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
-    heard from is lost it waits ``grace_s`` for one to (re)join, then ends the run normally. A collector
+    knows (subscribed to :data:`COLLECTOR_TOPIC`, or sent a batch) is lost it waits ``grace_s`` for one to
+    (re)join, then ends the run normally. A collector
     waits at most ``timeout_s`` for a learner to subscribe before its first send, and ends its run when
-    the learners it sent to are gone.
+    the learners it sent to are gone, after waiting ``rejoin_s`` (default 0) for one to (re)subscribe
+    unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
     """
 
-    def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0) -> None:
-        for name, value in (("timeout_s", timeout_s), ("grace_s", grace_s)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ContextExchanger({name}={value!r}): must be a number of seconds > 0")
-        self.timeout_s, self.grace_s = float(timeout_s), float(grace_s)
+    def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0) -> None:
+        self.timeout_s = _seconds("ContextExchanger", "timeout_s", timeout_s)
+        self.grace_s = _seconds("ContextExchanger", "grace_s", grace_s)
+        self.rejoin_s = _seconds("ContextExchanger", "rejoin_s", rejoin_s, zero_ok=True)
         self._inbox: List[Dict[str, Any]] = []
         self._train_iter: Optional[int] = None
         self._collectors: Set[str] = set()  # learner: the live collectors that have sent data
-        self._lost: List[str] = []  # learner: collectors lost since the last batch
+        self._left: Dict[str, bool] = {}  # learner: collectors gone since it last had none, by id: finished?
+        self._gone: Set[str] = set()  # learner: nodes gone (one speaks again only as a restarted, live peer)
+        self._finished: Set[str] = set()  # learner: nodes that finished (gone for good)
+        self._layouts: Dict[str, Any] = {}  # learner: the layout of the first batch accepted, by field
         self._had_learner = False  # collector: a send reached a learner
         super().__init__("ContextExchanger", DATA_TOPIC, self._got_data, TRAIN_ITER_TOPIC, self._got_train_iter)
+        if self._collector:
+            self._subscribe(COLLECTOR_TOPIC, _ignore)
 
     def __repr__(self) -> str:
         side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
             else "evaluator"
         return f"ContextExchanger({side}, timeout_s={self.timeout_s}, grace_s={self.grace_s})"
 
-    def _got_data(self, payload: Dict[str, Any]) -> None:
+    def _got_data(self, payload: Any) -> None:
+        check_fields(payload, node=lambda v: isinstance(v, str), env_step=int, env_episode=int,
+                     episodes=lambda v: v is None or isinstance(v, list), trajectories=_any, train_data=_any)
+        layouts = [(name, self._batch_layout(name, value)) for name, value in (
+            ("trajectories", payload["trajectories"]), ("train_data", payload["train_data"]),
+            *(("episodes", ep) for ep in payload["episodes"] or ())) if value is not None]
+        node = payload["node"]
+        live = node not in self._gone or node in self._router.peers()  # not a late message of a lost one
         with self._cond:
+            first = {**dict(reversed(layouts)), **self._layouts}  # the accepted ones, else this message's first
+            for name, found in layouts:
+                if first[name] != found:
+                    raise BadMessage(f"its {name} are laid out otherwise than the first batch's (keys, dtypes, "
+                                     f"shapes after the first dim)")
+            self._layouts = first
             self._inbox.append(payload)
-            self._collectors.add(str(payload["node"]))
+            if live:
+                self._collectors.add(node)
+                self._gone.discard(node)
             self._cond.notify_all()
 
-    def _got_train_iter(self, payload: Dict[str, Any]) -> None:
+    @staticmethod
+    def _batch_layout(name: str, value: Any) -> Any:
+        rows: Set[int] = set()
+        found = layout(value, rows)
+        if len(rows) > 1:
+            raise BadMessage(f"its {name} hold arrays of different lengths ({sorted(rows)})")
+        return found
+
+    def _got_train_iter(self, payload: Any) -> None:
+        check_fields(payload, train_iter=int)
         with self._cond:
             self._train_iter = max(self._train_iter or 0, int(payload["train_iter"]))
 
-    def _forget(self, node: str) -> None:
+    def _note_collectors(self) -> None:
+        """Learner: count the collectors subscribed to :data:`COLLECTOR_TOPIC` as live (a lost one is listed
+        again only once restarted; one that finished, never)."""
+        found = self._router.subscribers(COLLECTOR_TOPIC)
+        with self._cond:
+            self._collectors.update(node for node in found if node not in self._finished)
+
+    def _forget(self, node: str, finished: bool) -> None:
+        self._gone.add(node)
+        if finished:
+            self._finished.add(node)
         if node in self._collectors:
             self._collectors.discard(node)
-            self._lost.append(node)
+            self._left[node] = finished
 
     def __call__(self, ctx: OnlineRLContext) -> Iterator[None]:
         if self._router is None:
@@ -230,19 +386,25 @@ class ContextExchanger(_Exchanger):
 
     def _receive(self, ctx: OnlineRLContext) -> None:
         with self._cond:
-            got = self._wait(lambda: bool(self._inbox) or bool(self._lost and not self._collectors), self.timeout_s)
+            lost: List[str] = []
+            got = self._wait(lambda: bool(self._inbox) or bool(self._left and not self._collectors), self.timeout_s,
+                             self._note_collectors)
             if got is None:
                 raise self._timeout(f"collected data on {DATA_TOPIC!r}", "collector", self.timeout_s)
             if got and not self._inbox:
-                log.warning("node %s: no collector left (lost: %s); the learner stops in %ss unless one joins",
-                            self._router.node_id, ", ".join(self._lost), self.grace_s)
-                self._lost = []
+                lost = [node for node, finished in self._left.items() if not finished]
+                done = [node for node, finished in self._left.items() if finished]
+                log.log(logging.WARNING if lost else logging.INFO,
+                        "node %s: no collector left (%s); the learner stops in %ss unless one joins",
+                        self._router.node_id, "; ".join(f"{what}: {', '.join(nodes)}" for what, nodes in
+                                                        (("lost", lost), ("finished", done)) if nodes), self.grace_s)
+                self._left = {}
                 got = self._wait(lambda: bool(self._inbox), self.grace_s)
             if not got:
-                return self._end_run(logging.INFO if self._stopping else logging.WARNING,
+                return self._end_run(logging.INFO if self._stopping or not lost else logging.WARNING,
                                      "asked to stop" if self._stopping else
                                      f"no collector joined within grace_s={self.grace_s}s; the learner stops")
-            got, self._inbox, self._lost = self._inbox, [], []
+            got, self._inbox = self._inbox, []  # a loss stays noted until the wait above has seen it
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
@@ -255,6 +417,8 @@ class ContextExchanger(_Exchanger):
             self._had_learner = True
             return
         if self._had_learner:  # every learner it sent to has left: unsubscribed (finished), or lost
+            if self._rejoined() and self._router.publish(DATA_TOPIC, payload) > 0:
+                return
             log.info("node %s: no learner left to send collected data to; the collector stops",
                      self._router.node_id)
             task.finish = True
@@ -264,6 +428,17 @@ class ContextExchanger(_Exchanger):
             raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
                                f"to (live peers: {self._router.peers()})")
         self._had_learner = True
+
+
+    def _rejoined(self) -> bool:
+        """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""
+        if not self.rejoin_s or task.finish or self._stopping:
+            return False
+        try:
+            self._router.wait_for_subscribers(DATA_TOPIC, 1, timeout=self.rejoin_s)
+        except TimeoutError:
+            return False
+        return True
 
 
 class _ModelVersions:
@@ -309,12 +484,15 @@ class ModelExchanger(_Exchanger):
     ``max_staleness`` versions older than what the learner has made of the earlier ones; the next waits for
     a newer version (``0``: every batch on fresh weights, on-policy). ``None``: never waits after the
     first. Every wait is bounded by ``timeout_s``. A receiver whose learners are all gone (finished or
-    lost) ends its run normally at once, at the start of an iteration or in a wait.
+    lost) ends its run normally at once, at the start of an iteration or in a wait; with ``rejoin_s`` > 0,
+    when the last one was lost (not finished) it first waits that long for a learner to (re)join (one
+    restarted by ``auto_recover``) and goes on with that learner's first version, whatever its number.
 
     Reads / writes ctx: nothing; it reads and writes the policy's weights.
     """
 
-    def __init__(self, model_or_policy: Any, max_staleness: Optional[int] = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, model_or_policy: Any, max_staleness: Optional[int] = None, timeout_s: float = 60.0,
+                 rejoin_s: float = 0.0) -> None:
         if all(callable(getattr(model_or_policy, m, None)) for m in ("acting_state", "load_acting_state")):
             self.policy = model_or_policy
             self._bare = False
@@ -326,18 +504,19 @@ class ModelExchanger(_Exchanger):
         if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
                                           or max_staleness < 0):
             raise ValueError(f"ModelExchanger(max_staleness={max_staleness!r}): must be an int >= 0, or None")
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ValueError(f"ModelExchanger(timeout_s={timeout_s!r}): must be a number of seconds > 0")
-        self.max_staleness, self.timeout_s = max_staleness, float(timeout_s)
+        self.max_staleness, self.timeout_s = max_staleness, _seconds("ModelExchanger", "timeout_s", timeout_s)
+        self.rejoin_s = _seconds("ModelExchanger", "rejoin_s", rejoin_s, zero_ok=True)
         self._learners: Set[str] = set()  # receiver: the live learners seen subscribed to requests
-        self._left: Set[str] = set()  # receiver: peers that finished or were lost (never counted as learners again)
+        self._left: Set[str] = set()  # receiver: peers that finished (never counted as learners again)
         self._learners_gone = False  # receiver: every learner seen has left
+        self._rejoin_due = False  # receiver: every learner left, the last one lost: wait for one to rejoin
         self._newest: Optional[Dict[str, Any]] = None  # receiver: the newest version received, not yet loaded
         self._heard = -1  # receiver: the newest version number heard of
         self._loaded: Optional[int] = None
         self._uses = 0
         self._sent = -1
         self._last: Optional[Dict[str, Any]] = None  # learner: the last version sent
+        self._layout: Any = None  # receiver: the layout of its policy's acting state
         self._send_lock = threading.Lock()
         super().__init__("ModelExchanger", MODEL_REQUEST_TOPIC, self._answer, MODEL_TOPIC, self._got_model)
 
@@ -369,8 +548,15 @@ class ModelExchanger(_Exchanger):
             self._router.publish(MODEL_TOPIC, self._last)
 
     # --- receiver ------------------------------------------------------------------------------------
-    def _got_model(self, state: Dict[str, Any]) -> None:
-        version = int(state["version"])
+    def _got_model(self, state: Any) -> None:
+        check_fields(state, version=int, tensors=lambda v: isinstance(v, list), extras=_any)
+        if self._layout is None:  # this node's own weights: what every version must look like
+            own = self.policy.acting_state()
+            self._layout = layout(own["tensors"]), type(own["extras"])
+        if (layout(state["tensors"]), type(state["extras"])) != self._layout:
+            raise BadMessage("its tensors are not laid out as this node's policy's (count, dtypes, shapes), or its "
+                             "extras are of another type")
+        version = state["version"]
         with self._cond:
             if version > self._heard:
                 self._heard, self._newest = version, state
@@ -383,26 +569,55 @@ class ModelExchanger(_Exchanger):
     def _note_learners(self) -> None:
         found = self._router.subscribers(MODEL_REQUEST_TOPIC)  # a learner that finished may still be listed
         with self._cond:
-            self._learners.update(node for node in found if node not in self._left)
+            new = {node for node in found if node not in self._left and node not in self._learners}
+            if new:  # a lost learner is not listed: one found again has been restarted
+                self._learners.update(new)
+                self._learners_gone = False
 
-    def _forget(self, node: str) -> None:
-        self._left.add(node)
+    def _forget(self, node: str, finished: bool) -> None:
+        if finished:
+            self._left.add(node)
         if node in self._learners:
             self._learners.discard(node)
             self._learners_gone = not self._learners
+            self._rejoin_due = self._learners_gone and not finished and self.rejoin_s > 0
 
     def _await_version(self, newer_than: int, what: str) -> bool:
-        """Wait for a version newer than ``newer_than``; False if asked to stop or every learner is gone."""
+        """Wait for a version newer than ``newer_than`` (or the first of a learner that rejoins); False if asked
+        to stop or every learner is gone."""
         with self._cond:
-            got = self._wait(lambda: self._heard > newer_than or self._learners_gone or task.finish, self.timeout_s,
-                             self._request)  # a run told to finish stops waiting for weights
+            got = self._wait(lambda: self._heard > newer_than or self._learners_gone or self._rejoin_due or task.finish,
+                             self.timeout_s, self._request)  # a run told to finish stops waiting for weights
             if got is None:
                 raise self._timeout(what, "learner", self.timeout_s)
-            return bool(got) and self._heard > newer_than
+            if got and self._heard > newer_than and not self._rejoin_due:
+                return True
+        return bool(got) and self._rejoin_due and self._rejoin()
+
+    def _rejoin(self) -> bool:
+        """Every learner is gone, the last one lost (not finished): wait ``rejoin_s`` for one to (re)join and load
+        its first version (a restarted learner goes on from its checkpoint: its numbers start afresh); whether
+        one did."""
+        self._rejoin_due = False
+        if self._stopping or task.finish:
+            return False
+        log.warning("node %s: every learner is lost; waiting up to %ss for one to rejoin", self._router.node_id,
+                    self.rejoin_s)
+        with self._cond:
+            self._heard, self._newest, self._loaded = -1, None, None
+            got = self._wait(lambda: self._heard >= 0 or task.finish, self.rejoin_s, self._request)
+        if not (got and self._heard >= 0):
+            log.warning("node %s: no learner rejoined within rejoin_s=%ss", self._router.node_id, self.rejoin_s)
+            return False
+        log.info("node %s: a learner rejoined with version %s", self._router.node_id, self._heard)
+        self._learners_gone = False  # it answered; the next _note_learners lists it
+        self._note_learners()
+        self._load_newest()
+        return True
 
     def _receive(self) -> bool:
         """Load the newest version, waiting as the first version and ``max_staleness`` require; False: stop."""
-        if self._learners_gone or self._stopping:
+        if self._stopping or (self._rejoin_due and not self._rejoin()) or self._learners_gone:
             return False
         if self._loaded is None and not self._await_version(-1, f"weights on {MODEL_TOPIC!r} (the first version)"):
             return False

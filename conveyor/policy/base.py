@@ -644,6 +644,18 @@ class CollectMode(_ActingView):
         """A collect view pinned to the newest version (see :class:`Snapshot`)."""
         return Snapshot(self._policy, "collect")
 
+    def state_dict(self) -> dict[str, Any]:
+        """What collecting carries from one call to the next: the per-env state (``memory``: a recurrent policy's
+        hidden state) and the exploration generator (``rng``). A replica that acts elsewhere (a collector
+        process) is checkpointed with it; the learner's own policy saves its ``rng`` in :meth:`Policy.state_dict`."""
+        return {"memory": copy.deepcopy(self._memory), "rng": copy.deepcopy(self._policy.rng.bit_generator.state)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on collecting from :meth:`state_dict`."""
+        self._memory.clear()
+        self._memory.update(copy.deepcopy(dict(state["memory"])))
+        self._policy.rng.bit_generator.state = dict(state["rng"])
+
 
 class ActorCriticCollectMode(CollectMode):
     """The collector's view of a policy with a critic: also ``value(obs, **state)`` (via :meth:`Policy._value`),

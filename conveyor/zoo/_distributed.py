@@ -42,9 +42,11 @@ from conveyor.engine.parallel import codec
 from conveyor.engine.parallel.cluster import NodeTable
 from conveyor.envs import make_env_manager
 from conveyor.middleware import EVAL_EVENT, ContextExchanger, ModelExchanger
+from conveyor.middleware.exchanger import Rejections, check_fields
 from conveyor.policy.base import Snapshot
 from conveyor.schema import ConfigError
-from conveyor.zoo._online import NODES_FILE, Collection, check_layout, experiment_dir, run_directory, use_saving
+from conveyor.zoo._online import (LATEST, NODES_FILE, Collection, check_layout, experiment_dir, run_directory,
+                                  use_saving)
 
 __all__ = ["DistributedRun", "EvaluatedWeights", "Layout", "LearnerClock", "NODES_FILE", "PROGRESS_TOPIC",
            "RemoteEvaluations", "train_distributed", "train_node"]
@@ -122,6 +124,7 @@ class _Node:
     """This worker's part of the run, set by :func:`_node_main` for :func:`train_node`."""
 
     layout: Layout
+    auto_recover: bool = False
     ran: bool = False
     collected: int = 0
     first_step_at: Optional[float] = None
@@ -159,9 +162,10 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     ``node_ids``: the nodes to start here (default all); give each host its share and the others'
     addresses (``attach_to``), with the same secret on every host, to spread one run over several.
     ``grace_s``: how long a stopped launch (SIGTERM, Ctrl-C) lets its nodes finish their iteration, the
-    learner write its final checkpoint, before they are killed. ``auto_recover``: a collector or evaluator
-    that dies is started again (up to ``max_retries`` times) and rejoins with the newest weights; a learner
-    that dies ends the run, which ``resume=True`` continues from its latest checkpoint.
+    learner write its final checkpoint, before they are killed. ``auto_recover``: a node that dies is
+    started again (up to ``max_retries`` times); a collector or evaluator rejoins with the newest weights,
+    a learner resumes from the run's latest checkpoint (it writes one as it starts) while the others wait
+    for it (at most :data:`EXCHANGE_TIMEOUT_S`) and rejoin it.
     """
     from conveyor.engine import Parallel
     from conveyor.zoo import load_entry
@@ -180,7 +184,7 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
-               "ckpt_interval": ckpt_interval}
+               "ckpt_interval": ckpt_interval, "auto_recover": auto_recover}
     results = Parallel.runner(len(ids), topology="star", protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
                               max_retries=max_retries, ready_timeout_s=ready_timeout_s,
@@ -205,11 +209,12 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     offset = layout.seed_offset(node_id)
     if offset:
         seed = (seed if seed is not None else (options["cfg"] or entry.main_config).get("seed", 0)) + offset
-    _node = node = _Node(layout)
+    _node = node = _Node(layout, options["auto_recover"])
+    restarted_learner = role is Role.LEARNER and task.router.restarts > 0  # auto_recover: go on where it died
     task.add_role(role)  # kept through main()'s `with task.start()`, cleared when it exits
     try:
         ctx = entry.main(options["cfg"], seed=seed, exp_name=options["exp_name"], max_env_step=options["max_env_step"],
-                         max_train_iter=options["max_train_iter"], resume=options["resume"],
+                         max_train_iter=options["max_train_iter"], resume=options["resume"] or restarted_learner,
                          progress=options["progress"] and role is Role.LEARNER,
                          ckpt_interval=options["ckpt_interval"])
     finally:
@@ -245,18 +250,22 @@ def train_node(cfg: EasyDict, policy: Any, collection: Collection, build: Callab
             evaluator_env = resources.enter_context(make_env_manager(cfg.env, "evaluator", cfg.seed))
         with task.start(ctx=OnlineRLContext()):
             if learner:
-                NodeTable(experiment_dir(cfg) / NODES_FILE)
+                NodeTable(experiment_dir(cfg) / NODES_FILE, keep=task.router.restarts > 0)  # none announces again
             else:
                 NodeTable.announce(EXCHANGE_TIMEOUT_S)
-            clock = LearnerClock(lead=COLLECTOR_LEAD, timeout_s=EXCHANGE_TIMEOUT_S)
+            rejoin_s = EXCHANGE_TIMEOUT_S if node.auto_recover else 0.0  # a lost learner is restarted: wait for it
+            clock = LearnerClock(lead=COLLECTOR_LEAD, timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s)
             task.use(clock)
-            task.use(ModelExchanger(policy, max_staleness=0 if buffer is None else None, timeout_s=EXCHANGE_TIMEOUT_S))
-            task.use(ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S))
+            task.use(ModelExchanger(policy, max_staleness=0 if buffer is None else None, timeout_s=EXCHANGE_TIMEOUT_S,
+                                    rejoin_s=rejoin_s))
+            task.use(ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s))
             build(stage, evaluator_env)
             if learner:
                 task.use(RemoteEvaluations(policy))  # before the saver and the loggers: it sees each result first
-                use_saving(cfg, policy, report, buffer=buffer, resume=resume, ckpt_freq=ckpt_freq,
-                           ckpt_interval=ckpt_interval)
+                saver = use_saving(cfg, policy, report, buffer=buffer, resume=resume, ckpt_freq=ckpt_freq,
+                                   ckpt_interval=ckpt_interval)
+                if node.auto_recover and not resume:  # a restarted learner always finds a checkpoint to resume
+                    saver.save(LATEST)
             task.run()  # SIGTERM from the launcher (Parallel.runner's worker handler) finishes the iteration, then
             ctx = task.ctx  # the run ends normally and the learner writes its final checkpoint
     node.collected, node.first_step_at = clock.collected, clock.first_step_at
@@ -284,15 +293,18 @@ class LearnerClock:
     this node's own iterations added; :attr:`first_step_at` is the ``time.time()`` when they first added
     any (a collector's start-up ends there). Every wait is bounded by ``timeout_s``, and ends at once when the
     node is asked to stop (:data:`~conveyor.engine.STOP_EVENT`) or the learner is lost (a warning; the
-    node's run then ends, as it does on ``stop``: there is nothing left to collect or evaluate for).
+    node's run then ends, as it does on ``stop``: there is nothing left to collect or evaluate for). With
+    ``rejoin_s`` > 0 (the zoo's under ``auto_recover``) a lost learner instead restarts the count of
+    iterations, and the exchangers (given the same ``rejoin_s``) wait for it to come back.
 
     Reads / writes ctx: ``train_iter``, ``env_step``. Place it first, before the exchangers.
     """
 
-    def __init__(self, lead: int = COLLECTOR_LEAD, timeout_s: float = EXCHANGE_TIMEOUT_S) -> None:
+    def __init__(self, lead: int = COLLECTOR_LEAD, timeout_s: float = EXCHANGE_TIMEOUT_S,
+                 rejoin_s: float = 0.0) -> None:
         if not isinstance(lead, int) or lead < 1:
             raise ValueError(f"LearnerClock(lead={lead!r}): must be an int >= 1")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.rejoin_s = timeout_s, rejoin_s
         self.collected = 0
         self.first_step_at: Optional[float] = None
         self._router = task.router
@@ -303,10 +315,11 @@ class LearnerClock:
         self._latest: Optional[Dict[str, Any]] = None
         self._seen: Optional[tuple] = None
         self._ended = False  # asked to stop, or the learner is lost
+        self._rejections = Rejections(f"LearnerClock on node {self._router.node_id}")
         if self._learner:
             task.on(FINISH_EVENT, self._stop_others)
         else:
-            self._router.on(PROGRESS_TOPIC, self._got)
+            self._router.on(PROGRESS_TOPIC, self._rejections(self._got, PROGRESS_TOPIC))
             task.on(STOP_EVENT, self._end)
             task.on(PEER_LOST_EVENT, self._peer_lost)
 
@@ -315,16 +328,31 @@ class LearnerClock:
             self._ended = True
             self._changed.notify_all()
 
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: progress messages dropped on receipt as not what :data:`PROGRESS_TOPIC` carries."""
+        return {"rejected": self._rejections.count}
+
     def _peer_lost(self, node: Any) -> None:
-        latest = self._latest
-        if (latest is not None and str(node) == latest["node"]) or not self._router.peers():
-            log.warning("node %s: the learner (node %s) is lost; this node ends its run", self._router.node_id, node)
+        latest, peers = self._latest, self._router.peers()
+        if (latest is not None and str(node) == latest["node"]) or not peers:
+            goodbye = str(node) in peers or (latest is not None and latest["stop"])  # it finished, not a loss
+            if not goodbye and self.rejoin_s:  # the exchangers wait for it to come back; collect on meanwhile
+                log.warning("node %s: the learner (node %s) is lost; waiting up to %ss for it to rejoin",
+                            self._router.node_id, node, self.rejoin_s)
+                with self._changed:
+                    self._since = 0
+                    self._changed.notify_all()
+                return
+            log.log(logging.INFO if goodbye else logging.WARNING, "node %s: the learner (node %s) %s; this node ends "
+                    "its run", self._router.node_id, node, "has finished" if goodbye else "is lost")
             self._end()
 
     def __repr__(self) -> str:
         return f"LearnerClock({'learner' if self._learner else f'lead={self._lead}'}, timeout_s={self.timeout_s})"
 
-    def _got(self, progress: Dict[str, Any]) -> None:
+    def _got(self, progress: Any) -> None:
+        check_fields(progress, node=lambda v: isinstance(v, str), train_iter=int, env_step=int,
+                     stop=lambda v: isinstance(v, bool))
         with self._changed:
             self._latest = progress
             self._changed.notify_all()
@@ -342,7 +370,8 @@ class LearnerClock:
             self._router.publish(PROGRESS_TOPIC, self._progress(ctx, stop=False))
             return
         with self._changed:
-            if self._since >= self._lead and not self._changed.wait_for(self._moved, self.timeout_s):
+            if self._since >= self._lead and not self._changed.wait_for(
+                    lambda: self._moved() or self._since < self._lead, self.timeout_s):  # 0 again: the learner was lost
                 raise TimeoutError(f"node {self._router.node_id}: the learner's counters did not move within "
                                    f"{self.timeout_s}s (live peers: {self._router.peers()}); is the learner running?")
             latest = self._latest
@@ -391,13 +420,19 @@ class RemoteEvaluations:
         self._policy = policy
         self._lock = threading.Lock()
         self._newest: Optional[Dict[str, Any]] = None
-        task.on(EVAL_EVENT, self._got)
+        self._rejections = Rejections("RemoteEvaluations on the learner")
+        task.on(EVAL_EVENT, self._rejections(self._got, EVAL_EVENT))
         task.on(FINISH_EVENT, lambda error: self(task.ctx))
+
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: evaluation results dropped on receipt (no ``mean`` number, no ``train_iter`` count)."""
+        return {"rejected": self._rejections.count}
 
     def __repr__(self) -> str:
         return "RemoteEvaluations()"
 
-    def _got(self, result: Dict[str, Any]) -> None:
+    def _got(self, result: Any) -> None:
+        check_fields(result, mean=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), train_iter=int)
         snapshot = result.get("snapshot")
         if isinstance(snapshot, EvaluatedWeights):
             snapshot.policy = self._policy

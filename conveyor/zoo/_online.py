@@ -328,21 +328,23 @@ def run_pipeline(cfg: EasyDict, policy: Any, ctx: Any, build: Callable[[], None]
 
 
 def use_saving(cfg: EasyDict, policy: Any, report: Callable[[], None], *, buffer: Any, resume: bool, ckpt_freq: int,
-               ckpt_interval: Optional[float]) -> None:
+               ckpt_interval: Optional[float]) -> CkptSaver:
     """The learner's end of a pipeline, after its other middleware: the policy, the buffer and the global RNGs
-    registered as saved state, the checkpoint saver, then ``report()``'s middleware (logger, budgets, progress
-    bar); ``resume`` loads ``latest`` into all of it."""
+    registered as saved state, the checkpoint saver (returned), then ``report()``'s middleware (logger,
+    budgets, progress bar); ``resume`` loads ``latest`` into all of it."""
     exp_dir = experiment_dir(cfg)
     meta = {"policy": type(policy).__name__, "exp_name": cfg.exp_name}
     task.register_state("policy", policy)
     if buffer is not None:
         task.register_state("buffer", buffer)
     task.register_state("rng", GlobalRNG())
-    task.use(CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta))
+    saver = CkptSaver(policy, exp_dir, train_freq=ckpt_freq, interval_s=ckpt_interval, meta=meta)
+    task.use(saver)
     report()
     latest = exp_dir / "ckpt" / LATEST
     if resume and latest.is_file():  # without one, prepare() has started the run over
         _resume(latest, meta["policy"])
+    return saver
 
 
 def _resume(path: Path, policy_name: str) -> None:

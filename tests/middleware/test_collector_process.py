@@ -140,6 +140,58 @@ def test_its_state_resumes_the_child_chain_where_it_stopped(cfg, policy, process
         assert torch.equal(a.trajectories[key], b.trajectories[key]), key
 
 
+def recurrent_ppo(cfg):
+    """A GRU PPO config and learner policy on the fixture's CartPole envs."""
+    from easydict import EasyDict
+
+    from conveyor.config import compile_config
+    from conveyor.policy import PPOPolicy
+    ppo_cfg = compile_config(EasyDict(dict(
+        exp_name="test", seed=0, env=dict(cfg.env),
+        policy=dict(model=dict(hidden_sizes=[8], rnn="gru", rnn_hidden_size=8), collect=dict(n_sample=8),
+                    learn=dict(batch_size=8, sequence_length=4)))), policy=PPOPolicy)
+    return ppo_cfg, PPOPolicy, PPOPolicy(ppo_cfg.policy, seed=0)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """As the zoo runs (seed_everything): a child forked from a parent with a multi-threaded OpenMP pool hangs
+    in LAPACK (PPO's orthogonal init) when it uses more than one thread itself."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("make", ["dqn_exploring", "recurrent_ppo"])
+def test_its_state_carries_the_replicas_exploration_rng_and_recurrent_state(request, cfg, policy, make,
+                                                                             one_torch_thread):
+    collect_cfg, policy_cls, learner = (cfg, DQNPolicy, policy) if make == "dqn_exploring" else recurrent_ppo(cfg)
+    build = collection_builder(collect_cfg, policy_cls, one_collector)
+
+    def collector():
+        made = ProcessCollector(build, learner)
+        request.addfinalizer(made.close)
+        return made
+
+    def exploring():
+        ctx = OnlineRLContext()
+        ctx.collect_kwargs = {"eps": 0.5} if make == "dqn_exploring" else {}  # PPO samples from its rng
+        return ctx
+
+    first = collector()
+    for _ in range(3):  # mid-episode: a recurrent policy's hidden state is not the initial one
+        first(exploring())
+    second = collector()
+    second.load_state_dict(first.state_dict())
+    a, b = exploring(), exploring()
+    first(a)
+    second(b)
+    for key in a.trajectories.keys():
+        assert torch.equal(a.trajectories[key], b.trajectories[key]), key
+
+
 def test_the_child_never_finalizes_garbage_it_inherited(cfg, policy, process_collector, tmp_path):
     pynng = pytest.importorskip("pynng")
     import gc

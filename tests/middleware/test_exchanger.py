@@ -1,12 +1,15 @@
 """Exchangers: collected data to learners, train_iter and versioned weights back, over real worker processes."""
 import logging
+import time
 
 import numpy as np
+import treetensor.torch as ttorch
 import pytest
 import torch
 
 from conveyor.engine import FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, Parallel, task
-from conveyor.middleware.exchanger import DATA_TOPIC, MODEL_REQUEST_TOPIC, ContextExchanger, ModelExchanger
+from conveyor.middleware.exchanger import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, ContextExchanger,
+                                          ModelExchanger)
 from tests.middleware import _exchanger_mains as mains
 
 WAIT = 20
@@ -114,7 +117,7 @@ def test_a_learner_merges_what_several_collectors_sent(fake_router):
         for k in (1, 2):
             [handler] = fake_router.handlers[DATA_TOPIC]
             handler({"node": str(k), "trajectories": ttorch.Tensor({"obs": torch.full((2, 3), float(k))}), "episodes": [k],
-                     "env_step": 2, "env_episode": 1})
+                     "train_data": None, "env_step": 2, "env_episode": 1})
         task.run(max_step=1)
     [(trajectories, episodes, env_step, env_episode)] = got
     assert trajectories.obs.shape == (4, 3) and episodes == [1, 2] and (env_step, env_episode) == (4, 2)
@@ -196,12 +199,18 @@ def test_a_real_policys_version_crosses_the_codec_and_loads_under_its_number(fak
         assert type(state["extras"]).__name__ == "FrozenNormaliser"
 
 
+def learner_with_a_batch_from_3(router):
+    """A learner's ContextExchanger (grace_s 0.05) holding one batch (1 env step) from collector "3"."""
+    task.add_role(task.role.LEARNER)
+    exchanger = ContextExchanger(timeout_s=60, grace_s=0.05)
+    [deliver] = router.handlers[DATA_TOPIC]
+    deliver({"node": "3", "trajectories": None, "episodes": [1], "train_data": None, "env_step": 1, "env_episode": 1})
+    return exchanger
+
+
 def test_a_learner_whose_last_collector_is_lost_stops_after_grace_s_and_ends_the_run_normally(fake_router, caplog):
     with task.start(ctx=OnlineRLContext()):
-        task.add_role(task.role.LEARNER)
-        exchanger = ContextExchanger(timeout_s=60, grace_s=0.05)
-        [deliver] = fake_router.handlers[DATA_TOPIC]
-        deliver({"node": "3", "trajectories": None, "episodes": [1], "env_step": 1, "env_episode": 1})
+        exchanger = learner_with_a_batch_from_3(fake_router)
         ended = []
         task.on(FINISH_EVENT, ended.append)
         trained = []
@@ -227,3 +236,164 @@ def test_a_stop_request_ends_a_receivers_wait_for_weights_at_once(fake_router):
         task.use(ModelExchanger(torch.nn.Linear(1, 1), timeout_s=60)).use(collected.append)
         task.run(max_step=3)
         assert collected == [] and task.ctx.total_step == 1
+
+
+@pytest.mark.timeout(20)
+def test_a_learner_whose_collectors_are_lost_while_their_batch_waits_trains_on_it_then_stops_after_grace_s(fake_router):
+    with task.start(ctx=OnlineRLContext()):
+        exchanger = learner_with_a_batch_from_3(fake_router)
+        task.emit(PEER_LOST_EVENT, "3")  # lost before the learner took its batch
+        trained = []
+        task.use(exchanger).use(lambda ctx: trained.append(ctx.env_step))
+        task.run(max_step=5)
+        assert trained == [1] and task.finish and task.ctx.total_step == 2  # not a wait of timeout_s
+
+
+def test_a_collector_that_finished_is_a_goodbye_not_a_lost_peer(fake_router, caplog):
+    fake_router.peers = lambda: ["3"]  # still a live peer: its main returned (runner's FINISHED), it did not die
+    with task.start(ctx=OnlineRLContext()):
+        exchanger = learner_with_a_batch_from_3(fake_router)
+        task.use(exchanger).use(lambda ctx: task.emit(PEER_LOST_EVENT, "3"))
+        with caplog.at_level(logging.INFO, logger="conveyor.middleware.exchanger"):
+            task.run(max_step=5)
+        assert task.finish and task.ctx.total_step == 2
+    assert "no collector left (finished: 3)" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _batch(obs, **changes):
+    return {"node": "9", "trajectories": ttorch.Tensor({"obs": obs}), "episodes": None, "train_data": None,
+            "env_step": 1, "env_episode": 0, **changes}
+
+
+def test_a_learner_drops_and_counts_wrong_data_from_a_peer_with_the_secret(peer_with_the_secret, caplog):
+    mine, peer = peer_with_the_secret
+    wrong = [["not", "a", "dict"], "text", 7, None, {"node": "9"},  # wrong types, missing keys
+             _batch(torch.zeros(2, 3), env_step=-1), _batch(torch.zeros(2, 3), node=9),
+             _batch(torch.zeros(2, 3), episodes="not a list"),
+             _batch(torch.zeros(2, 4)),  # another shape than the first batch's
+             _batch(torch.zeros(2, 3, dtype=torch.float64)),  # another dtype
+             _batch(torch.zeros(2, 3), trajectories=ttorch.Tensor({"obs": torch.zeros(2, 3), "act": torch.zeros(3)}))]
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=WAIT)
+        shapes = []
+
+        def learn(ctx):
+            shapes.append(tuple(ctx.trajectories.obs.shape))
+            task.finish = ctx.env_step == 2
+
+        task.use(exchanger).use(learn)
+        peer.wait_for_subscribers(DATA_TOPIC, 1, WAIT)
+        peer.publish(DATA_TOPIC, _batch(torch.zeros(2, 3)))  # accepted: the layout every batch must have
+        for payload in wrong:
+            peer.publish(DATA_TOPIC, payload)
+        peer.publish(DATA_TOPIC, _batch(torch.ones(5, 3)))  # arrives after every wrong one
+        with caplog.at_level(logging.WARNING, logger="conveyor.middleware.exchanger"):
+            task.run(max_step=10)
+        assert task.ctx.env_step == 2 and sum(n for shape in shapes for n in shape[:1]) == 7
+    assert exchanger.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
+    assert caplog.text.count("dropped a message on 'conveyor.exchange.data'") == 1  # once a minute, not per message
+
+
+def test_a_collector_drops_and_counts_wrong_weights_from_a_peer_with_the_secret(peer_with_the_secret):
+    mine, peer = peer_with_the_secret
+    good = [torch.ones(1, 2), torch.ones(1)]  # FakePolicy: Linear(2, 1)
+    wrong = ["weights", {"version": 5}, {"version": -1, "tensors": good, "extras": {}},
+             {"version": 5, "tensors": good[:1], "extras": {}}, {"version": 5, "tensors": "ab", "extras": {}},
+             {"version": 5, "tensors": [torch.ones(2, 2), torch.ones(1)], "extras": {}},
+             {"version": 5, "tensors": [torch.ones(1, 2, dtype=torch.int64), torch.ones(1)], "extras": {}},
+             {"version": 5, "tensors": good, "extras": [1]}]
+    policy = mains.FakePolicy()
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ModelExchanger(policy, timeout_s=WAIT)
+        task.use(exchanger)
+        peer.wait_for_subscribers("conveyor.exchange.model", 1, WAIT)
+        for payload in wrong:
+            peer.publish("conveyor.exchange.model", payload)
+        peer.publish("conveyor.exchange.model", {"version": 3, "tensors": good, "extras": {"eps": 3.0}})
+        task.run(max_step=1)  # waits for the first version: the good one, after every wrong one
+    assert exchanger.loaded_version == 3 and policy.weight() == 1.0
+    assert exchanger.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
+
+
+def weights(version):
+    return {"version": version, "tensors": [torch.full((1, 2), float(version)), torch.full((1,), float(version))],
+            "extras": {"eps": float(version)}}
+
+
+@pytest.mark.timeout(30)
+def test_with_rejoin_s_a_collector_whose_learner_was_lost_goes_on_with_its_restarts_first_version(fake_router):
+    learners = ["0"]
+    fake_router.subscribers = lambda topic: list(learners)
+
+    def publish(topic, payload):  # the restarted learner answers a request with the version of its checkpoint
+        if topic == MODEL_REQUEST_TOPIC and learners:
+            deliver(weights(2 if lost else 5))
+        return len(learners)
+
+    fake_router.publish, lost = publish, []
+    policy = mains.FakePolicy()
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ModelExchanger(policy, max_staleness=None, timeout_s=WAIT, rejoin_s=WAIT)
+        [deliver] = fake_router.handlers["conveyor.exchange.model"]
+        used = []
+
+        def collect(ctx):
+            used.append(policy.version)
+            if ctx.total_step == 0:  # the learner dies; a new incarnation subscribes again
+                learners.clear()
+                lost.append(True)
+                task.emit(PEER_LOST_EVENT, "0")
+                learners.append("0")
+
+        task.use(exchanger).use(collect)
+        task.run(max_step=3)
+        assert used == [5, 2, 2] and not task.finish and exchanger.loaded_version == 2
+
+
+@pytest.mark.parametrize("how", ["finished", "lost_for_good"])
+def test_with_rejoin_s_a_collector_ends_its_run_when_its_learner_finished_or_none_rejoins(fake_router, how):
+    learners = ["0"]
+    fake_router.subscribers = lambda topic: list(learners)
+    fake_router.peers = lambda: ["0"] if how == "finished" else []  # a finished peer is live until it closes
+    policy = mains.FakePolicy()
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ModelExchanger(policy, timeout_s=WAIT, rejoin_s=0.3)
+        [deliver] = fake_router.handlers["conveyor.exchange.model"]
+        deliver(weights(1))
+        used = []
+
+        def collect(ctx):
+            used.append(policy.version)
+            learners.clear()
+            task.emit(PEER_LOST_EVENT, "0")
+
+        task.use(exchanger).use(collect)
+        started = time.monotonic()
+        task.run(max_step=3)
+        assert used == [1] and task.finish
+        assert (time.monotonic() - started < 0.3) == (how == "finished")  # a goodbye is not waited for
+
+
+@pytest.mark.timeout(20)
+def test_a_learner_whose_collectors_are_lost_before_their_first_batch_stops_after_grace_s(fake_router):
+    calls = []
+
+    def subscribers(topic):  # both collectors are known by their subscription; on the next look both are gone
+        calls.append(topic)
+        if topic == COLLECTOR_TOPIC and len(calls) == 2:
+            for node in ("1", "2"):
+                task.emit(PEER_LOST_EVENT, node)
+        return ["1", "2"] if topic == COLLECTOR_TOPIC and len(calls) == 1 else []
+
+    fake_router.subscribers = subscribers
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        trained = []
+        task.use(ContextExchanger(timeout_s=60, grace_s=0.05)).use(trained.append)
+        task.run(max_step=5)
+        assert trained == [] and task.finish and task.ctx.total_step == 1

@@ -109,7 +109,7 @@ def test_learn_view_accepts_a_dict_of_numpy_and_counts_through_train_iter():
 def test_views_expose_only_their_modes_methods():
     policy = echo_policy()
     public = {name for name in dir(policy.collect_mode) if not name.startswith("_")}
-    assert public == {"forward", "reset", "snapshot", "version"}
+    assert public == {"forward", "reset", "snapshot", "version", "state_dict", "load_state_dict"}  # its memory, rng
     assert {name for name in dir(policy.eval_mode) if not name.startswith("_")} == \
         {"forward", "reset", "snapshot", "version"}
     assert {name for name in dir(policy.learn_mode) if not name.startswith("_")} == \

@@ -1,4 +1,6 @@
 """Distributed zoo runs: 1 learner, collectors and evaluators as processes; nodes.json, resume, the CLI's flags."""
+import contextlib
+import inspect
 import json
 import os
 import signal
@@ -11,7 +13,8 @@ import pytest
 
 from conveyor.cli import main as cli_main
 from conveyor.engine import Role
-from conveyor.middleware import load_checkpoint
+from conveyor.engine.parallel.router import Router
+from conveyor.middleware import ContextExchanger, load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo._distributed import Layout, train_distributed
 from tests.cli_helpers import TINY, assert_usage_error
@@ -231,16 +234,170 @@ def test_without_auto_recover_a_killed_collector_is_named_once_the_others_end(in
     assert learner["env_step"] >= 600  # trained on with the other collector
 
 
-@pytest.mark.parametrize("auto_recover", [False, True])
-def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp, auto_recover):
-    """Its restart (auto_recover) would wait for peers that are ending: it is stopped, not left waiting."""
+LEARNER_DIES = Path(__file__).with_name("_learner_dies_entry.py")
+
+
+def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp):
     from conveyor.engine.parallel.runner import WorkerError
     from conveyor.zoo._distributed import EXCHANGE_TIMEOUT_S
     started = time.monotonic()
-    with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:  # the first life, or its restart
-        train_distributed(str(Path(__file__).with_name("_learner_dies_entry.py")), collectors=2, evaluators=1,
-                          exp_name="nolearner", max_env_step=2000, progress=False, auto_recover=auto_recover,
-                          ready_timeout_s=EXCHANGE_TIMEOUT_S)
+    with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:
+        train_distributed(str(LEARNER_DIES), collectors=2, evaluators=1, exp_name="nolearner", max_env_step=2000,
+                          progress=False, ready_timeout_s=EXCHANGE_TIMEOUT_S)
     assert time.monotonic() - started < EXCHANGE_TIMEOUT_S / 2  # not ended by a wait running out
     others = [r for r in info.value.results if r is not None]
     assert sorted(r["role"] for r in others) == ["collector", "collector", "evaluator"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_with_auto_recover_a_killed_learner_resumes_from_the_latest_checkpoint_and_the_others_rejoin_it(in_tmp):
+    run = train_distributed(str(LEARNER_DIES), collectors=2, evaluators=1, exp_name="relearn", max_env_step=600,
+                            progress=False, auto_recover=True, max_retries=1, ckpt_interval=0.01)
+    learner, = by_role(run, "learner")
+    lives = [[int(n) for n in line.split()] for line in (in_tmp / "learner_lives.txt").read_text().splitlines()]
+    assert [restarts for restarts, _, _ in lives] == [0, 1] and learner["restarts"] == 1
+    assert lives[0][1] == 0 and lives[1][1] > 0  # the restarted learner's first iteration went on from a checkpoint
+    assert run.env_step >= 600 and (in_tmp / "runs" / "relearn" / "ckpt" / "final.pth.tar").is_file()
+    others = [node for node in run.nodes if node["role"] != "learner"]  # the first processes, fed the new learner
+    assert sorted(n["role"] for n in others) == ["collector", "collector", "evaluator"]
+    assert all(n["restarts"] == 0 for n in others)
+    rows = json.loads((in_tmp / "runs" / "relearn" / "nodes.json").read_text())
+    assert sorted(r["pid"] for r in rows) == sorted(n["pid"] for n in run.nodes)  # the new learner and the others
+
+
+GRACE_S = inspect.signature(ContextExchanger).parameters["grace_s"].default  # what the zoo's learner waits
+PEER_TIMEOUT_S = inspect.signature(Router).parameters["peer_timeout_s"].default
+MARGIN_S = 20  # the end of the run after the wait: a final checkpoint, closing four processes on a busy machine
+
+
+@pytest.fixture
+def launch(in_tmp):
+    """Start ``conveyor train cartpole/dqn --collectors 2`` in its own session; its group is killed at the end."""
+    procs = []
+
+    def start(exp):
+        proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                                 "--exp-name", exp, "--no-progress", "--ckpt-interval", "0.2"], cwd=in_tmp,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        return proc, in_tmp / "runs" / exp
+
+    yield start
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):  # a stopped learner too: SIGKILL ends it
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        wait_for(lambda: not group_alive(proc.pid), 30, f"the end of process group {proc.pid}")
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def training_nodes(run):
+    """nodes.json's rows once every node runs and the learner has trained (its first interval checkpoint)."""
+    nodes = run / "nodes.json"
+    wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 3, 240, "3 nodes in nodes.json")
+    wait_for(lambda: (run / "ckpt" / "latest.pth.tar").is_file(), 120, "the learner's first checkpoint")
+    return json.loads(nodes.read_text())
+
+
+def running(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_when_every_collector_is_killed_the_learner_ends_within_grace_s_with_its_final_checkpoint(launch):
+    proc, run = launch("nocollector")
+    learner, *collectors = training_nodes(run)
+    for row in collectors:
+        os.kill(row["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=GRACE_S + MARGIN_S + 30)
+    assert time.monotonic() - killed < GRACE_S + MARGIN_S, err[-2000:]
+    assert proc.returncode == 1 and (run / "ckpt" / "final.pth.tar").is_file(), err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("conveyor: error: ") and last.count("killed by SIGKILL") == 2, err[-2000:]
+    assert "no collector left (lost: " in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_when_continued(launch):
+    proc, run = launch("stopped")
+    learner, *collectors = training_nodes(run)
+    os.kill(learner["pid"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for(lambda: not any(running(row["pid"]) for row in collectors), PEER_TIMEOUT_S + MARGIN_S,
+             "the collectors' end")
+    assert time.monotonic() - stopped < PEER_TIMEOUT_S + MARGIN_S
+    os.kill(learner["pid"], signal.SIGCONT)
+    continued = time.monotonic()
+    out, err = proc.communicate(timeout=GRACE_S + MARGIN_S + 30)
+    assert time.monotonic() - continued < GRACE_S + MARGIN_S, err[-2000:]
+    assert proc.returncode == 0 and (run / "ckpt" / "final.pth.tar").is_file(), err[-2000:]
+    assert "the learner (node 0) is lost" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_normal_end_logs_no_lost_peer(in_tmp):
+    done = subprocess.run([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                           "--evaluators", "1", "--max-env-step", "300", "--no-progress", "--exp-name", "calm"],
+                          cwd=in_tmp, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300, start_new_session=True)
+    assert done.returncode == 0 and done.stdout.startswith("budget reached"), done.stderr[-2000:]
+    assert "lost" not in done.stderr, done.stderr
+
+
+def test_a_collectors_clock_drops_and_counts_wrong_progress_from_a_peer_with_the_secret(peer_with_the_secret):
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.zoo._distributed import PROGRESS_TOPIC, LearnerClock
+    mine, peer = peer_with_the_secret
+    good = {"node": "9", "train_iter": 3, "env_step": 7, "stop": False}
+    wrong = [[1, 2], "stop", {"node": "9"}, {**good, "stop": "yes"}, {**good, "env_step": -7}, {**good, "node": 9}]
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.COLLECTOR)
+        clock = LearnerClock(lead=1, timeout_s=20)
+
+        def send(ctx):  # after the first iteration; the second waits for the learner's counters to move
+            if ctx.total_step == 0:
+                peer.wait_for_subscribers(PROGRESS_TOPIC, 1, 20)
+                for payload in [*wrong, good]:
+                    peer.publish(PROGRESS_TOPIC, payload)
+
+        task.use(clock).use(send)
+        task.run(max_step=2)
+        assert (task.ctx.train_iter, task.ctx.env_step) == (3, 7) and not task.finish
+    assert clock.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
+
+
+def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_secret(peer_with_the_secret):
+    import threading
+
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.middleware import EVAL_EVENT
+    from conveyor.zoo._distributed import RemoteEvaluations
+    mine, peer = peer_with_the_secret
+    wrong = [[[1]], [{"train_iter": 2}], [{"mean": "high", "train_iter": 2}], [{"mean": 5.0, "train_iter": -1}]]
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.LEARNER)
+        evaluations = RemoteEvaluations(policy=None)
+        arrived = threading.Event()
+        task.on(EVAL_EVENT, lambda result: arrived.set() if result == {"mean": 5.0, "train_iter": 2} else None)
+        peer.wait_for_subscribers(EVAL_EVENT, 1, 20)
+        for args in [*wrong, [{"mean": 5.0, "train_iter": 2}]]:  # a task event travels as its argument list
+            peer.publish(EVAL_EVENT, args)
+        assert arrived.wait(20)
+        evaluations(task.ctx)
+        assert (task.ctx.last_eval_value, task.ctx.last_eval_iter) == (5.0, 2)
+    assert evaluations.stats() == {"rejected": len(wrong)}

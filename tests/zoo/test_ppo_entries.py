@@ -117,6 +117,7 @@ def test_an_async_run_collecting_in_a_process_checkpoints_and_resumes(in_tmp):
     cfg.env.async_collector = "process"
     first = entry.main(cfg, exp_name="async", max_env_step=256, async_mode=True, progress=False)
     state = load_checkpoint(in_tmp / "runs" / "async" / "ckpt" / "latest.pth.tar")
-    assert any(isinstance(v, list) for v in state["middleware"].values())  # the child chain's state was saved
+    saved = [v for v in state["middleware"].values() if isinstance(v, dict) and set(v) == {"chain", "collect"}]
+    assert saved and saved[0]["collect"]["rng"]  # the child chain's state and its replica's collect state
     second = entry.main(cfg, exp_name="async", max_env_step=512, resume=True, async_mode=True, progress=False)
     assert second.env_step >= 512 and second.train_iter > first.train_iter

@@ -135,12 +135,16 @@ def node_record() -> Dict[str, Any]:
 
 class NodeTable:
     """Gathers every node's :func:`node_record` and keeps them in the JSON file ``path`` (rewritten atomically
-    as nodes join), beginning with this node's own. The other nodes call :meth:`announce`."""
+    as nodes join), beginning with this node's own. The other nodes call :meth:`announce`. ``keep``: start
+    from the rows already in the file (a restarted node keeps those of the peers that announced to its
+    previous life)."""
 
-    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None:
+    def __init__(self, path: Union[str, "os.PathLike[str]"], keep: bool = False) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._rows: Dict[int, Dict[str, Any]] = {}
+        if keep and self.path.is_file():
+            self._rows = {int(row["node_id"]): row for row in json.loads(self.path.read_text())}
         router = task.router
         if router is not None and getattr(router, "is_active", True):
             router.on(NODES_TOPIC, self._add)

@@ -169,7 +169,7 @@ class WorkerRouter:
         self._left_callbacks: List[Callable[[str], Any]] = []
         if router is not None:  # before any dial, so the first hello already lists the topic
             router.on(FINISHED_TOPIC, self._peer_finished)
-            router.on_peer_lost(self._peer_finished)
+            router.on_peer_lost(self._peer_left)
 
     @property
     def is_active(self) -> bool:
@@ -212,6 +212,10 @@ class WorkerRouter:
     def _peer_finished(self, node: Any) -> None:
         with self._finished_changed:
             self._finished.add(str(node))
+        self._peer_left(node)
+
+    def _peer_left(self, node: Any) -> None:
+        with self._finished_changed:
             self._finished_changed.notify_all()
         for fn in list(self._left_callbacks):
             try:
@@ -220,12 +224,14 @@ class WorkerRouter:
                 log.exception("worker %s: an on_peer_lost callback raised", self.node_id)
 
     def _finish(self) -> None:
-        """Tell the peers this worker's main returned; wait until each of them has said so or is gone."""
+        """Tell the peers this worker's main returned; wait until each of them has said so or is gone (one lost
+        and restarted by ``auto_recover`` is live again: it is waited for)."""
         if self._router is None:
             return
         self._router.publish(FINISHED_TOPIC, self._router.node_id)
         with self._finished_changed:
-            self._finished_changed.wait_for(lambda: set(self._neighbours) <= self._finished)
+            self._finished_changed.wait_for(lambda: all(
+                node in self._finished or node not in self._router.peers() for node in self._neighbours))
 
     def close(self) -> None:
         if self._router is not None:
