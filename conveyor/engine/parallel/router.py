@@ -103,7 +103,7 @@ class _Link:
         self.connected = False
         self.unproven_since = 0.0  # connected since then with no proven peer behind it (0: not so)
         self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
-        self.dropped = False  # its connection closed since the control thread last looked
+        self.dropped_at = 0.0  # when its connection closed, until the control thread judged it (0: not so)
         self.learned = False  # dialed back after a peer's hello, not asked for with connect()
         self.for_hello = False  # dialed for a hello only, not yet for a proven peer: closed when it expires
         self.warned = False  # told that nothing authentic came back from it
@@ -252,7 +252,7 @@ class Router:
 
         def removed(pipe: Any) -> None:
             with self._lock:
-                link.dropped = True
+                link.dropped_at = time.monotonic()
                 link.connected = link.hello_sent = False
                 link.peer_inc = None  # whoever answers the reconnect proves itself afresh (it may have restarted)
             self._wake.set()  # the control thread loses its peer (nng's thread must not run the callbacks)
@@ -374,9 +374,10 @@ class Router:
         try:
             link.sock.send(pynng.ffi.from_buffer(message), block=block)  # nng copies it: no bytes() of our own
         except pynng.Timeout:
-            self._count("send_timeouts")
-            self._log.log(f"send-timeout {link.url}", "router %s: a send to %s timed out after %ss; message dropped",
-                          self.node_id, link.url, self.send_timeout_s)
+            if count:
+                self._count("send_timeouts")
+                self._log.log(f"send-timeout {link.url}", "router %s: a send to %s timed out after %ss; message "
+                              "dropped", self.node_id, link.url, self.send_timeout_s)
             return False
         except (pynng.TryAgain, pynng.Closed):
             return False
@@ -500,9 +501,12 @@ class Router:
                 return
             dead = [(p, f"silent for {self.peer_timeout_s}s") for p in self._peers.values()
                     if p.alive and now - p.last_seen > self.peer_timeout_s]
-            dropped = {url for url, link in self._links.items() if link.dropped}
+            # a connection that closed is a loss once a goodbye sent before it could have been read (it goes
+            # through the inbox, the closing is seen on the link): half a heartbeat later
+            dropped = {url for url, link in self._links.items()
+                       if link.dropped_at and now - link.dropped_at >= self.heartbeat_s / 2}
             for url in dropped:
-                self._links[url].dropped = False
+                self._links[url].dropped_at = 0.0
             dead += [(p, "its connection closed") for p in self._peers.values()
                      if p.alive and p.address in dropped and not self._links[p.address].connected]
         for peer, why in dead:
@@ -669,9 +673,10 @@ class Router:
                 return
             links = [link for link in self._links.values() if link.hello_sent and link.peer_inc is not None]
             seq = self._seq.get(CONTROL_TOPIC, -1) + 1
-        for link in links:
+        for link in links:  # waiting a little for room: a goodbye dropped on a full link reads as a loss there
+            link.sock.send_timeout = int(min(self.heartbeat_s, self.send_timeout_s) * 1000)
             self._send(link, pack(CONTROL_TOPIC, seq, self.node_id, _codec.encode({"kind": "bye"})), link.peer_inc,
-                       block=False, count=False)
+                       count=False)
         with self._lock:
             self._closing = self._closed = True
             links = list(self._links.values())

@@ -59,3 +59,11 @@ def rss_bytes():
     """This process's resident memory now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+def eventually(check, what):
+    """Wait (bounded) for ``check()`` to hold: for effects of nng's own threads, which signal nothing."""
+    deadline = time.monotonic() + WAIT
+    while not check():
+        assert time.monotonic() < deadline, f"not within {WAIT}s: {what}"
+        time.sleep(0.02)

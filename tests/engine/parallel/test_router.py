@@ -1,5 +1,6 @@
 """The router: topic delivery to subscribers only, authentication, sequence counting, membership, binding."""
 import errno
+import logging
 import os
 import queue
 import select
@@ -15,7 +16,7 @@ from conveyor.engine import Task
 from conveyor.engine.parallel import generate_secret
 from conveyor.engine.parallel.router import Router
 from tests.engine.parallel._groups import kill_group
-from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, raw_sender
+from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, eventually, raw_sender
 
 PEER_SCRIPT = Path(__file__).with_name("_router_peer.py")
 ROOT = Path(__file__).resolve().parents[3]
@@ -226,3 +227,16 @@ def test_a_node_restarted_at_the_same_address_is_heard_again_by_those_dialing_it
     collector.wait_for_subscribers("data", 1, WAIT)
     assert collector.publish("data", "to the new one") == 1
     assert got.get(timeout=WAIT) == "to the new one"
+
+
+def test_a_goodbye_is_not_logged_as_a_loss_even_when_the_closing_connection_is_seen_first(make_router, caplog):
+    caplog.set_level(logging.INFO, logger="conveyor.engine.parallel.router")
+    hub = make_router("hub")
+    for i in range(10):  # the bye and the closed connection race: each time the bye must win
+        leaving = make_router(f"leaving-{i}", peers=[hub.address])
+        hub.on("x", lambda payload: None)
+        leaving.wait_for_subscribers("x", 1, WAIT)
+        leaving.close()
+    eventually(lambda: hub.stats()["peers_lost"] == 10, "every leaving peer lost")
+    lost = [r for r in caplog.records if "router hub" in r.getMessage() and "lost" in r.getMessage()]
+    assert len(lost) == 10 and all(r.levelno == logging.INFO and "it closed" in r.getMessage() for r in lost)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from conveyor.engine.parallel import DecodeError, decode, encode, generate_secret, open_frame
 from conveyor.engine.parallel.frame import HELLO
-from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, raw_sender, rss_bytes, sp_connect, sp_length
+from tests.engine.parallel._wire import (FAST, SECRET, WAIT, as_peer, eventually, raw_sender, rss_bytes, sp_connect,
+                                        sp_length)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -32,14 +33,6 @@ def pair(make_router, **receiver_options):
     receiver.on("x", got.put)
     sender.wait_for_subscribers("x", 1, WAIT)
     return receiver, sender, got
-
-
-def eventually(check, what):
-    """Wait (bounded) for ``check()`` to hold: for effects of nng's own threads, which signal nothing."""
-    deadline = time.monotonic() + WAIT
-    while not check():
-        assert time.monotonic() < deadline, f"not within {WAIT}s: {what}"
-        time.sleep(0.02)
 
 
 def still_receives(sender, got, value="still here"):
