@@ -42,7 +42,7 @@ from conveyor.engine.parallel import codec
 from conveyor.engine.parallel.cluster import NodeTable
 from conveyor.envs import make_env_manager
 from conveyor.middleware import EVAL_EVENT, ContextExchanger, ModelExchanger
-from conveyor.middleware.exchanger import Rejections, check_fields
+from conveyor.middleware.messages import Rejections, check_fields
 from conveyor.policy.base import Snapshot
 from conveyor.schema import ConfigError
 from conveyor.zoo._online import (LATEST, NODES_FILE, Collection, check_layout, experiment_dir, run_directory,

@@ -68,7 +68,7 @@ class Inbox:
         self.max_backlog_bytes = max_backlog_bytes
         self._lock = threading.Lock()
         self._has_room = threading.Condition(self._lock)
-        self._backlog: Deque[Tuple[Any, Frame, List[Callable[[Any], Any]]]] = collections.deque()
+        self._backlog: Deque[Tuple[Any, Frame, List[Callable[[Any], Any]], int]] = collections.deque()
         self._backlog_bytes = 0
         self.stalled = False
         self._closing = False
@@ -176,7 +176,7 @@ class Inbox:
                 self.stalled = stalled = True  # handlers are behind: wait for room, judging no peer meanwhile
                 self._has_room.wait(self._router.heartbeat_s)
             self.stalled = False
-            self._backlog.append((msg, frame, handlers))
+            self._backlog.append((msg, frame, handlers, size))
             self._backlog_bytes += size
             self._has_room.notify_all()
         if stalled:
@@ -192,7 +192,7 @@ class Inbox:
                     self._has_room.wait()
                 if self._closing:
                     return
-                msg, frame, handlers = self._backlog[0]
+                msg, frame, handlers, size = self._backlog[0]
             try:
                 payload = self._decode(frame.payload, copy=True)  # out of nng's message, which is then freed
             except Exception as e:
@@ -203,7 +203,7 @@ class Inbox:
             finally:
                 with self._lock:
                     self._backlog.popleft()
-                    self._backlog_bytes -= len(msg._buffer)
+                    self._backlog_bytes -= size
                     self._has_room.notify_all()
                 del msg, frame
             if payload is _UNDECODABLE:

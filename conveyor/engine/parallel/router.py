@@ -417,13 +417,10 @@ class Router:
                     return sorted(ready)
                 now = time.monotonic()
                 left = deadline - now
-                unanswered = sorted(url for url, link in self._links.items() if not link.learned
-                                    and link.unproven_since and now - link.unproven_since > self.auth_timeout_s)
+                unanswered = sorted(url for url, link in self._links.items()
+                                    if not link.learned and self._unanswered(link, now))
                 if unanswered:
-                    raise TimeoutError(f"router {self.node_id!r}: connected to {', '.join(unanswered)} for over "
-                                       f"{self.auth_timeout_s}s and nothing authentic came back: the node there uses "
-                                       f"another secret than this one (check --secret-file / $CONVEYOR_SECRET on "
-                                       f"both hosts), or is not a Conveyor node")
+                    raise TimeoutError(self._no_answer(", ".join(unanswered)))
                 if left <= 0 or self._closing:
                     break
                 self._changed.wait(min(left, self.heartbeat_s))
@@ -434,6 +431,15 @@ class Router:
                            f"(ready: {sorted(ready)}; heard but not yet knowing us: {heard}; dialed, nothing "
                            f"authentic heard from: {silent}; failed authentication: {failed}); check that those "
                            f"nodes run, use the same secret, and are given this node's address {self.address}")
+
+    def _unanswered(self, link: _Link, now: float) -> bool:
+        """Whether ``link`` has been connected for over ``auth_timeout_s`` with nothing authentic back."""
+        return bool(link.unproven_since) and now - link.unproven_since > self.auth_timeout_s
+
+    def _no_answer(self, urls: str) -> str:
+        return (f"router {self.node_id!r}: connected to {urls} for over {self.auth_timeout_s}s and nothing authentic "
+                f"came back: the node there uses another secret than this one (check --secret-file / "
+                f"$CONVEYOR_SECRET on both hosts), or is not a Conveyor node")
 
     def _state(self) -> bytearray:
         with self._lock:
@@ -474,11 +480,9 @@ class Router:
                 if link.for_hello and url not in wanted:
                     stale.append(self._links.pop(url))  # dialed back for a hello never proven fresh
                     continue
-                if link.unproven_since and not link.warned and now - link.unproven_since > self.auth_timeout_s:
+                if not link.warned and self._unanswered(link, now):
                     link.warned = True
-                    log.warning("router %s: connected to %s %.0fs ago but nothing authentic came back: the node "
-                                "there uses another secret than this one (check --secret-file / $CONVEYOR_SECRET "
-                                "on both hosts), or is not a Conveyor node", self.node_id, url, self.auth_timeout_s)
+                    log.warning("%s", self._no_answer(url))
                 if not link.connected:
                     continue
                 incs = [inc for (_, inc), (address, _) in self._candidates.items()

@@ -1,0 +1,90 @@
+"""Messages from peers checked before use: what a handler drops (:class:`BadMessage`), how drops are counted
+and logged (:class:`Rejections`), and the checks the exchangers and the zoo's handlers share: a dict with the
+expected fields (:func:`check_fields`) and the layout two values must share to be used alike (:func:`layout`)."""
+from __future__ import annotations
+
+import logging
+import reprlib
+import threading
+from typing import Any, Callable, Dict, Optional, Set
+
+from conveyor.engine.parallel.guard import RateLimitedLog
+
+__all__ = ["BadMessage", "Rejections", "check_fields", "layout"]
+
+log = logging.getLogger("conveyor.middleware.exchanger")  # where these drops were always logged
+
+
+class BadMessage(ValueError):
+    """A peer's message that decoded but is not what its topic carries; its handler drops it."""
+
+
+class Rejections:
+    """The messages a node's handlers dropped as :class:`BadMessage`: counted, and logged at most once a
+    minute per topic (a peer may send many)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.count = 0
+        self._log = RateLimitedLog(log)
+        self._lock = threading.Lock()
+
+    def __call__(self, fn: Callable[[Any], None], topic: str) -> Callable[[Any], None]:
+        """``fn`` as a handler of ``topic`` that drops, counts and logs the payloads it raises BadMessage for."""
+        def handle(payload: Any) -> None:
+            try:
+                fn(payload)
+            except BadMessage as e:
+                self.reject(topic, str(e))
+        return handle
+
+    def reject(self, topic: str, why: str) -> None:
+        """Count one dropped message on ``topic``; log it unless that topic was logged within the last minute."""
+        with self._lock:
+            self.count += 1
+            count = self.count
+        self._log.log(topic, "%s: dropped a message on %r: %s (%d rejected so far)", self.owner, topic, why, count)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def check_fields(payload: Any, **checks: Callable[[Any], bool]) -> Dict[str, Any]:
+    """``payload`` if it is a dict holding every key of ``checks`` with a value its check accepts; else
+    :class:`BadMessage` naming the first that fails. ``int`` checks a count (an int in ``[0, 2**63)``)."""
+    if not isinstance(payload, dict):
+        raise BadMessage(f"a {type(payload).__name__}, not a dict")
+    for key, check in checks.items():
+        if key not in payload:
+            raise BadMessage(f"no {key!r} key")
+        if not (_count if check is int else check)(payload[key]):
+            raise BadMessage(f"{key!r} cannot be {reprlib.repr(payload[key])}")
+    return payload
+
+
+def layout(value: Any, rows: Optional[Set[int]] = None) -> Any:
+    """What two values must share to be used alike: their structure (keys, lengths, types) and each array's
+    dtype and shape. With ``rows`` (a set), arrays are batches: their first dim is left out of the layout and
+    added to ``rows`` (a batch whose arrays disagree on it gets 2 or more); a scalar array is a BadMessage.
+    Objects with ``__slots__`` (the codec's registered types, such as FrozenNormaliser) by their slots."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        shape = tuple(value.shape)
+        if rows is not None:
+            if not shape:
+                raise BadMessage("a batch holds a scalar array")
+            rows.add(shape[0])
+            shape = shape[1:]
+        return str(value.dtype), shape
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(layout(v, rows) for v in value)
+    items = getattr(value, "items", None)
+    if callable(items):  # a dict or a treetensor tree
+        return type(value).__name__, tuple(sorted((str(k), layout(v, rows)) for k, v in items()))
+    slots = getattr(type(value), "__slots__", None)
+    if slots:  # a registered codec type (FrozenNormaliser)
+        return type(value).__name__, tuple(layout(getattr(value, name, None), rows) for name in slots)
+    return type(value).__name__
