@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 
 from conveyor.config import ConfigError, apply_overrides
 from conveyor.zoo import load_entry
-from conveyor.zoo._distributed import train_distributed
+from conveyor.zoo.run import train_distributed
 
 
 def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int,

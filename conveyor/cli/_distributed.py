@@ -39,15 +39,15 @@ def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
     if not requested(args):
         return contextlib.nullcontext()
     from conveyor.engine.parallel.runner import zygote_ahead
-    return zygote_ahead(["conveyor.zoo._distributed"])
+    return zygote_ahead(["conveyor.zoo.run"])
 
 
 def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
-    """Run ``args.entry`` distributed (with ``cfg``, the entry's config after ``--config`` / ``--set``, if given); returns its :class:`~conveyor.zoo._distributed.DistributedRun`. A launch
+    """Run ``args.entry`` distributed (with ``cfg``, the entry's config after ``--config`` / ``--set``, if given); returns its :class:`~conveyor.zoo.run.DistributedRun`. A launch
     that cannot start (an address, a secret, a flag) is a ``ConfigError`` with its one-line reason."""
     from conveyor.engine.parallel.runner import RemoteTraceback
     from conveyor.schema import ConfigError
-    from conveyor.zoo._distributed import train_distributed
+    from conveyor.zoo.run import train_distributed
 
     if args.collectors is None:
         raise ConfigError(f"--evaluators {args.evaluators} needs --collectors N (a distributed run's collectors)")

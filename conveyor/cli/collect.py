@@ -144,7 +144,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: int, *, dataset_id: st
     from conveyor.envs import make_env_manager
     from conveyor.middleware import EpisodeCollector, episode_recorder, load_checkpoint, restore
     from conveyor.zoo import load_entry
-    from conveyor.zoo._online import seed_everything
+    from conveyor.zoo.run import seed_everything
 
     if not isinstance(episodes, int) or episodes <= 0:
         raise CollectError(f"--episodes must be an int > 0, got {episodes!r}")

@@ -85,7 +85,7 @@ def _train(args: argparse.Namespace) -> int:
     from conveyor.middleware import EvaluationError
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
-    from conveyor.zoo._online import RunDirError, TrainingInterrupted, run_directory
+    from conveyor.zoo.run import RunDirError, TrainingInterrupted, run_directory
 
     try:
         entry = load_entry(args.entry)
@@ -189,7 +189,7 @@ def _position(ctx: Any) -> str:
 
 def _used_config(run_dir: Path, cfg: Optional[Any], entry: ModuleType) -> Any:
     """The config the run used: its saved one, else the one it was given."""
-    from conveyor.zoo._online import RunDirError, read_run_config
+    from conveyor.zoo.run import RunDirError, read_run_config
     try:
         return read_run_config(run_dir)["config"]
     except (FileNotFoundError, RunDirError):

@@ -28,7 +28,7 @@ def entries() -> List[str]:
     root = Path(__file__).parent
     found = []
     for env in pkgutil.iter_modules([str(root)]):
-        if env.ispkg:
+        if env.ispkg and env.name != "run":  # conveyor.zoo.run is what entries share, not an env
             for algo in pkgutil.iter_modules([str(root / env.name)]):
                 if not algo.ispkg and not algo.name.startswith("_"):
                     found.append(f"{env.name}/{algo.name}")

@@ -3,22 +3,19 @@ once it has collected ``DIE_AT_ENV_STEP`` env steps; restarted, it collects norm
 import os
 import signal
 
-import conveyor.zoo._off_policy as off_policy
 from conveyor.engine import task
+from conveyor.middleware import StepCollector
 from conveyor.zoo.cartpole.dqn import main, main_config  # noqa: F401  (what an entry file defines)
 
 DIE_AT_ENV_STEP = 64
-_collection = off_policy.off_policy_collection
+_collect = StepCollector.__call__
 
 
-def _dies_once(ctx) -> None:
+def _dies_once(self, ctx) -> None:
     if task.router.node_id == 1 and task.router.restarts == 0 and ctx.env_step >= DIE_AT_ENV_STEP:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _collection_that_dies(cfg, policy, env):
-    return [*_collection(cfg, policy, env), _dies_once]
+    return _collect(self, ctx)
 
 
 if task.router is not None:  # only in the run's worker processes, never in the launcher (the test's process)
-    off_policy.off_policy_collection = _collection_that_dies
+    StepCollector.__call__ = _dies_once

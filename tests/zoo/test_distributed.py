@@ -16,7 +16,7 @@ from conveyor.engine import Role
 from conveyor.engine.parallel.router import Router
 from conveyor.middleware import ContextExchanger, load_checkpoint
 from conveyor.schema import ConfigError
-from conveyor.zoo._distributed import Layout, train_distributed
+from conveyor.zoo.run import Layout, train_distributed
 from tests.cli_helpers import TINY, assert_usage_error
 from tests.test_cli_task import free_ports
 
@@ -239,7 +239,7 @@ LEARNER_DIES = Path(__file__).with_name("_learner_dies_entry.py")
 
 def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp):
     from conveyor.engine.parallel.runner import WorkerError
-    from conveyor.zoo._distributed import EXCHANGE_TIMEOUT_S
+    from conveyor.zoo.run import EXCHANGE_TIMEOUT_S
     started = time.monotonic()
     with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:
         train_distributed(str(LEARNER_DIES), collectors=2, evaluators=1, exp_name="nolearner", max_env_step=2000,
@@ -361,7 +361,7 @@ def test_a_normal_end_logs_no_lost_peer(in_tmp):
 
 def test_a_collectors_clock_drops_and_counts_wrong_progress_from_a_peer_with_the_secret(peer_with_the_secret):
     from conveyor.engine import OnlineRLContext, task
-    from conveyor.zoo._distributed import PROGRESS_TOPIC, LearnerClock
+    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
     mine, peer = peer_with_the_secret
     good = {"node": "9", "train_iter": 3, "env_step": 7, "stop": False}
     wrong = [[1, 2], "stop", {"node": "9"}, {**good, "stop": "yes"}, {**good, "env_step": -7}, {**good, "node": 9}]
@@ -386,7 +386,7 @@ def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_sec
 
     from conveyor.engine import OnlineRLContext, task
     from conveyor.middleware import EVAL_EVENT
-    from conveyor.zoo._distributed import RemoteEvaluations
+    from conveyor.zoo.run import RemoteEvaluations
     mine, peer = peer_with_the_secret
     wrong = [[[1]], [{"train_iter": 2}], [{"mean": "high", "train_iter": 2}], [{"mean": 5.0, "train_iter": -1}]]
     with task.start(ctx=OnlineRLContext()):

@@ -18,7 +18,7 @@ from easydict import EasyDict
 
 from conveyor.engine import OfflineRLContext
 from conveyor.policy import DiscreteCQLPolicy
-from conveyor.zoo._offline import train_offline
+from conveyor.zoo.cartpole import bc
 from conveyor.zoo.cartpole.bc import BUILD_DATASET
 
 main_config = EasyDict(dict(
@@ -36,11 +36,6 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in DiscreteCQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OfflineRLContext:
-    """Train discrete CQL on the CartPole dataset; returns the final context (``train_iter``, ``train_epoch``,
-    ``last_eval_value``). ``max_env_step`` is refused: offline runs are bounded by ``max_train_iter``."""
-    return train_offline(main_config, DiscreteCQLPolicy, cfg, build_dataset=BUILD_DATASET, seed=seed,
-                         exp_name=exp_name, max_env_step=max_env_step, max_train_iter=max_train_iter, resume=resume,
-                         async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
+    """Train discrete CQL on the CartPole dataset with the pipeline of cartpole/bc; returns the final context."""
+    return bc.main(cfg, defaults=main_config, policy_cls=DiscreteCQLPolicy, build_dataset=BUILD_DATASET, **options)

@@ -1,6 +1,6 @@
 """DQN on CartPole-v1: double DQN with a dueling head and 3-step returns.
 
-    conveyor train cartpole/dqn [--seed N] [--exp-name NAME] [--max-env-step N] [--resume]
+    conveyor train cartpole/dqn [--seed N] [--exp-name NAME] [--max-env-step N] [--resume] [--async]
 """
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OnlineRLContext
+from conveyor.engine import OnlineRLContext, task
+from conveyor.middleware import (OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler,
+                                 interaction_evaluator, nstep_reward_enhancer)
 from conveyor.policy import DQNPolicy
-from conveyor.zoo._off_policy import train_off_policy
+from conveyor.zoo.run import Run
 
 main_config = EasyDict(dict(
     exp_name="cartpole_dqn",
@@ -44,14 +46,17 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in DQNPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
-    """Train DQN on CartPole; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``).
-
-    The pipeline: evaluator, eps-greedy handler, StepCollector, n-step enhancer, data pusher,
-    OffPolicyLearner, CkptSaver, TensorBoard logger (see conveyor/zoo/_off_policy.py).
-    """
-    return train_off_policy(main_config, DQNPolicy, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step,
-                            resume=resume, async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval,
-                            max_train_iter=max_train_iter)
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
+    """Train DQN on CartPole; returns the final context. ``options``: those of
+    :class:`~conveyor.zoo.run.Run` (``seed``, ``exp_name``, ``max_env_step``, ``resume``, ``async_mode``...)."""
+    with Run(main, main_config, DQNPolicy, cfg, **options) as run:
+        cfg, policy = run.cfg, run.policy
+        buffer = run.buffer()
+        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
+        task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
+        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
+        if cfg.policy.nstep > 1:
+            task.use(nstep_reward_enhancer(cfg), role=task.role.COLLECTOR)
+        task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
+        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
+        return run.train()

@@ -8,19 +8,15 @@ from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OnlineRLContext
-from conveyor.zoo._ppo import train_ppo
+from conveyor.engine import OnlineRLContext, task
+from conveyor.middleware import StepCollector, gae_estimator, interaction_evaluator, multistep_trainer
+from conveyor.policy import PPOPolicy
+from conveyor.zoo.run import Run
 
 main_config = EasyDict(dict(
     exp_name="cartpole_ppo",
     seed=0,
-    env=dict(
-        env_id="CartPole-v1",
-        collector_env_num=8,
-        evaluator_env_num=10,
-        n_evaluator_episode=10,
-        stop_value=475.0,
-    ),
+    env=dict(env_id="CartPole-v1", collector_env_num=8, evaluator_env_num=10, n_evaluator_episode=10, stop_value=475.0),
     policy=dict(
         discount_factor=0.98,
         gae_lambda=0.8,
@@ -34,10 +30,15 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
-    """Train PPO on CartPole; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``)."""
-    return train_ppo(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
-                     async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval,
-                     max_train_iter=max_train_iter)
+def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
+         **options: Any) -> OnlineRLContext:
+    """Train PPO on CartPole (the other PPO entries train this pipeline on their ``defaults``); returns the final
+    context. ``options``: :class:`~conveyor.zoo.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    defaults = main_config if defaults is None else defaults
+    with Run(main, defaults, PPOPolicy, cfg, **options) as run:
+        cfg, policy = run.cfg, run.policy
+        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
+        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
+        task.use(gae_estimator(cfg, policy.collect_mode), role=task.role.COLLECTOR)  # by the version that acted
+        task.use(multistep_trainer(cfg, policy.learn_mode), role=task.role.LEARNER)  # locks against checkpoints
+        return run.train()

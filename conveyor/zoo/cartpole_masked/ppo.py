@@ -11,19 +11,13 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo._ppo import train_ppo
+from conveyor.zoo.cartpole import ppo
 from conveyor.zoo.cartpole_masked import ENV_ID
 
 main_config = EasyDict(dict(
     exp_name="cartpole_masked_ppo",
     seed=0,
-    env=dict(
-        env_id=ENV_ID,
-        collector_env_num=8,
-        evaluator_env_num=10,
-        n_evaluator_episode=10,
-        stop_value=475.0,
-    ),
+    env=dict(env_id=ENV_ID, collector_env_num=8, evaluator_env_num=10, n_evaluator_episode=10, stop_value=475.0),
     policy=dict(
         discount_factor=0.98,
         gae_lambda=0.8,
@@ -37,10 +31,6 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
-    """Train feed-forward PPO on masked CartPole; returns the final context."""
-    return train_ppo(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
-                     async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval,
-                     max_train_iter=max_train_iter)
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
+    """Train feed-forward PPO on masked CartPole with the pipeline of cartpole/ppo; returns the final context."""
+    return ppo.main(cfg, defaults=main_config, **options)

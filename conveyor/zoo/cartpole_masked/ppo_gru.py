@@ -8,39 +8,19 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from easydict import EasyDict
-
+from conveyor.config import merge_config
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo._ppo import train_ppo
-from conveyor.zoo.cartpole_masked import ENV_ID
+from conveyor.zoo.cartpole import ppo as pipeline
+from conveyor.zoo.cartpole_masked import ppo
 
-main_config = EasyDict(dict(
+main_config = merge_config(ppo.main_config, dict(
     exp_name="cartpole_masked_ppo_gru",
-    seed=0,
-    env=dict(
-        env_id=ENV_ID,
-        collector_env_num=8,
-        evaluator_env_num=10,
-        n_evaluator_episode=10,
-        stop_value=475.0,
-    ),
-    policy=dict(
-        discount_factor=0.98,
-        gae_lambda=0.8,
-        model=dict(hidden_sizes=[64], rnn="gru", rnn_hidden_size=64, obs_norm=True),
-        learn=dict(epoch_per_collect=20, batch_size=256, sequence_length=32, learning_rate=1e-3,
-                   lr_anneal_steps=102_400, clip_ratio=0.2, entropy_coef=0.0, value_coef=1.0, grad_clip=0.5),
-        collect=dict(n_sample=256),
-        eval=dict(evaluator=dict(eval_freq=200)),
-    ),
+    policy=dict(model=dict(hidden_sizes=[64], rnn="gru", rnn_hidden_size=64), learn=dict(sequence_length=32)),
 ))
-"""The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
+"""cartpole_masked/ppo's config with a GRU core trained on sequences of 32 steps; every key is documented in
+PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
-    """Train recurrent PPO on masked CartPole; returns the final context."""
-    return train_ppo(main_config, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step, resume=resume,
-                     async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval,
-                     max_train_iter=max_train_iter)
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
+    """Train recurrent PPO on masked CartPole with the pipeline of cartpole/ppo; returns the final context."""
+    return pipeline.main(cfg, defaults=main_config, **options)

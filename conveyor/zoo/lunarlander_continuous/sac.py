@@ -12,19 +12,13 @@ from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
 from conveyor.schema import ConfigError
-from conveyor.policy import SACPolicy
-from conveyor.zoo._off_policy import train_off_policy
+from conveyor.zoo.pendulum import sac
 
 main_config = EasyDict(dict(
     exp_name="lunarlander_continuous_sac",
     seed=0,
-    env=dict(
-        env_id="LunarLanderContinuous-v3",
-        collector_env_num=4,
-        evaluator_env_num=5,
-        n_evaluator_episode=10,
-        stop_value=200.0,
-    ),
+    env=dict(env_id="LunarLanderContinuous-v3", collector_env_num=4, evaluator_env_num=5, n_evaluator_episode=10,
+             stop_value=200.0),
     policy=dict(
         discount_factor=0.99,
         nstep=3,
@@ -39,15 +33,10 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in SACPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
-    """Train SAC on LunarLanderContinuous; returns the final context (``env_step``, ``train_iter``,
-    ``last_eval_value``)."""
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
+    """Train SAC on LunarLanderContinuous with the pipeline of pendulum/sac; returns the final context."""
     _require_box2d()
-    return train_off_policy(main_config, SACPolicy, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step,
-                            resume=resume, async_mode=async_mode, progress=progress, ckpt_freq=5000,
-                            ckpt_interval=ckpt_interval, max_train_iter=max_train_iter)
+    return sac.main(cfg, defaults=main_config, **options)
 
 
 def _require_box2d() -> None:

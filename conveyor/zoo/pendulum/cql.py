@@ -19,7 +19,7 @@ from easydict import EasyDict
 
 from conveyor.engine import OfflineRLContext
 from conveyor.policy import CQLPolicy
-from conveyor.zoo._offline import train_offline
+from conveyor.zoo.cartpole import bc
 
 BUILD_DATASET = ("conveyor train pendulum/sac --exp-name pendulum_medium --max-env-step 3000 && conveyor collect "
                  "pendulum/sac --ckpt runs/pendulum_medium/ckpt/final.pth.tar --episodes 100 "
@@ -43,11 +43,6 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in CQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OfflineRLContext:
-    """Train continuous CQL on the Pendulum dataset; returns the final context (``train_iter``, ``train_epoch``,
-    ``last_eval_value``). ``max_env_step`` is refused: offline runs are bounded by ``max_train_iter``."""
-    return train_offline(main_config, CQLPolicy, cfg, build_dataset=BUILD_DATASET, seed=seed, exp_name=exp_name,
-                         max_env_step=max_env_step, max_train_iter=max_train_iter, resume=resume,
-                         async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
+    """Train continuous CQL on the Pendulum dataset with the pipeline of cartpole/bc; returns the final context."""
+    return bc.main(cfg, defaults=main_config, policy_cls=CQLPolicy, build_dataset=BUILD_DATASET, **options)

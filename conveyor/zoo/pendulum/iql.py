@@ -15,7 +15,7 @@ from easydict import EasyDict
 
 from conveyor.engine import OfflineRLContext
 from conveyor.policy import IQLPolicy
-from conveyor.zoo._offline import train_offline
+from conveyor.zoo.cartpole import bc
 from conveyor.zoo.pendulum.cql import BUILD_DATASET
 
 main_config = EasyDict(dict(
@@ -34,11 +34,6 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in IQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OfflineRLContext:
-    """Train IQL on the Pendulum dataset; returns the final context (``train_iter``, ``train_epoch``,
-    ``last_eval_value``). ``max_env_step`` is refused: offline runs are bounded by ``max_train_iter``."""
-    return train_offline(main_config, IQLPolicy, cfg, build_dataset=BUILD_DATASET, seed=seed, exp_name=exp_name,
-                         max_env_step=max_env_step, max_train_iter=max_train_iter, resume=resume,
-                         async_mode=async_mode, progress=progress, ckpt_interval=ckpt_interval)
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
+    """Train IQL on the Pendulum dataset with the pipeline of cartpole/bc; returns the final context."""
+    return bc.main(cfg, defaults=main_config, policy_cls=IQLPolicy, build_dataset=BUILD_DATASET, **options)

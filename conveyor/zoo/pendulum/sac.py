@@ -8,20 +8,16 @@ from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OnlineRLContext
+from conveyor.engine import OnlineRLContext, task
+from conveyor.middleware import (OffPolicyLearner, StepCollector, data_pusher, interaction_evaluator,
+                                 nstep_reward_enhancer)
 from conveyor.policy import SACPolicy
-from conveyor.zoo._off_policy import train_off_policy
+from conveyor.zoo.run import Run
 
 main_config = EasyDict(dict(
     exp_name="pendulum_sac",
     seed=0,
-    env=dict(
-        env_id="Pendulum-v1",
-        collector_env_num=4,
-        evaluator_env_num=5,
-        n_evaluator_episode=10,
-        stop_value=-200.0,
-    ),
+    env=dict(env_id="Pendulum-v1", collector_env_num=4, evaluator_env_num=5, n_evaluator_episode=10, stop_value=-200.0),
     policy=dict(
         discount_factor=0.99,
         model=dict(hidden_sizes=[128, 128]),
@@ -35,10 +31,19 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in SACPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, seed: Optional[int] = None, exp_name: Optional[str] = None,
-         max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
-         async_mode: bool = False, progress: bool = True, ckpt_interval: Optional[float] = None) -> OnlineRLContext:
-    """Train SAC on Pendulum; returns the final context (``env_step``, ``train_iter``, ``last_eval_value``)."""
-    return train_off_policy(main_config, SACPolicy, cfg, seed=seed, exp_name=exp_name, max_env_step=max_env_step,
-                            resume=resume, async_mode=async_mode, progress=progress, ckpt_freq=5000,
-                            ckpt_interval=ckpt_interval, max_train_iter=max_train_iter)
+def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
+         **options: Any) -> OnlineRLContext:
+    """Train SAC on Pendulum (lunarlander_continuous/sac trains this pipeline on its ``defaults``); returns the
+    final context. ``options``: :class:`~conveyor.zoo.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``...)."""
+    defaults = main_config if defaults is None else defaults
+    with Run(main, defaults, SACPolicy, cfg, ckpt_freq=5000, **options) as run:
+        cfg, policy = run.cfg, run.policy
+        buffer = run.buffer()
+        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
+        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector"),
+                               random_collect_size=cfg.policy.collect.random_collect_size), role=task.role.COLLECTOR)
+        if cfg.policy.nstep > 1:
+            task.use(nstep_reward_enhancer(cfg), role=task.role.COLLECTOR)
+        task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
+        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
+        return run.train()

@@ -1,0 +1,224 @@
+"""Distributed runs: one learner, N collectors and M evaluators as separate processes (``Parallel.runner``).
+
+    conveyor train cartpole/dqn --collectors 2 --evaluators 1
+
+Every node runs the entry's own ``main()``. :func:`train_distributed` starts the nodes; each gets its role
+from its node id (0 the learner, 1..N collectors, then the evaluators) before it calls ``main()``, whose
+:class:`~conveyor.zoo.run.Run` then builds this node's part of the pipeline: ``task.use(..., role=...)`` drops
+the middleware of the other roles, and ``run.env(kind)`` starts only the envs this node uses.
+
+- all: :class:`~conveyor.zoo.run.clock.LearnerClock`, ``ModelExchanger``, ``ContextExchanger`` first
+  (:func:`use_node_links`), then the entry's middleware of the node's role.
+- learner: trains on what the collectors send; owns the checkpoints (saver, logger, progress bar,
+  ``--resume``), ``runs/<exp>/nodes.json`` (every node's id, roles, pid, host and address) and the end of the
+  run (its budget, or an evaluation at the stop value), which it tells the others.
+- collector: its share of the collection (``collector_env_num`` and ``n_sample`` divided by N, rounded up,
+  so the collectors together bring per learner iteration what one process would collect), seed + node id.
+  A collector runs at most ``COLLECTOR_LEAD`` iterations per learner iteration (collection overlaps
+  training without taking the learner's CPU); on-policy entries (no replay buffer) collect each batch on
+  the newest weights (``max_staleness=0``).
+- evaluator: waits until the learner's counters move, then evaluates as the entry does (on the learner's
+  ``env_step`` and ``train_iter``, and the first evaluator with the run's seed, so on the episodes one
+  process evaluates on); its results reach the learner, whose saver writes ``eval_best`` with the
+  weights that were evaluated.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from easydict import EasyDict
+
+from conveyor.engine import Role, task
+from conveyor.engine.parallel.cluster import NodeTable
+from conveyor.middleware import ContextExchanger, ModelExchanger
+from conveyor.schema import ConfigError
+from conveyor.zoo.run.clock import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
+from conveyor.zoo.run.directory import NODES_FILE, check_layout, run_directory
+
+__all__ = ["DistributedRun", "Layout", "Node", "collector_share", "current_node", "is_offline", "train_distributed",
+           "use_node_links"]
+
+
+def is_offline(config: Mapping[str, Any]) -> bool:
+    """Whether an entry with ``config`` (its ``main_config``) trains from a dataset (``policy.other.dataset``)."""
+    return "dataset" in (config or {}).get("policy", {}).get("other", {})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which node does what: node 0 learns, nodes ``1..collectors`` collect, the next ``evaluators`` evaluate."""
+
+    collectors: int
+    evaluators: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value, least in (("collectors", self.collectors, 1), ("evaluators", self.evaluators, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"--{name} {value!r}: must be an int >= {least}")
+
+    @property
+    def n_nodes(self) -> int:
+        """Learner, collectors and evaluators together."""
+        return 1 + self.collectors + self.evaluators
+
+    def role(self, node_id: int) -> Role:
+        """The role of node ``node_id``."""
+        if not isinstance(node_id, int) or not 0 <= node_id < self.n_nodes:
+            raise ConfigError(f"node id {node_id!r}: this run has nodes 0..{self.n_nodes - 1} (0 the learner, "
+                              f"1..{self.collectors} collectors, then {self.evaluators} evaluators)")
+        if node_id == 0:
+            return Role.LEARNER
+        return Role.COLLECTOR if node_id <= self.collectors else Role.EVALUATOR
+
+    def seed_offset(self, node_id: int) -> int:
+        """What node ``node_id`` adds to the run's seed: a collector its node id (each its own env stream), the
+        k-th evaluator k (the first evaluates on the episodes one process would), the learner 0."""
+        role = self.role(node_id)
+        return node_id if role is Role.COLLECTOR else node_id - 1 - self.collectors if role is Role.EVALUATOR else 0
+
+
+@dataclass
+class Node:
+    """This worker's part of a distributed run: its layout, whether a lost learner is restarted, and what the
+    node did (``ran``: its main() trained in a Run; ``collected`` env steps from ``first_step_at``)."""
+
+    layout: Layout
+    auto_recover: bool = False
+    ran: bool = False
+    collected: int = 0
+    first_step_at: Optional[float] = None
+
+
+_node: Optional[Node] = None
+
+
+@dataclass
+class DistributedRun:
+    """What :func:`train_distributed` returns: the learner's counters and last evaluation (when the learner
+    ran on another host: the newest the nodes here heard of), and a summary of every node started here
+    (``node_id``, ``role``, ``pid``, ``env_step``, ``train_iter``, ``last_eval_value``, ``collected``: env
+    steps a collector collected, ``first_step_at``: the ``time.time()`` of its first collected step)."""
+
+    env_step: Optional[int] = None
+    train_iter: Optional[int] = None
+    last_eval_value: Optional[float] = None
+    nodes: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: Optional[Mapping[str, Any]] = None,
+                      seed: Optional[int] = None, exp_name: Optional[str] = None, max_env_step: Optional[int] = None,
+                      max_train_iter: Optional[int] = None, resume: bool = False, progress: bool = True,
+                      ckpt_interval: Optional[float] = None, no_stop: bool = False,
+                      protocol: str = "ipc", address: Optional[str] = None,
+                      ports: Union[int, Sequence[int], None] = None,
+                      node_ids: Optional[Sequence[int]] = None, attach_to: Optional[Sequence[str]] = None,
+                      secret: Optional[bytes] = None, auto_recover: bool = False,
+                      max_retries: Optional[int] = None, ready_timeout_s: float = 60.0,
+                      grace_s: float = 30.0) -> DistributedRun:
+    """Train zoo ``entry`` with 1 learner, ``collectors`` collectors and ``evaluators`` evaluators, each its
+    own process; the other arguments are the entry ``main()``'s and ``Parallel.runner``'s.
+
+    ``node_ids``: the nodes to start here (default all); give each host its share and the others'
+    addresses (``attach_to``), with the same secret on every host, to spread one run over several.
+    ``grace_s``: how long a stopped launch (SIGTERM, Ctrl-C) lets its nodes finish their iteration, the
+    learner write its final checkpoint, before they are killed. ``auto_recover``: a node that dies is
+    started again (up to ``max_retries`` times); a collector or evaluator rejoins with the newest weights,
+    a learner resumes from the run's latest checkpoint (it writes one as it starts) while the others wait
+    for it (at most :data:`EXCHANGE_TIMEOUT_S`) and rejoin it.
+    """
+    from conveyor.engine import Parallel
+    from conveyor.zoo import load_entry
+
+    layout = Layout(collectors, evaluators)
+    ids = list(range(layout.n_nodes)) if node_ids is None else list(node_ids)
+    for node_id in ids:
+        layout.role(node_id)
+    loaded = load_entry(entry)  # an unknown name fails here, before any process starts
+    if is_offline(loaded.main_config):
+        raise ConfigError(f"{entry} trains offline from a dataset, with no collectors or evaluators to spread "
+                          f"over processes: drop --collectors/--evaluators")
+    if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
+        check_layout(run_directory(cfg if cfg is not None else loaded.main_config, exp_name), distributed=True)
+    options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
+               "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
+               "progress": progress,
+               "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop}
+    results = Parallel.runner(len(ids), topology="star", protocol=protocol, address=address, ports=ports,
+                              attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
+                              max_retries=max_retries, ready_timeout_s=ready_timeout_s,
+                              grace_s=grace_s)(_node_main, entry, layout, options)
+    nodes = [r for r in results if r is not None]
+    told = [n for n in nodes if n["role"] == Role.LEARNER.value] or nodes  # else: as the nodes here heard it
+    newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)
+    if newest is None:
+        return DistributedRun()
+    return DistributedRun(newest["env_step"], newest["train_iter"], newest["last_eval_value"], nodes)
+
+
+def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict[str, Any]:
+    """One worker: take the role of its node id and run the entry's ``main()``; a summary of what it did."""
+    global _node
+    from conveyor.zoo import load_entry
+
+    node_id = task.router.node_id
+    role = layout.role(node_id)
+    entry = load_entry(entry_name)
+    seed = options["seed"]
+    offset = layout.seed_offset(node_id)
+    if offset:
+        seed = (seed if seed is not None else (options["cfg"] or entry.main_config).get("seed", 0)) + offset
+    _node = node = Node(layout, options["auto_recover"])
+    restarted_learner = role is Role.LEARNER and task.router.restarts > 0  # auto_recover: go on where it died
+    task.add_role(role)  # kept through main()'s `with task.start()`, cleared when it exits
+    try:
+        ctx = entry.main(options["cfg"], seed=seed, exp_name=options["exp_name"], max_env_step=options["max_env_step"],
+                         max_train_iter=options["max_train_iter"], resume=options["resume"] or restarted_learner,
+                         progress=options["progress"] and role is Role.LEARNER,
+                         ckpt_interval=options["ckpt_interval"], **({"no_stop": True} if options["no_stop"] else {}))
+    finally:
+        _node = None
+    if not node.ran:
+        raise ConfigError(f"entry '{entry_name}' has no distributed mode: only online entries (those whose main() "
+                          f"trains in a conveyor.zoo.run.Run) split into learner, collectors and evaluators")
+    return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "restarts": task.router.restarts,
+            "env_step": int(ctx.env_step),
+            "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
+            "first_step_at": node.first_step_at}
+
+
+def current_node() -> "Node":
+    """This process's part of a distributed run (set while a node runs ``main()``; a 1-collector layout for a
+    process given roles by other means)."""
+    return _node if _node is not None else Node(Layout(1))
+
+
+def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool) -> LearnerClock:
+    """The first middleware of every node (inside ``task.start``): the learner writes ``nodes.json`` (the others
+    announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
+    entry) and ``ContextExchanger``. Returns the clock."""
+    node = current_node()
+    node.ran = True
+    if task.has_role(Role.LEARNER):
+        NodeTable(run_dir / NODES_FILE, keep=task.router.restarts > 0)
+    else:
+        NodeTable.announce(EXCHANGE_TIMEOUT_S)
+    rejoin_s = EXCHANGE_TIMEOUT_S if node.auto_recover else 0.0  # a lost learner is restarted: wait for it
+    clock = LearnerClock(lead=COLLECTOR_LEAD, timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s)
+    task.use(clock)
+    task.use(ModelExchanger(policy, max_staleness=0 if on_policy else None, timeout_s=EXCHANGE_TIMEOUT_S,
+                            rejoin_s=rejoin_s))
+    task.use(ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s))
+    return clock
+
+
+def collector_share(cfg: EasyDict, collectors: int) -> EasyDict:
+    """One collector's part: ``1 / collectors`` of the collector envs and of the transitions per call, rounded up."""
+    share = copy.deepcopy(cfg)
+    share.env.collector_env_num = math.ceil(cfg.env.collector_env_num / collectors)
+    share.policy.collect.n_sample = math.ceil(cfg.policy.collect.n_sample / collectors)
+    return share

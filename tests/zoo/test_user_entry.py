@@ -1,0 +1,100 @@
+"""A user's own entry file, outside the package and importing only public names, trains, resumes, runs in
+async mode and distributed, as a zoo entry does."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conveyor.middleware import load_checkpoint
+from conveyor.zoo import load_entry
+from conveyor.zoo.run import train_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ENTRY = '''
+"""DQN on CartPole, written by a user: the pipeline in full, each middleware with its role."""
+from easydict import EasyDict
+
+from conveyor import OnlineRLContext, task
+from conveyor.middleware import OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler, interaction_evaluator
+from conveyor.policy import DQNPolicy
+from conveyor.zoo.run import Run
+
+main_config = EasyDict(dict(
+    exp_name="mine",
+    env=dict(env_id="CartPole-v1", collector_env_num=2, evaluator_env_num=2, n_evaluator_episode=2),
+    policy=dict(model=dict(hidden_sizes=[8]), learn=dict(batch_size=16, update_per_collect=2),
+                collect=dict(n_sample=16), eval=dict(evaluator=dict(eval_freq=50)),
+                other=dict(replay_buffer=dict(size=500))),
+))
+
+
+def main(cfg=None, **options) -> OnlineRLContext:
+    with Run(main, main_config, DQNPolicy, cfg, **options) as run:
+        cfg, policy = run.cfg, run.policy
+        buffer = run.buffer()
+        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
+        task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
+        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
+        task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
+        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
+        return run.train()
+'''
+
+
+@pytest.fixture
+def entry_file(tmp_path, monkeypatch):
+    """The entry file in its own folder; the runs go to another (the working directory)."""
+    (tmp_path / "user").mkdir()
+    path = tmp_path / "user" / "my_dqn.py"
+    path.write_text(textwrap.dedent(ENTRY))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return path
+
+
+def private_imports(source: str):
+    return [line for line in source.splitlines() if line.startswith(("from", "import")) and "._" in line]
+
+
+def test_the_entry_imports_no_private_module(entry_file):
+    assert private_imports(entry_file.read_text()) == []
+
+
+def test_a_users_entry_trains_and_resumes(entry_file):
+    entry = load_entry(str(entry_file))
+    first = entry.main(max_env_step=64, progress=False)
+    second = entry.main(max_env_step=128, resume=True, progress=False)
+    assert first.env_step >= 64 and second.env_step >= 128 and second.train_iter > first.train_iter
+    run = Path("runs") / "mine"
+    assert load_checkpoint(run / "ckpt" / "final.pth.tar")["ctx"]["env_step"] == second.env_step
+    assert "run 'mine' resumed" in (run / "log.txt").read_text()
+
+
+def test_a_users_entry_trains_in_async_mode(entry_file):
+    ctx = load_entry(str(entry_file)).main(max_env_step=64, async_mode=True, progress=False)
+    assert ctx.env_step >= 64 and ctx.train_iter > 0
+
+
+@pytest.mark.slow
+def test_a_users_entry_runs_distributed_and_resumes(entry_file):
+    run = train_distributed(str(entry_file), collectors=2, evaluators=1, max_env_step=96, progress=False)
+    assert run.env_step >= 96 and run.train_iter > 0 and run.last_eval_value is not None
+    assert all(node["collected"] > 0 for node in run.nodes if node["role"] == "collector")
+    rows = json.loads((Path("runs") / "mine" / "nodes.json").read_text())
+    assert [row["roles"] for row in rows] == [["learner"], ["collector"], ["collector"], ["evaluator"]]
+    again = train_distributed(str(entry_file), collectors=2, evaluators=1, max_env_step=160, resume=True,
+                              progress=False)
+    assert again.env_step >= 160 and again.train_iter > run.train_iter
+
+
+@pytest.mark.slow
+def test_the_cli_trains_a_users_entry_file(entry_file):
+    done = subprocess.run([sys.executable, "-m", "conveyor", "train", str(entry_file), "--max-env-step", "64",
+                           "--no-progress"], capture_output=True, text=True, timeout=300, start_new_session=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.startswith("budget reached"), done.stderr[-2000:]
