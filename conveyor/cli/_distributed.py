@@ -43,8 +43,9 @@ def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
 
 
 def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
-    """Run ``args.entry`` distributed (with ``cfg``, the entry's config after ``--config`` / ``--set``, if given); returns its :class:`~conveyor.zoo.run.DistributedRun`. A launch
-    that cannot start (an address, a secret, a flag) is a ``ConfigError`` with its one-line reason."""
+    """Run ``args.entry`` distributed (with ``cfg``, the entry's config after ``--config`` / ``--set``, if given);
+    returns its :class:`~conveyor.zoo.run.DistributedRun`. A launch that cannot start (an address, a secret, a
+    flag) is a ``ConfigError`` with its one-line reason."""
     from conveyor.engine.parallel.runner import RemoteTraceback
     from conveyor.schema import ConfigError
     from conveyor.zoo.run import train_distributed
@@ -60,7 +61,8 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
         return train_distributed(args.entry, collectors=args.collectors, evaluators=args.evaluators, cfg=cfg,
                                  seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
                                  max_train_iter=args.max_train_iter, resume=args.resume,
-                                 progress=args.progress, ckpt_interval=args.ckpt_interval, **where)
+                                 progress=args.progress, ckpt_interval=args.ckpt_interval, no_stop=args.no_stop,
+                                 **where)
     except ValueError as exc:  # the launch refused, not a node's own error (that one has its traceback)
         if isinstance(exc, ConfigError) or isinstance(exc.__cause__, RemoteTraceback):
             raise

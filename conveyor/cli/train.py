@@ -2,7 +2,7 @@
 
     conveyor train cartpole/dqn [--set KEY=VALUE ...] [--config FILE] [--seed N] [--exp-name NAME] [--resume]
                                 [--device cpu|cuda] [--async] [--max-env-step N] [--max-train-iter N]
-                                [--ckpt-interval SECONDS]
+                                [--ckpt-interval SECONDS] [--no-stop]
     conveyor train my_entry.py ...        # a file with a main_config and a main(), run like a zoo entry
 
 The config is the entry's ``main_config``, then the ``--config`` file's values on top, then each ``--set``;
@@ -60,6 +60,8 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--async", dest="async_mode", action="store_true",
                        help="overlap collection of the next iteration with training on this one")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    train.add_argument("--no-stop", dest="no_stop", action="store_true",
+                       help="train past env.stop_value: only a budget (--max-env-step, --max-train-iter) ends the run")
     distributed.add_arguments(train)
     train.set_defaults(run=run)
 
@@ -117,7 +119,8 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     used = _used_config(run_dir, cfg, entry)
     max_train_iter = args.max_train_iter or used.get("policy", {}).get("learn", {}).get("max_train_iter")
-    print(f"{stop_reason(ctx, used.get('env', {}).get('stop_value'), args.max_env_step, max_train_iter)}; "
+    stop_value = None if args.no_stop else used.get("env", {}).get("stop_value")  # --no-stop: not what ended it
+    print(f"{stop_reason(ctx, stop_value, args.max_env_step, max_train_iter)}; "
           f"run directory {run_dir}")
     return 0
 
@@ -158,7 +161,7 @@ def _config(entry: ModuleType, args: argparse.Namespace) -> Optional[Any]:
 
 _KEYWORDS = (("seed", "--seed"), ("exp_name", "--exp-name"), ("max_env_step", "--max-env-step"),
              ("max_train_iter", "--max-train-iter"), ("resume", "--resume"), ("async_mode", "--async"),
-             ("progress", "--no-progress"), ("ckpt_interval", "--ckpt-interval"))
+             ("progress", "--no-progress"), ("ckpt_interval", "--ckpt-interval"), ("no_stop", "--no-stop"))
 
 
 def _keywords(entry: ModuleType, args: argparse.Namespace) -> dict:
@@ -166,7 +169,7 @@ def _keywords(entry: ModuleType, args: argparse.Namespace) -> dict:
     from conveyor.schema import ConfigError
 
     defaults = {"seed": None, "exp_name": None, "max_env_step": None, "max_train_iter": None, "resume": False,
-                "async_mode": False, "progress": True, "ckpt_interval": None}
+                "async_mode": False, "progress": True, "ckpt_interval": None, "no_stop": False}
     given = {name: getattr(args, name) for name, _ in _KEYWORDS if getattr(args, name) != defaults[name]}
     parameters = inspect.signature(entry.main).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

@@ -1,0 +1,57 @@
+"""What every run gets from conveyor.zoo.run: --no-stop, a refused --resume that names the keys that differ, and a
+plain-text log in the run directory."""
+import copy
+
+import pytest
+
+from conveyor.cli import main as cli
+from conveyor.zoo import load_entry
+from tests.cli_helpers import TINY, assert_usage_error
+
+dqn = load_entry("cartpole/dqn")
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def tiny(stop_value=None):
+    cfg = copy.deepcopy(dqn.main_config)
+    cfg.env.update(collector_env_num=2, evaluator_env_num=2, n_evaluator_episode=2, stop_value=stop_value)
+    cfg.policy.model.hidden_sizes = [8]
+    cfg.policy.eval.evaluator.eval_freq = 8
+    cfg.policy.other.replay_buffer.size = 500
+    return cfg
+
+
+def test_a_run_ends_at_its_stop_value_and_with_no_stop_only_at_its_budget(in_tmp):
+    stopped = dqn.main(tiny(stop_value=1.0), exp_name="stops", max_env_step=128, progress=False)
+    assert stopped.last_eval_value >= 1.0 and stopped.env_step < 128  # the first evaluation reached it
+    ran_on = dqn.main(tiny(stop_value=1.0), exp_name="runs_on", max_env_step=128, progress=False, no_stop=True)
+    assert ran_on.env_step >= 128 and ran_on.last_eval_value >= 1.0
+
+
+def test_the_cli_trains_past_the_stop_value_with_no_stop(in_tmp, capsys):
+    assert cli(["train", "cartpole/dqn", *TINY, "--set", "env.stop_value=1", "--no-stop", "--exp-name", "x"]) == 0
+    assert capsys.readouterr().out.startswith("budget reached: env step 64 of --max-env-step 64")
+
+
+def test_a_refused_resume_names_the_keys_that_differ(in_tmp, capsys):
+    assert cli(["train", "cartpole/dqn", *TINY, "--exp-name", "lr"]) == 0
+    capsys.readouterr()
+    code = cli(["train", "cartpole/dqn", *TINY, "--set", "policy.learn.learning_rate=0.002", "--exp-name", "lr",
+                "--resume"])
+    assert_usage_error(code, capsys, "policy.learn.learning_rate: saved 0.003, given 0.002")
+
+
+def test_every_run_directory_holds_a_plain_text_log(in_tmp):
+    dqn.main(tiny(), exp_name="logged", max_env_step=64, progress=False)
+    dqn.main(tiny(), exp_name="logged", max_env_step=96, progress=False, resume=True)
+    lines = (in_tmp / "runs" / "logged" / "log.txt").read_text().splitlines()
+    assert "run 'logged' started: DQNPolicy, seed 0" in lines[0]
+    assert any("evaluation at train_iter 0, env_step 0: mean return" in line for line in lines)
+    ends = [line.split("run ended at ")[1] for line in lines if "run ended at " in line]
+    assert len(ends) == 2 and ends[1].startswith("env_step=96")
+    assert any("run 'logged' resumed" in line for line in lines)
