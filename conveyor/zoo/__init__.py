@@ -1,8 +1,10 @@
 """The zoo: ready configs, each with a ``main()`` that assembles and runs its pipeline.
 
-An entry is a module ``conveyor.zoo.<env>.<algo>`` holding ``main_config`` and ``main(...)``; its
-name is ``"<env>/<algo>"`` (e.g. ``"cartpole/dqn"``). Entries are found by walking this package. A user's
-own ``.py`` file with a ``main_config`` and a ``main()`` is an entry too (:func:`load_entry`).
+An entry is a module ``conveyor.zoo.<env>.<algo>`` holding ``main_config`` and ``main(cfg=None, **options)``;
+its name is ``"<env>/<algo>"`` (e.g. ``"cartpole/dqn"``). Entries are found by walking this package.
+``main()`` builds its pipeline inline with ``task.use(..., role=...)`` inside a :class:`conveyor.zoo.run.Run`,
+the public module of what every run shares (``conveyor.zoo.run`` is not an entry). A user's own ``.py`` file
+with a ``main_config`` and a ``main()`` is an entry too (:func:`load_entry`).
 """
 from __future__ import annotations
 
