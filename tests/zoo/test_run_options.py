@@ -55,3 +55,16 @@ def test_every_run_directory_holds_a_plain_text_log(in_tmp):
     ends = [line.split("run ended at ")[1] for line in lines if "run ended at " in line]
     assert len(ends) == 2 and ends[1].startswith("env_step=96")
     assert any("run 'logged' resumed" in line for line in lines)
+
+
+def test_an_offline_entry_given_a_role_is_refused_in_one_line(in_tmp):
+    from conveyor.engine import Role, task
+    from conveyor.schema import ConfigError
+    task.add_role(Role.LEARNER)
+    try:
+        with pytest.raises(ConfigError, match="an offline entry trains from a dataset"):
+            load_entry("cartpole/bc").main(progress=False)
+    finally:
+        with task.start():  # leaving it clears the role
+            pass
+    assert not (in_tmp / "runs").exists()

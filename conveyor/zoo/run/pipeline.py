@@ -135,6 +135,9 @@ class Run:
         if self._distributed and self._async:
             raise ConfigError("async_mode: in a distributed run collection already overlaps training (collectors are "
                               "their own processes); leave --async out")
+        if self._distributed and self._offline:
+            raise ConfigError("an offline entry trains from a dataset, with no collectors or evaluators to spread over "
+                              "processes: run it in one process (no roles, no --collectors)")
         if self._offline and self._max_env_step is not None:
             raise ConfigError(f"max_env_step={self._max_env_step}: an offline entry takes no env steps; bound it with "
                               f"max_train_iter (--max-train-iter) or policy.learn.max_train_iter")
