@@ -1,6 +1,10 @@
 """What every run gets from conveyor.zoo.run: --no-stop, a refused --resume that names the keys that differ, and a
 plain-text log in the run directory."""
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +13,7 @@ from conveyor.zoo import load_entry
 from tests.cli_helpers import TINY, assert_usage_error
 
 dqn = load_entry("cartpole/dqn")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -68,3 +73,16 @@ def test_an_offline_entry_given_a_role_is_refused_in_one_line(in_tmp):
         with task.start():  # leaving it clears the role
             pass
     assert not (in_tmp / "runs").exists()
+
+
+def test_warnings_still_reach_stderr_while_the_run_logs_to_its_file(in_tmp):
+    child = ("import logging, pathlib\n"
+             "from conveyor.zoo.run.control import run_log\n"
+             "with run_log(pathlib.Path('log.txt')):\n"
+             "    logging.getLogger('conveyor.test').warning('a warning for the terminal')\n"
+             "    logging.getLogger('conveyor.test').info('a record for the file only')\n")
+    done = subprocess.run([sys.executable, "-c", child], cwd=in_tmp, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stderr == "a warning for the terminal\n", done.stderr
+    text = (in_tmp / "log.txt").read_text()
+    assert "a warning for the terminal" in text and "a record for the file only" in text

@@ -97,14 +97,18 @@ def run_log(path: Path) -> Iterator[None]:
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # with no handler configured, warnings went to stderr through logging's last resort: keep them going there
+    handlers = [handler] + ([logging.lastResort] if logging.lastResort and not conveyor_log.hasHandlers() else [])
     level = conveyor_log.level
     if conveyor_log.getEffectiveLevel() > logging.INFO:
         conveyor_log.setLevel(logging.INFO)
-    conveyor_log.addHandler(handler)
+    for each in handlers:
+        conveyor_log.addHandler(each)
     try:
         yield
     finally:
-        conveyor_log.removeHandler(handler)
+        for each in handlers:
+            conveyor_log.removeHandler(each)
         conveyor_log.setLevel(level)
         handler.close()
 
