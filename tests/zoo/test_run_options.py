@@ -86,3 +86,4 @@ def test_warnings_still_reach_stderr_while_the_run_logs_to_its_file(in_tmp):
     assert done.returncode == 0 and done.stderr == "a warning for the terminal\n", done.stderr
     text = (in_tmp / "log.txt").read_text()
     assert "a warning for the terminal" in text and "a record for the file only" in text
+

@@ -36,6 +36,7 @@ def main(cfg=None, **options) -> OnlineRLContext:
     with Run(main, main_config, DQNPolicy, cfg, **options) as run:
         cfg, policy = run.cfg, run.policy
         buffer = run.buffer()
+        print("collector envs:", repr(run.env("collector")))
         task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
         task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
         task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
@@ -65,9 +66,10 @@ def test_the_entry_imports_no_private_module(entry_file):
     assert private_imports(entry_file.read_text()) == []
 
 
-def test_a_users_entry_trains_and_resumes(entry_file):
+def test_a_users_entry_trains_and_resumes(entry_file, capsys):
     entry = load_entry(str(entry_file))
     first = entry.main(max_env_step=64, progress=False)
+    assert capsys.readouterr().out == "collector envs: <SyncEnvManager CartPole-v1 x2>\n"  # started here
     second = entry.main(max_env_step=128, resume=True, progress=False)
     assert first.env_step >= 64 and second.env_step >= 128 and second.train_iter > first.train_iter
     run = Path("runs") / "mine"
@@ -75,9 +77,10 @@ def test_a_users_entry_trains_and_resumes(entry_file):
     assert "run 'mine' resumed" in (run / "log.txt").read_text()
 
 
-def test_a_users_entry_trains_in_async_mode(entry_file):
+def test_a_users_entry_trains_in_async_mode_with_its_collector_envs_only_in_the_collector_process(entry_file, capsys):
     ctx = load_entry(str(entry_file)).main(max_env_step=64, async_mode=True, progress=False)
     assert ctx.env_step >= 64 and ctx.train_iter > 0
+    assert capsys.readouterr().out == "collector envs: <collector envs of another process (2)>\n"
 
 
 @pytest.mark.slow
@@ -97,4 +100,4 @@ def test_the_cli_trains_a_users_entry_file(entry_file):
     done = subprocess.run([sys.executable, "-m", "conveyor", "train", str(entry_file), "--max-env-step", "64",
                            "--no-progress"], capture_output=True, text=True, timeout=300, start_new_session=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0 and done.stdout.startswith("budget reached"), done.stderr[-2000:]
+    assert done.returncode == 0 and "\nbudget reached: env step 64" in done.stdout, done.stderr[-2000:]
