@@ -416,7 +416,8 @@ class Membership:
         if frame.seq - last > _MAX_SEQ_JUMP:
             count("malformed")  # would make every later message of its look old
             return False
-        count("lost", frame.seq - last - 1 if last >= 0 else 0)
+        if last >= 0 and frame.seq - last > 1:  # counted only on a gap: the common case takes no lock call
+            count("lost", frame.seq - last - 1)
         peer.last_seq[frame.topic] = frame.seq
         return True
 
