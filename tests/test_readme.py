@@ -76,7 +76,7 @@ def conveyor_commands() -> List[List[str]]:
             if kind == "command" and why_not_run(argv) is None]
 
 
-def test_the_readme_shows_commands_and_leaves_only_the_environment_s_to_the_reader():
+def test_only_the_readers_environment_is_left_out_of_the_readme_run():
     steps = list(readme_steps((ROOT / "README.md").read_text()))
     run = conveyor_commands()
     assert {argv[1] for argv in run} >= {"list", "train", "plot", "eval", "task"}
