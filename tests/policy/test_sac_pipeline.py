@@ -82,12 +82,12 @@ def test_sac_runs_in_the_off_policy_pipeline(tmp_path, envs, async_mode):
     cfg = pendulum_cfg()
     calls = []
     ctx, policy, buffer = run_pipeline(cfg, *envs(cfg), tmp_path, async_mode=async_mode, calls=calls)
-    lengths = buffer.lengths_seen[:len(calls)]
+    lengths = list(buffer.lengths_seen)  # before this test reads len(buffer) itself
     n, updates, starts = 8, 2, 32  # n_sample, update_per_collect, learning_starts
     assert ctx.env_step == 12 * n and len(buffer) == 12 * n
     # Every gradient step is counted once in the kept ctx.train_iter, however iterations overlap.
     assert policy.learn_mode.train_iter == ctx.train_iter == sum(steps for _, steps in calls)
-    # The learner runs once per iteration, in order. It sees its own iteration's data; in async mode
+    # The learner runs once per iteration (and reads the buffer's length once), in order. It sees its own iteration's data; in async mode
     # (max_inflight=2) it may also see the one newer iteration's, never more: that is all the schedule decides.
     assert len(calls) == len(lengths) == 12
     for i, ((env_step, _), length) in enumerate(zip(calls, lengths)):
