@@ -126,7 +126,7 @@ def _run(argv: List[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # about 160 s here: a dozen trainings, most of them until solved
+@pytest.mark.timeout(1800)  # 160 s idle, 360 s on a busy 2-core machine: a dozen trainings, most until solved
 def test_the_readme_s_commands_run_one_after_another_in_a_fresh_folder(tmp_path):
     ran = 0
     for kind, step in readme_steps((ROOT / "README.md").read_text()):
