@@ -103,6 +103,11 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+# Why not multiprocessing's forkserver with set_forkserver_preload: benchmarks/process_start.py measured both
+# bringing up 3 ready nodes (2026-11-25, load 6-8): ready 7.92 s here against 7.71 s (ratio 0.97), as fast.
+# But a forkserver starts the resource tracker (a helper process left behind), does not hold SIGTERM for a
+# child until its handler is in, and on Python 3.11 ignores "__main__" in its preload list (the entry's own
+# imports, torch, would have to be found by hand); the runner's tests ask for all three (docs/benchmarks.md).
 class Zygote:
     """A preloading process that imports ``modules`` and forks children running ``entry`` (``"module:function"``,
     called with the child's connection to this process; returns its exit code). Its failures (it could not
