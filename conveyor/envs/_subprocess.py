@@ -21,8 +21,9 @@ from conveyor.envs._core import (EnvCrashedError, EnvFn, EnvManager, EnvManagerS
                                  _factory_name, _failures, check_env_fns)
 from conveyor.envs._group import _EnvGroup
 from conveyor.envs._spaces import SpaceLayout
-from conveyor.processes import (Child, ChildLost, attach_shared_block, create_shared_block, default_start_method,
-                                pack_exception, release_shared_block, send_quietly, stop, unpack_exception)
+from conveyor.processes import (GOODBYE, Child, ChildLost, attach_shared_block, create_shared_block,
+                                default_start_method, pack_exception, release_shared_block, send_quietly, stop,
+                                unpack_exception)
 
 __all__ = ["SubprocessEnvManager", "default_num_workers", "default_start_method"]
 
@@ -128,7 +129,7 @@ class _Resources:
     def release(self) -> None:
         """Ask workers to stop, kill those that do not, close the pipes and free the shared memory."""
         children = [child for child in self.children if child is not None]
-        stop(children, _CLOSE_TIMEOUT_S, pickle.dumps(("close", None)))
+        stop(children, _CLOSE_TIMEOUT_S, GOODBYE)
         for child in children:
             child.close()
         if self.shm is not None:

@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 from conveyor.processes._cleanup import track_shared_memory
 from conveyor.processes._signals import describe_exit, ignore_stop_signals
 
-__all__ = ["Child", "ChildLost", "RemoteTraceback", "child_started", "default_start_method", "pack_exception",
-           "send_quietly", "start_frozen", "stop", "unpack_exception"]
+__all__ = ["GOODBYE", "Child", "ChildLost", "RemoteTraceback", "child_started", "default_start_method",
+           "pack_exception", "send_quietly", "start_frozen", "stop", "unpack_exception"]
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +180,11 @@ class Child:
         return self.proc.exitcode
 
     def terminate(self) -> None:
+        """SIGTERM (a :class:`Child` ignores it: ask with a goodbye instead, see :func:`stop`)."""
         self.proc.terminate()
 
     def kill(self) -> None:
+        """SIGKILL."""
         self.proc.kill()
 
     def close(self) -> None:

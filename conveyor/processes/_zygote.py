@@ -79,10 +79,12 @@ class Forked:
         return f"{self.name} (pid {self.pid})"
 
     def poll(self) -> Optional[int]:
+        """Its exit code (negative: killed by that signal), None while it runs."""
         self.zygote.pump(0.0)
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
+        """Wait until the zygote reports its exit; ``subprocess.TimeoutExpired`` past ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             left = None if deadline is None else deadline - time.monotonic()
@@ -92,14 +94,17 @@ class Forked:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
+        """Have the zygote send it ``signum``, if it still runs."""
         if self.poll() is None:  # the zygote signals it only while it has not reaped it: no pid reuse
             with signals_held():
                 self.zygote.conn.send(("signal", self.pid, int(signum)))
 
     def terminate(self) -> None:
+        """SIGTERM: in a child, :class:`~conveyor.processes.Terminated` (exit code 143) unless it handles it."""
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
+        """SIGKILL."""
         self.send_signal(signal.SIGKILL)
 
 
@@ -151,8 +156,8 @@ class Zygote:
             if left <= 0:
                 conn.close()
                 raise TimeoutError(f"{self.owner}: the zygote (pid {self.proc.pid}) forked no {self.what} within "
-                                   f"ready_timeout_s={self.ready_timeout_s}s; raise it, or check that nothing blocks the imports of "
-                                   f"main's module")
+                                   f"ready_timeout_s={self.ready_timeout_s}s; raise it, or check that nothing "
+                                   f"blocks the imports of main's module")
             self.pump(left)
         pid = self._forked.pop()
         child = self._children[pid] = Forked(self, pid, name)
@@ -168,8 +173,8 @@ class Zygote:
                 message = self.conn.recv()
         except (EOFError, OSError):
             raise self.error(f"{self.owner}: the zygote (pid {self.proc.pid}) that forks the {self.what} is gone "
-                             f"(exit code {self.proc.poll()}; its stderr has the details); its {self.what} stop when their "
-                             f"connections close") from None
+                             f"(exit code {self.proc.poll()}; its stderr has the details); its {self.what} stop when "
+                             f"their connections close") from None
         if message[0] == "failed":
             raise self.error(message[1] if message[2] else f"{self.owner}: {message[1]}")
         if message[0] == "forked":
@@ -178,6 +183,7 @@ class Zygote:
             self._children.pop(message[1]).returncode = message[2]
 
     def alive(self) -> bool:
+        """Whether the zygote process still runs."""
         return self.proc.poll() is None
 
     def kill(self) -> None:
