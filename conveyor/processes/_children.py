@@ -6,11 +6,11 @@ import gc
 import logging
 import multiprocessing as mp
 import pickle
+import select
 import subprocess
 import sys
 import time
 import traceback
-from multiprocessing import connection as mp_connection
 from typing import Any, Callable, Optional, Sequence
 
 from conveyor.processes._cleanup import track_shared_memory
@@ -134,6 +134,9 @@ class Child:
         finally:
             theirs.close()
         self.label = label.format(pid=self.proc.pid)
+        self._poller = select.poll()  # made once: a step's wait is one system call
+        for fd in (self.conn.fileno(), self.proc.sentinel):
+            self._poller.register(fd, select.POLLIN)
 
     @property
     def pid(self) -> int:
@@ -152,8 +155,7 @@ class Child:
         """The child's next message. Raises :class:`ChildLost` if the child ends first (watched on its process
         sentinel, so children of its own holding the pipe cannot hide its death), or, with ``timeout``, if it
         does not answer within that many seconds (it is killed then; ``limit`` names the setting)."""
-        ready = mp_connection.wait([self.conn, self.proc.sentinel], timeout)
-        if not ready:
+        if not self._poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
             self.kill()
             raise ChildLost(f"{self.label} did not answer within {limit}={timeout}s and was killed")
         try:
