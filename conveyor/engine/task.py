@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Tup
 
 from conveyor.engine.chain import Chain, LockArg, TaskHelpers
 from conveyor.engine.compose import Middleware, check_middleware, note, onion
-from conveyor.engine.context import Context
+from conveyor.engine.context import Context, Kept
 from conveyor.engine.declare import PipelineError
 from conveyor.engine.inspection import Described, Inspection, TaskInspection, scalars
 from conveyor.engine.pipeline import AsyncPipeline
@@ -60,6 +60,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         self._async = False
         self._max_inflight = 2
         self._base_ctx: Optional[Context] = None
+        self._kept = Kept()
         self._pipeline: Optional[AsyncPipeline] = None
         self._last_done = -1
         self._between: List[Callable[[], None]] = []
@@ -87,6 +88,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         self._async = bool(async_mode)
         self._max_inflight = max_inflight
         self._base_ctx = ctx if ctx is not None else Context()
+        self._kept = Kept.of(self._base_ctx)  # what keep carries over, shared by every context of the block
         try:
             yield self
         finally:
@@ -232,8 +234,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         mode; async mode yields nothing). Closing it between iterations ends the run normally."""
         if self._running:
             raise RuntimeError("task: a run is already in progress")
-        store = self._base_ctx._store()
-        store.begin(journal=self._async)
+        self._kept.commit()  # what was written before the run is final
         first = self._base_ctx.total_step
         self._last_done = first - 1
         self._running = True
@@ -248,7 +249,8 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
             pass  # the caller stopped iterating between two iterations: the run ends after the last one
         except BaseException as exc:
             error = exc
-        store.end(rollback=error is not None)
+        if error is not None:
+            self._kept.rollback()  # kept fields as the last completed iteration left them
         if self._inspection is not None:
             self._inspection.completed += self._last_done + 1 - first
         if error is not None or self._base_ctx.total_step != self._last_done + 1:
@@ -296,7 +298,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
             ctx = self._base_ctx
             for _ in onion(chain, ctx):
                 pass
-            self._completed(self._last_done + 1)
+            self._completed(self._last_done + 1, ctx)
             self._base_ctx = self._fresh(self._last_done + 1)
             if self._between:
                 self._quiescent()
@@ -316,20 +318,20 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
 
     def _fresh(self, step: int) -> Context:
         """A new context for iteration ``step``, sharing the pipeline's kept values."""
-        new = self._base_ctx._renew(self._base_ctx._store())
+        new = self._kept.context(type(self._base_ctx))
         new.total_step = step
         return new
 
-    def _completed(self, i: int) -> None:
+    def _completed(self, i: int, ctx: Context) -> None:
         """Iteration ``i`` completed (called in order): what it wrote to kept fields is final."""
-        self._base_ctx._store().commit(i)
+        self._kept.commit(ctx)
         self._last_done = i
 
     def _quiescent(self) -> None:
         """No middleware is running: move ``task.ctx`` to the next iteration and run the pending callbacks."""
         self._base_ctx = self._fresh(self._last_done + 1)
         error = self._run_pending(None)
-        self._base_ctx._store().commit()
+        self._kept.commit()
         if error is not None:
             raise error
 
