@@ -21,6 +21,15 @@ from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, Optional, Tup
 __all__ = ["Context", "Kept", "OfflineRLContext", "OnlineRLContext", "RLContext"]
 
 
+MISSING = dataclasses.MISSING
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls: type) -> Tuple[Tuple[str, Any, Any], ...]:
+    """``(name, default, default_factory)`` of each field of a context class."""
+    return tuple((f.name, f.default, f.default_factory) for f in dataclasses.fields(cls))
+
+
 @functools.lru_cache(maxsize=None)
 def _field_names(cls: type) -> FrozenSet[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
@@ -61,15 +70,16 @@ class Kept:
         run again. It shares this ``Kept``, or with ``carry`` gets a copy of it (an independent context)."""
         new = cls.__new__(cls)
         d = new.__dict__
-        for f in dataclasses.fields(cls):
-            if f.name in self.values:
+        values = self.values
+        for name, default, factory in _defaults(cls):
+            if name in values:
                 continue
-            if f.default_factory is not dataclasses.MISSING:
-                d[f.name] = f.default_factory()
-            elif f.default is not dataclasses.MISSING:
-                d[f.name] = f.default
+            if factory is not MISSING:
+                d[name] = factory()
+            elif default is not MISSING:
+                d[name] = default
             else:
-                raise TypeError(f"{cls.__name__} cannot be renewed: field '{f.name}' needs a default "
+                raise TypeError(f"{cls.__name__} cannot be renewed: field '{name}' needs a default "
                                 f"(dataclasses.field(default=...) or default_factory=...)")
         (Kept(self.values) if carry else self)._join(new)
         return new
