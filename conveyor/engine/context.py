@@ -235,7 +235,7 @@ class RLContext(Context):
         train_iter: Gradient steps taken so far.
         train_data: This iteration's training batch, for the trainers.
         train_output: The learner's metrics of this iteration: a list of per-step metric dicts.
-        eval_value: Mean return of the evaluation made in this iteration (``None`` if none was).
+        eval_value: Mean return of the evaluation made in this iteration (``-inf`` if none was, as in DI-engine).
         eval_output: That evaluation's details: ``returns``, ``lengths``, ``mean``, ``std``, ``env_step``,
             ``train_iter``, ``weight_version``, ``crashes``, ``dropped``, ...
         last_eval_iter: ``train_iter`` at the last evaluation (``None`` before the first).
@@ -246,7 +246,7 @@ class RLContext(Context):
     train_iter: int = 0
     train_data: Any = None
     train_output: Any = None
-    eval_value: Optional[float] = None
+    eval_value: float = float("-inf")
     eval_output: Any = None
     last_eval_iter: Optional[int] = None
     last_eval_value: Optional[float] = None
