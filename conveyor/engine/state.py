@@ -23,8 +23,11 @@ def stateful_middleware(chain: List[Middleware]) -> Dict[str, Any]:
 
     def walk(records: List[Middleware], prefix: str) -> None:
         for k, mw in enumerate(records):
-            if stateful(mw.fn):
-                found[f"{prefix}{k}:{mw.name}"] = mw.fn
+            fn = mw.fn
+            while not stateful(fn) and getattr(fn, "__wrapped__", None) is not None:  # a task.use_wrapper wrapper
+                fn = fn.__wrapped__
+            if stateful(fn):
+                found[f"{prefix}{k}:{mw.name}"] = fn
             walk(getattr(mw.fn, "_members", []), f"{prefix}{k}.")
 
     walk(chain, "")

@@ -139,7 +139,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         object (e.g. ``threading.Lock()``) may be given instead to share it with chosen middleware.
         ``role``: the middleware belongs to that role and is left out of the chain (a no-op) in a process
         that lacks it (:meth:`has_role`), so one ``main()`` serves every node. The wrappers given to
-        :meth:`use_wrapper` wrap it first.
+        :meth:`use_wrapper` wrap it.
         """
         if not self._started:
             raise RuntimeError("task.use() must be called inside `with task.start():`")
@@ -158,14 +158,20 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         return self
 
     def use_wrapper(self, wrapper: Wrapper) -> "Task":
-        """Wrap every middleware given to :meth:`use` from now on: ``use(fn)`` adds ``wrapper(fn)`` (DI-engine's
-        ``task.use_wrapper``). Wrappers apply in the order given, the first innermost; cleared with the block.
+        """Wrap every middleware of the chain, those already added and those added later: ``mw`` runs as
+        ``wrapper(mw)`` (DI-engine's ``task.use_wrapper``). Later wrappers wrap earlier ones; cleared with the block.
 
-        A wrapper that keeps ``fn``'s declared fields should copy them (``functools.wraps`` does)."""
+        A wrapper made with ``functools.wraps`` keeps what the middleware declares and its state (``__wrapped__``)."""
         if not self._started:
             raise RuntimeError("task.use_wrapper() must be called inside `with task.start():`")
+        if self._running:
+            raise RuntimeError("task.use_wrapper() cannot be called while the task is running")
         if not callable(wrapper):
             raise TypeError(f"task.use_wrapper({wrapper!r}): needs a callable taking a middleware and returning one")
+        for mw in self._middleware:
+            wrapped = wrapper(mw.fn)
+            check_middleware(wrapped)
+            mw.fn = wrapped
         self._wrappers.append(wrapper)
         return self
 

@@ -50,18 +50,35 @@ def test_has_role_and_roles_report_the_roles_added():
         assert task.has_role(task.role.COLLECTOR) and not task.has_role(task.role.LEARNER)
 
 
-def test_use_wrapper_wraps_each_middleware_added_after_it_first_wrapper_innermost():
-    calls = []
+class Counter:
+    """A stateful middleware."""
 
-    def tag(label):
-        def wrapper(fn):
-            @functools.wraps(fn)
-            def wrapped(ctx):
-                calls.append(f"{label}>")
-                fn(ctx)
-                calls.append(f"<{label}")
-            return wrapped
-        return wrapper
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, ctx):
+        self.calls += 1
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def tag(calls, label):
+    def wrapper(fn):
+        @functools.wraps(fn)
+        def wrapped(ctx):
+            calls.append(f"{label}>")
+            fn(ctx)
+            calls.append(f"<{label}")
+        return wrapped
+    return wrapper
+
+
+def test_use_wrapper_wraps_the_middleware_already_added_and_those_added_later():
+    calls = []
 
     @declares(writes=("env_step",))
     def collect(ctx):
@@ -69,16 +86,26 @@ def test_use_wrapper_wraps_each_middleware_added_after_it_first_wrapper_innermos
 
     with task.start(ctx=OnlineRLContext()):
         task.use(lambda ctx: calls.append("before"))
-        assert task.use_wrapper(tag("a")) is task
-        task.use_wrapper(tag("b"))
+        assert task.use_wrapper(tag(calls, "a")) is task
         task.use(collect)
+        task.use_wrapper(tag(calls, "b"))
         assert task.describe()[1].writes == ("env_step",)  # functools.wraps kept the declaration
         task.run(max_step=1)
-    assert calls == ["before", "b>", "a>", "collect", "<a", "<b"]
+    assert calls == ["b>", "a>", "before", "<a", "<b", "b>", "a>", "collect", "<a", "<b"]
     with task.start():
         task.use(lambda ctx: calls.append("unwrapped"))  # wrappers end with their block
         task.run(max_step=1)
     assert calls[-1] == "unwrapped"
+
+
+def test_a_wrapped_stateful_middleware_keeps_its_state_and_its_timing_name():
+    counter, calls = Counter(), []
+    with task.start():
+        task.use(counter)
+        task.use_wrapper(tag(calls, "a"))
+        task.run(max_step=2)
+        assert task.state_dict()["middleware"] == {"0:Counter": {"calls": 2}}
+        assert task.stats()["Counter"]["calls"] == 2
 
 
 def test_use_wrapper_refuses_a_non_callable_and_works_only_inside_start():
