@@ -11,6 +11,7 @@ from conveyor.engine import STOP_EVENT, declares
 from conveyor.engine.parallel import generate_secret
 from conveyor.engine.parallel.router import Router
 from conveyor.engine.routing import FINISH_TOPIC
+from tests.engine.test_state import Counter
 
 WAIT = 20
 
@@ -50,22 +51,6 @@ def test_has_role_and_roles_report_the_roles_added():
         assert task.has_role(task.role.COLLECTOR) and not task.has_role(task.role.LEARNER)
 
 
-class Counter:
-    """A stateful middleware."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, ctx):
-        self.calls += 1
-
-    def state_dict(self):
-        return {"calls": self.calls}
-
-    def load_state_dict(self, state):
-        self.calls = state["calls"]
-
-
 def tag(calls, label):
     def wrapper(fn):
         @functools.wraps(fn)
@@ -100,7 +85,7 @@ def test_use_wrapper_wraps_the_middleware_already_added_and_those_added_later():
 
 def test_a_wrapped_stateful_middleware_keeps_its_state_and_its_timing_name():
     counter, calls = Counter(), []
-    with task.start():
+    with task.start(ctx=OnlineRLContext()):
         task.use(counter)
         task.use_wrapper(tag(calls, "a"))
         task.run(max_step=2)
