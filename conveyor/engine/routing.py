@@ -158,28 +158,30 @@ class TaskEvents:
     _routing: Events
     _running: bool
     _finish: bool
-    _finish_local: bool
+    _finish_tell: bool
 
     @property
     def finish(self) -> bool:
         """Set it to True to end the run after the iteration in progress (DI-engine's ``task.finish``).
 
         With a router attached it ends the run on every node: the others hear it when this node's run ends
-        (a node that hears it sets its own ``finish`` and emits :data:`STOP_EVENT`). Reset by ``task.start()``.
+        (a running node that hears it sets its own ``finish``, emits :data:`STOP_EVENT` and passes it on when its
+        run ends). Reset by ``task.start()``.
         """
         return self._finish
 
     @finish.setter
     def finish(self, value: bool) -> None:
         self._finish = bool(value)
-        self._finish_local = self._finish and self._running  # told when the run ends: no router lock taken here,
+        self._finish_tell = self._finish and self._running  # told when the run ends: no router lock taken here,
         if self._finish and not self._running:  # which a signal handler (Parallel's SIGTERM) must not do
             self._routing.publish_finish()
 
     def _finish_heard(self, node: Any) -> None:
-        """Another node set ``task.finish``: end this run too (on the router's receive thread)."""
+        """Another node set ``task.finish``: end this run too, and pass it on to this node's peers when it ends
+        (nodes that do not hear each other, as in a star, learn it through the others)."""
         if self._running and not self._finish:
-            self._finish = True
+            self._finish = self._finish_tell = True
             self._routing.bus.emit(STOP_EVENT)
 
     @property

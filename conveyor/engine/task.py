@@ -67,7 +67,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         self._state = PipelineState()
         self._roles = Roles()
         self._finish = False
-        self._finish_local = False  # set here (then told to the other nodes), not heard from another node
+        self._finish_tell = False  # tell the other nodes when the run ends: finish was set here, or heard first here
 
     # --- lifecycle ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -268,8 +268,8 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         self._pipeline = None
         self._running = False
         self._routing.hear_finish(False)
-        if self._finish_local:  # task.finish was set here: end the run on every node
-            self._finish_local = False
+        if self._finish_tell:  # task.finish was set (or first heard) here: end the run on every node
+            self._finish_tell = False
             self._routing.publish_finish()
         error = self._run_pending(error)
         try:
