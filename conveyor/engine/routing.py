@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from conveyor.engine.events import EventBus
 
-__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "FINISH_TOPIC", "LOCAL_EVENTS", "PEER_LOST_EVENT", "STOP_EVENT", "Events", "TaskEvents"]
+__all__ = ["CLOSE_EVENT", "FINISH_EVENT", "FINISH_TOPIC", "LOCAL_EVENTS", "PEER_LOST_EVENT", "STOP_EVENT", "Events",
+           "TaskEvents"]
 
 FINISH_EVENT = "finish"
 """Emitted locally when :meth:`Task.run` ends, with one argument: the exception that ended it, or None."""
@@ -164,18 +165,18 @@ class TaskEvents:
     def finish(self) -> bool:
         """Set it to True to end the run after the iteration in progress (DI-engine's ``task.finish``).
 
-        With a router attached it ends the run on every node: the others hear it when this node's run ends
-        (a running node that hears it sets its own ``finish``, emits :data:`STOP_EVENT` and passes it on when its
-        run ends). Reset by ``task.start()``.
+        With a router attached it ends the run on every node: the others hear it when this node's run ends, or
+        at once when set outside a run (a running node that hears it sets its own ``finish``, emits
+        :data:`STOP_EVENT` and passes it on when its run ends). Reset by ``task.start()``.
         """
         return self._finish
 
     @finish.setter
     def finish(self, value: bool) -> None:
         self._finish = bool(value)
-        self._finish_tell = self._finish and self._running  # told when the run ends: no router lock taken here,
-        if self._finish and not self._running:  # which a signal handler (Parallel's SIGTERM) must not do
-            self._routing.publish_finish()
+        self._finish_tell = self._finish and self._running  # told when the run ends: no router lock is taken here,
+        if self._finish and not self._running and self._routing.router is not None:  # as a signal handler may set it
+            threading.Thread(target=self._routing.publish_finish, name="conveyor-finish").start()
 
     def _finish_heard(self, node: Any) -> None:
         """Another node set ``task.finish``: end this run too, and pass it on to this node's peers when it ends

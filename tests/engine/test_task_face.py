@@ -179,6 +179,18 @@ def test_finish_set_during_a_run_is_told_to_the_other_nodes_when_the_run_ends():
     assert router.handlers[FINISH_TOPIC] == []  # listened to only while the run was in progress
 
 
+def test_finish_set_outside_a_run_is_told_to_the_other_nodes_at_once():
+    here, router, told = Task(), _Router(), threading.Event()
+    router.publish = lambda topic, payload: told.set() if topic == FINISH_TOPIC else None
+    here.attach_router(router)
+    with here.start():
+        here.use(lambda ctx: None)
+        here.run(max_step=2)
+        here.finish = True  # DI-engine's early stop: this node ran its steps, the others end too
+        assert told.wait(WAIT)
+    here.detach_router()
+
+
 def test_finish_set_on_one_node_ends_the_run_on_every_node():
     secret = generate_secret()
     with Router("a", secret, heartbeat_s=0.05) as a, Router("b", secret, peers=[a.address], heartbeat_s=0.05) as b:
