@@ -116,3 +116,19 @@ def test_bad_arguments_say_what_to_give():
         Barrier()
     with pytest.raises(ValueError, match="timeout_s"):
         Barrier(0, 1, timeout_s=0)
+
+
+def test_finish_set_while_waiting_ends_the_iteration_at_the_barrier():
+    here, after = Task(), []
+
+    def finish(topic, payload):  # another node finished while this one waits for it
+        threading.Thread(target=setattr, args=(here, "finish", True)).start()
+
+    here.attach_router(_Router("a", on_publish=finish))
+    try:
+        with here.start():
+            here.use(Barrier("a", "b", timeout_s=WAIT, resend_s=0.05, runtime=here)).use(lambda ctx: after.append(1))
+            here.run(max_step=5)
+            assert here.ctx.total_step == 1 and after == []
+    finally:
+        here.detach_router()
