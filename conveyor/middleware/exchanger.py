@@ -359,32 +359,6 @@ class ContextExchanger(_Exchanger):
         return True
 
 
-class _ModelVersions:
-    """A bare ``nn.Module`` seen as a versioned policy: one version per learner iteration."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.version = model, 0
-        self._lock = threading.Lock()
-
-    def _tensors(self) -> List[Any]:
-        return [*self.model.parameters(), *self.model.buffers()]
-
-    def publish(self) -> int:
-        self.version += 1
-        return self.version
-
-    def acting_state(self) -> Dict[str, Any]:
-        with self._lock:
-            return {"version": self.version, "tensors": [t.detach().clone() for t in self._tensors()], "extras": None}
-
-    def load_acting_state(self, state: Dict[str, Any]) -> None:
-        import torch
-        with self._lock, torch.no_grad():
-            for mine, theirs in zip(self._tensors(), state["tensors"]):
-                mine.copy_(theirs)
-            self.version = int(state["version"])
-
-
 @declares()  # no context field: it reads and writes the policy's weights
 class ModelExchanger(_Exchanger):
     """The learner sends its newest weights; collectors and evaluators act on the newest they received.
@@ -415,7 +389,8 @@ class ModelExchanger(_Exchanger):
             self.policy = model_or_policy
             self._bare = False
         elif callable(getattr(model_or_policy, "parameters", None)) and callable(getattr(model_or_policy, "buffers", None)):
-            self.policy, self._bare = _ModelVersions(model_or_policy), True
+            from conveyor.policy.weights import ModuleVersions  # given a module, torch is loaded already
+            self.policy, self._bare = ModuleVersions(model_or_policy), True
         else:
             raise TypeError(f"ModelExchanger({model_or_policy!r}): needs a policy with acting_state() and "
                             f"load_acting_state(), or a torch.nn.Module")
