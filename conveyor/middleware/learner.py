@@ -124,7 +124,7 @@ class OffPolicyLearner:
         outputs: List[Dict[str, Any]] = []
         for _ in range(steps):
             batch = self._buffer.sample(self._batch_size)
-            result = LearnResult.of(self._policy.forward(batch), repr(self._policy))
+            result = LearnResult.of(self._policy.forward(batch), "OffPolicyLearner")
             if result.priorities is not None and self._prioritized:
                 self._buffer.update_priority(batch.index, result.priorities)
             ctx.train_iter += 1

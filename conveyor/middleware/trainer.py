@@ -74,7 +74,7 @@ class _Trainer:
 
     def __init__(self, cfg: Any, policy: LearnPolicy, where: str) -> None:
         _check_learn_view(policy, where)
-        self._policy = policy
+        self._policy, self._where = policy, where
         self._schedule = _LrSchedule(cfg.policy.learn, where)
         if self._schedule.steps is not None and not callable(getattr(policy, "set_lr_factor", None)):
             raise TypeError(f"{where}: cfg.policy.learn.lr_anneal_steps needs a learn view with set_lr_factor(), "
@@ -93,7 +93,7 @@ class _Trainer:
 
     def _step(self, ctx: OnlineRLContext, batch: Any, outputs: List[Dict[str, Any]]) -> bool:
         """One learn step; whether the round goes on (the policy may decline a step and end it: ``early_stop``)."""
-        result = LearnResult.of(self._policy.forward(batch), repr(self._policy))
+        result = LearnResult.of(self._policy.forward(batch), self._where)
         outputs.append(result.metrics)
         if not result.early_stop:
             ctx.train_iter += 1

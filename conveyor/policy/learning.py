@@ -77,8 +77,6 @@ class LazyOptimizer:
     ``{"state": {}}`` (nothing learned yet), and a state loaded before it is made is kept and loaded into it
     when it is. :attr:`base_lrs`: the learning rates it was made with."""
 
-    _FRESH: Mapping[str, Any] = {"state": {}}
-
     def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: nn.Module, **options: Any) -> None:
         self._cls, self._module, self._options = optimizer_cls, module, options
         self._optimizer: torch.optim.Optimizer | None = None
@@ -122,8 +120,8 @@ class LazyOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state; without making it, the state loaded into it (or ``{"state": {}}``)."""
         with self._lock:
-            if self._optimizer is None and self._lr_factor is None:
-                return copy.deepcopy(dict(self._pending if self._pending is not None else self._FRESH))
+            if self._optimizer is None and self._lr_factor is None:  # as torch's, it holds references, not copies
+                return dict(self._pending) if self._pending is not None else {"state": {}}
             return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
