@@ -58,17 +58,18 @@ def _ignore(payload: Any) -> None:
 
 def _transitions(trajectories: Any) -> int:
     """How many transitions a batch of trajectories holds: the size of its leading dims (``reward``'s shape)."""
-    reward = trajectories["reward"] if "reward" in trajectories else None
-    if reward is None:
-        raise BadMessage("its trajectory_end_idx comes with trajectories that have no 'reward' to count them by")
-    return math.prod(reward.shape)
+    try:
+        return math.prod(trajectories["reward"].shape)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise BadMessage("its trajectory_end_idx comes with trajectories without a 'reward' array to count them by") \
+            from None
 
 
-def _end_idx(value: Any, transitions: int) -> bool:
-    """Whether ``value`` is a 1-D integer array of flat indices into ``transitions`` transitions."""
+def _end_idx(value: Any) -> bool:
+    """Whether ``value`` is a 1-D array of non-negative integers."""
     np = sys.modules.get("numpy")
     return np is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
-        and (value.size == 0 or (0 <= int(value.min()) and int(value.max()) < transitions))
+        and (value.size == 0 or int(value.min()) >= 0)
 
 
 def _merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
@@ -108,7 +109,8 @@ class ContextExchanger(Exchanger):
     ctx (collector or evaluator, before): ``train_iter`` (the newest a learner sent). Writes ctx (learner,
     before): ``trajectories`` and ``train_data`` (received ones concatenated on their first dim),
     ``trajectory_end_idx`` (each collector's indices shifted past the transitions before its own, so they index
-    the merged trajectories; None unless every batch came with them), ``episodes`` (lists joined),
+    the merged trajectories; None unless every batch came with indices that fit it: a later middleware, such as
+    an n-step enhancer, may have reshaped the trajectories after the collector), ``episodes`` (lists joined),
     ``env_step`` / ``env_episode`` (+ the collectors' increments). Reads ctx (learner, after): ``train_iter``.
 
     ``skip_n_iter`` (DI-engine's argument): from its ``skip_n_iter``-th iteration on (``ctx.total_step >=
@@ -160,9 +162,11 @@ class ContextExchanger(Exchanger):
         check_fields(payload, node=lambda v: isinstance(v, str), env_step=int, env_episode=int,
                      episodes=lambda v: v is None or isinstance(v, list), trajectories=anything, train_data=anything)
         end_idx = payload.get("trajectory_end_idx")
-        if end_idx is not None and (payload["trajectories"] is None
-                                    or not _end_idx(end_idx, _transitions(payload["trajectories"]))):
-            raise BadMessage("its trajectory_end_idx is not a 1-D integer array of indices into its trajectories")
+        if end_idx is not None:
+            if payload["trajectories"] is None or not _end_idx(end_idx):
+                raise BadMessage("its trajectory_end_idx is not a 1-D array of indices >= 0 sent with trajectories")
+            if end_idx.size and int(end_idx.max()) >= _transitions(payload["trajectories"]):
+                payload["trajectory_end_idx"] = None  # set before a later middleware (n-step) reshaped them: unknown
         layouts = [(name, self._batch_layout(name, value)) for name, value in (
             ("trajectories", payload["trajectories"]), ("train_data", payload["train_data"]),
             *(("episodes", ep) for ep in payload["episodes"] or ())) if value is not None]
@@ -219,10 +223,11 @@ class ContextExchanger(Exchanger):
             yield
             self._router.publish(TRAIN_ITER_TOPIC, {"train_iter": int(ctx.train_iter)})
         else:
-            self._note_learners()
-            if self.skip_n_iter is not None and ctx.total_step >= self.skip_n_iter and not self._await_train_iter():
-                yield
-                return
+            if self.skip_n_iter is not None:
+                self._note_learners()
+                if ctx.total_step >= self.skip_n_iter and not self._await_train_iter():
+                    yield
+                    return
             with self._cond:
                 self._fresh = False
                 if self._train_iter is not None and self._train_iter > ctx.train_iter:
@@ -303,7 +308,6 @@ class ContextExchanger(Exchanger):
             raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
                                f"to (live peers: {self._router.peers()})")
         self._had_learner = True
-
 
     def _rejoined(self) -> bool:
         """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""

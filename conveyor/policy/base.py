@@ -64,7 +64,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any: ...
 
 
-
 class _GeneratorState:
     """Checkpoints a numpy ``Generator`` so exploration continues exactly after a resume."""
 
@@ -78,7 +77,6 @@ class _GeneratorState:
         self.rng.bit_generator.state = dict(state_dict)
 
 
-
 class Policy(abc.ABC):
     """Base class of all policies: builds the model, validates the config, owns counters and checkpoints.
 
@@ -86,7 +84,8 @@ class Policy(abc.ABC):
     errors (see :meth:`config_schema`). ``model`` overrides the one :meth:`build_model` makes from
     ``cfg.model``. ``device`` defaults to ``"cuda"`` if ``cfg.cuda`` else ``"cpu"``. ``seed`` seeds
     :attr:`rng`, the generator for exploration noise (drawn from torch's global generator when
-    ``None``, so ``torch.manual_seed`` makes a run reproducible).
+    ``None``, so ``torch.manual_seed`` makes a run reproducible). The published acting copies of the model
+    are its :class:`~conveyor.policy.weights.VersionedWeights`.
     """
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
@@ -257,7 +256,6 @@ class Policy(abc.ABC):
         """Publish a version received from another policy's :meth:`acting_state` as this one's newest, under
         the same number, so an acting replica follows the learner's versions (and records them)."""
         self._weights.load(state)
-
 
     # --- learning rate ---------------------------------------------------------------------------
     def set_lr_factor(self, factor: float) -> None:

@@ -420,7 +420,8 @@ def test_a_collector_sends_trajectory_end_idx_with_its_trajectories(fake_router)
     assert payload["trajectory_end_idx"].tolist() == [1, 4]
 
 
-@pytest.mark.parametrize("second, merged", [(np.array([0, 5]), [1, 4, 6, 11]), (None, None)])
+@pytest.mark.parametrize("second, merged", [(np.array([0, 5]), [1, 4, 6, 11]), (None, None),
+                                            (np.array([6]), None)])  # past its 6 transitions: reshaped after it was set
 def test_a_learner_shifts_each_collectors_trajectory_end_idx_into_the_merged_trajectories(fake_router, second, merged):
     with task.start(ctx=OnlineRLContext()):
         task.add_role(task.role.LEARNER)
@@ -435,13 +436,15 @@ def test_a_learner_shifts_each_collectors_trajectory_end_idx_into_the_merged_tra
     assert (got[0] if merged is None else got[0].tolist()) == merged  # None: where the second's episodes end is unknown
 
 
-@pytest.mark.parametrize("end_idx", [np.array([6]), np.array([[1]]), np.array([0.5]), [1, 4]])
-def test_a_learner_drops_a_trajectory_end_idx_that_does_not_index_its_trajectories(fake_router, end_idx):
+@pytest.mark.parametrize("end_idx, sent", [(np.array([[1]]), trajectories(1.0)), (np.array([0.5]), trajectories(1.0)),
+                                           (np.array([-1]), trajectories(1.0)), ([1, 4], trajectories(1.0)),
+                                           (np.array([1]), None), (np.array([9]), ttorch.Tensor({"obs": torch.ones(2)}))])
+def test_a_learner_drops_a_trajectory_end_idx_that_does_not_index_its_trajectories(fake_router, end_idx, sent):
     with task.start(ctx=OnlineRLContext()):
         task.add_role(task.role.LEARNER)
         exchanger = ContextExchanger(timeout_s=1)
         [deliver] = fake_router.handlers[DATA_TOPIC]
-        deliver({"node": "1", "trajectories": trajectories(1.0), "trajectory_end_idx": end_idx,
+        deliver({"node": "1", "trajectories": sent, "trajectory_end_idx": end_idx,
                  "episodes": None, "train_data": None, "env_step": 6, "env_episode": 2})
     assert exchanger.stats() == {"rejected": 1}
 
