@@ -106,7 +106,8 @@ class Exchanger:
     def _forget(self, node: str, finished: bool) -> None:
         """A peer has left: ``finished`` (said goodbye), or lost (called holding ``_cond``)."""
 
-    def _wait(self, ready: Callable[[], bool], timeout_s: float, poke: Optional[Callable[[], None]] = None) -> Optional[bool]:
+    def _wait(self, ready: Callable[[], bool], timeout_s: float,
+              poke: Optional[Callable[[], None]] = None) -> Optional[bool]:
         """Wait (holding ``_cond``) until ``ready()``: True; until asked to stop: False; ``timeout_s`` over:
         None. ``poke()`` runs every ``_RETRY_S`` while waiting."""
         deadline = time.monotonic() + timeout_s

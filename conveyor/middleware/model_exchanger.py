@@ -6,6 +6,7 @@ the types a version's extras hold are registered with the codec when one is made
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any, Dict, Iterator, Optional, Set
 
@@ -20,14 +21,17 @@ log = logging.getLogger("conveyor.middleware.exchanger")  # where the exchangers
 
 
 def _versioned(model_or_policy: Any) -> Any:
-    """A policy as it is; a bare ``torch.nn.Module`` as :class:`~conveyor.policy.ModuleVersions` (torch is loaded
-    already when one is given); else a TypeError. Registers the types of a version's extras with the codec."""
-    from conveyor.policy.weights import WIRE_TYPES, ModuleVersions
-    for wire_type in WIRE_TYPES:
-        codec.register(*wire_type)
+    """A policy as it is; a bare ``torch.nn.Module`` as :class:`~conveyor.policy.ModuleVersions`; else a TypeError.
+    Where torch is loaded (a torch policy or module was made), registers the types a version's extras hold with
+    the codec (:data:`conveyor.policy.weights.WIRE_TYPES`): imported here, so importing this module loads no torch."""
+    if "torch" in sys.modules:
+        from conveyor.policy.weights import WIRE_TYPES
+        for wire_type in WIRE_TYPES:
+            codec.register(*wire_type)
     if all(callable(getattr(model_or_policy, m, None)) for m in ("acting_state", "load_acting_state")):
         return model_or_policy
     if callable(getattr(model_or_policy, "parameters", None)) and callable(getattr(model_or_policy, "buffers", None)):
+        from conveyor.policy.weights import ModuleVersions
         return ModuleVersions(model_or_policy)
     raise TypeError(f"ModelExchanger({model_or_policy!r}): needs a policy with acting_state() and "
                     f"load_acting_state(), or a torch.nn.Module")
@@ -43,8 +47,9 @@ class ModelExchanger(Exchanger):
 
     Learner: after each iteration (after the trainer published), sends ``acting_state()`` when its
     version is newer than the last sent; it answers a request (a late joiner's) at once, from the router's
-    receive thread, with the last version it sent (the current one before the first). Receiver: before each iteration, loads the newest version received
-    (``load_acting_state``, under the learner's number, so collected rows record it). The first iteration
+    receive thread, with the last version it sent (the current one before the first). Receiver: before each
+    iteration, loads the newest version received (``load_acting_state``, under the learner's number, so
+    collected rows record it). The first iteration
     waits for a version (asking for one). ``max_staleness`` (collectors only): one version serves at most
     ``max_staleness + 1`` collect iterations, so no batch is collected on weights more than
     ``max_staleness`` versions older than what the learner has made of the earlier ones; the next waits for

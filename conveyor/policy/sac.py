@@ -105,7 +105,8 @@ class TanhActorCriticPolicy(Policy):
     def config_schema(cls) -> dict:
         """Base options plus the actor's and critics' (defaults are the SAC paper's: 256x256, lr 3e-4, batch 256)."""
         base = super().config_schema()
-        changed = with_defaults(base, {"learn": {"batch_size": 256, "learning_starts": 1000}, "collect": {"n_sample": 8}})
+        changed = with_defaults(base, {"learn": {"batch_size": 256, "learning_starts": 1000},
+                                       "collect": {"n_sample": 8}})
         return schema.merge_schemas(base, changed, {
             "nstep": nstep_option(),
             "model": {

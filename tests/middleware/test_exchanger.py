@@ -436,9 +436,9 @@ def test_a_learner_shifts_each_collectors_trajectory_end_idx_into_the_merged_tra
     assert (got[0] if merged is None else got[0].tolist()) == merged  # None: where the second's episodes end is unknown
 
 
-@pytest.mark.parametrize("end_idx, sent", [(np.array([[1]]), trajectories(1.0)), (np.array([0.5]), trajectories(1.0)),
-                                           (np.array([-1]), trajectories(1.0)), ([1, 4], trajectories(1.0)),
-                                           (np.array([1]), None), (np.array([9]), ttorch.Tensor({"obs": torch.ones(2)}))])
+@pytest.mark.parametrize("end_idx, sent", [
+    (np.array([[1]]), trajectories(1.0)), (np.array([0.5]), trajectories(1.0)), (np.array([-1]), trajectories(1.0)),
+    ([1, 4], trajectories(1.0)), (np.array([1]), None), (np.array([9]), ttorch.Tensor({"obs": torch.ones(2)}))])
 def test_a_learner_drops_a_trajectory_end_idx_that_does_not_index_its_trajectories(fake_router, end_idx, sent):
     with task.start(ctx=OnlineRLContext()):
         task.add_role(task.role.LEARNER)
