@@ -73,8 +73,9 @@ class OffPolicyLearner:
     In one process each call follows one collection round, so it takes ``update_per_collect`` steps; a
     learner fed by collector processes gets what arrived since its last call (``ctx.env_step`` grew by
     more or less than ``n_sample``) and takes as many steps as one process would on those env steps
-    (fractions carry over to the next call), so the replay ratio does not depend on how the data came. A
-    call after which ``ctx.env_step`` has not grown (a pipeline that does not count env steps) is one round.
+    (fractions carry over to the next call), so the replay ratio does not depend on how the data came. In a
+    pipeline that counts no env steps (``ctx.env_step`` stays 0) each call is one round; a call that sees no
+    new env steps (in async mode the call before it may have counted them already) takes none.
     Training waits until the buffer holds ``max(batch_size, learn.learning_starts)`` transitions.
     The priorities of the policy's :class:`~conveyor.policy.LearnResult` are written back when the buffer is
     prioritized; each step's ``metrics`` go into ``ctx.train_output``.
@@ -113,8 +114,10 @@ class OffPolicyLearner:
         self._owed = float(state["owed"])
 
     def __call__(self, ctx: OnlineRLContext) -> None:
-        new = self._n_sample if self._env_step is None or ctx.env_step <= self._env_step \
-            else ctx.env_step - self._env_step
+        # a whole round on the first call and in a pipeline that counts no env steps; else what is new (in async
+        # mode a call may already have counted the next iteration's steps: the one after it then earns none)
+        new = self._n_sample if self._env_step is None or ctx.env_step == 0 \
+            else max(0, ctx.env_step - self._env_step)
         self._env_step = ctx.env_step
         if len(self._buffer) < self._starts:
             return

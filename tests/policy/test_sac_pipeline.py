@@ -93,11 +93,11 @@ def test_sac_runs_in_the_off_policy_pipeline(tmp_path, envs, async_mode):
     for i, ((env_step, _), length) in enumerate(zip(calls, lengths)):
         assert {env_step, length} <= ({n * (i + 1), n * (i + 2)} if async_mode else {n * (i + 1)})
     # Given what each call saw, its gradient steps are fixed: none until the buffer holds learning_starts,
-    # then update_per_collect per n_sample env steps counted since the previous call (a whole round when
-    # ctx.env_step did not grow, as OffPolicyLearner documents).
+    # then update_per_collect per n_sample env steps counted since the previous call (none when a call before
+    # it already counted them, as OffPolicyLearner documents).
     previous = None
     for (env_step, steps), length in zip(calls, lengths):
-        counted = n if previous is None or env_step <= previous else env_step - previous
+        counted = n if previous is None or env_step == 0 else env_step - previous
         assert steps == (updates * counted // n if length >= starts else 0)
         previous = env_step
     if not async_mode:  # one schedule: training starts in the 4th round
@@ -123,4 +123,4 @@ def test_sac_trains_on_nstep_prioritized_batches(tmp_path, envs):
     batch = buffer.sample(16)
     assert "discount" in batch and "weight" in batch
     out = policy.learn_mode.forward(batch)
-    assert np.isfinite(out["losses/q"]) and out["priority"].shape == (16,) and np.isfinite(out["priority"]).all()
+    assert np.isfinite(out["losses/q"]) and out.priorities.shape == (16,) and np.isfinite(out.priorities).all()
