@@ -59,10 +59,25 @@ def test_plot_aggregates_seeds_and_overlays_experiments(runs, tmp_path, capsys):
     assert main(["plot", *(str(runs / name) for name in ("dqn_s0", "dqn_s1", "fast_s0")), "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out}: 2 experiments from 3 runs (eval/return against env_step)"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from conveyor.cli.plot import _experiments, read_curve
-    groups = _experiments([read_curve(runs / name, "eval/return", "wall") for name in ("dqn_s0", "dqn_s1", "fast_s0")])
-    assert {label: len(curves) for label, curves in groups.items()} == {"learning_rate=0.003 (2 runs)": 2,
-                                                                        "learning_rate=0.01": 1}
+    from conveyor.cli.plot import experiments, read_curve
+    groups = experiments([read_curve(runs / name, "eval/return", "wall") for name in ("dqn_s0", "dqn_s1", "fast_s0")])
+    assert {label: len(curves) for label, curves in groups.items()} == {"dqn_s0, dqn_s1: learning_rate=0.003": 2,
+                                                                        "fast_s0: learning_rate=0.01": 1}
+
+
+def test_plot_labels_curves_with_run_names_and_draws_the_stop_value_of_a_return(runs, tmp_path):
+    from conveyor.cli.plot import draw, experiments, read_curve
+
+    def legend(metric):
+        curves = [read_curve(runs / name, metric, "env_step") for name in ("dqn_s0", "fast_s0")]
+        axes = draw(experiments(curves), str(tmp_path / "c.png"), metric=metric).axes[0]
+        dashed = [line.get_ydata()[0] for line in axes.get_lines() if line.get_linestyle() == "--"]
+        return [text.get_text() for text in axes.get_legend().get_texts()], dashed
+
+    assert legend("eval/return") == (["dqn_s0: learning_rate=0.003", "fast_s0: learning_rate=0.01",
+                                      "stop value 475"], [475.0])
+    labels, dashed = legend("eval/return_std")  # not a return: no stop value
+    assert labels == ["dqn_s0: learning_rate=0.003", "fast_s0: learning_rate=0.01"] and dashed == []
 
 
 def test_plot_errors_are_one_line(runs, tmp_path, capsys):

@@ -11,7 +11,7 @@ import importlib
 import sys
 from typing import List, NoReturn, Optional
 
-__all__ = ["main"]
+__all__ = ["main", "parser"]
 
 COMMANDS = ("train", "listing", "eval", "plot", "collect", "describe", "task")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
@@ -25,13 +25,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"conveyor: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="conveyor", description="Reinforcement learning as a pipeline of middleware.")
-    parser.add_argument("--version", action="version", version=f"conveyor {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+def parser() -> argparse.ArgumentParser:
+    """The ``conveyor`` argument parser with every subcommand (``conveyor.cli.docs`` renders it as docs/cli.md)."""
+    top = _Parser(prog="conveyor", description="Reinforcement learning as a pipeline of middleware.")
+    top.add_argument("--version", action="version", version=f"conveyor {_version()}")
+    commands = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"conveyor.cli.{name}").register(commands)
-    return parser
+    return top
 
 
 def _version() -> str:
@@ -47,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``conveyor`` console script; returns the exit code (also for ``--help``, ``--version``
     and bad usage, which argparse ends with ``SystemExit``)."""
     try:
-        args = _parser().parse_args(argv)
+        args = parser().parse_args(argv)
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else 0 if done.code is None else 2
     return args.run(args)

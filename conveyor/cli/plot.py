@@ -6,7 +6,9 @@
 Runs whose saved configs are the same but for the seed (and the run name) are one experiment: it is drawn
 as the mean over its runs with a band (min to max, or one std either side). Each run's curve is interpolated
 onto the union of the experiment's x values and holds its last value after it stopped (a run that solved
-early stays solved). Several experiments are overlaid, labelled by the config keys that tell them apart.
+early stays solved). Several experiments are overlaid, each labelled with its run names and the config keys
+that tell it apart from the others. A return is drawn with the stop value of the runs' env (``env.stop_value``
+in their ``config.json``) as a dashed line.
 """
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from conveyor.cli._common import message, os_message, usage_error
 
-__all__ = ["register", "run", "IMAGE_SUFFIXES"]
+__all__ = ["register", "run", "read_curve", "experiments", "draw", "Curve", "IMAGE_SUFFIXES"]
 
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
 """The files ``--out`` can write (matplotlib picks the format by suffix)."""
@@ -44,12 +46,14 @@ def register(commands: "argparse._SubParsersAction") -> None:
 
 @dataclass
 class Curve:
-    """One run's metric: its directory, its config minus seed and name (``None`` without config.json), x and y."""
+    """One run's metric: its directory, its config minus seed and name (``None`` without config.json), x and y,
+    and the stop value its env trains to (``None`` when unknown)."""
 
     run_dir: Path
     config: Any
     x: List[float]
     y: List[float]
+    stop_value: Optional[float] = None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from conveyor.zoo._online import RunDirError
     try:
         curves = [read_curve(Path(d), args.metric, args.x) for d in dict.fromkeys(args.runs)]
-        groups = _experiments(curves)
-        _draw(groups, args)
+        groups = experiments(curves)
+        draw(groups, args.out, metric=args.metric, x=args.x, band=args.band)
     except (RunDirError, FileNotFoundError, LookupError, ImportError) as exc:
         return usage_error(message(exc))
     except OSError as exc:
@@ -98,17 +102,21 @@ def read_curve(run_dir: Path, metric: str, x: str) -> Curve:
     start = events.FirstEventTimestamp()
     points = {(e.step if x == "env_step" else e.wall_time - start): e.value for e in events.Scalars(metric)}
     xs = sorted(points)
+    config, stop = None, None
     try:
         saved = read_run_config(run_dir)
         config = {"policy": saved.get("policy"),
                   "config": {k: v for k, v in saved["config"].items() if k not in ("seed", "exp_name")}}
+        stop = (saved["config"].get("env") or {}).get("stop_value")
     except FileNotFoundError:
-        config = None
-    return Curve(run_dir, config, [float(v) for v in xs], [float(points[v]) for v in xs])
+        pass
+    return Curve(run_dir, config, [float(v) for v in xs], [float(points[v]) for v in xs],
+                 None if stop is None else float(stop))
 
 
-def _experiments(curves: Sequence[Curve]) -> Dict[str, List[Curve]]:
-    """The curves grouped by config (runs without a config.json alone), keyed by a label telling them apart."""
+def experiments(curves: Sequence[Curve]) -> Dict[str, List[Curve]]:
+    """The curves grouped by config (runs without a config.json alone), keyed by their legend label: the run
+    names, then what tells the group apart from the others (``dqn_s0, dqn_s1: learning_rate=0.003``)."""
     grouped: Dict[str, List[Curve]] = {}
     for curve in curves:
         key = json.dumps(curve.config, sort_keys=True, default=str) if curve.config is not None else str(curve.run_dir)
@@ -118,13 +126,14 @@ def _experiments(curves: Sequence[Curve]) -> Dict[str, List[Curve]]:
                         if len({json.dumps(f.get(k), default=str) for f in flats.values()}) > 1})
     labelled = {}
     for key, runs in grouped.items():
+        label = _names(runs)
         if runs[0].config is None or not differing:
-            label = _name(runs)
+            pass
         elif "policy" in differing:  # another algorithm: its name says more than the keys that differ with it
-            label = f"{_name(runs)} ({runs[0].config['policy']})"
+            label += f" ({runs[0].config['policy']})"
         else:
-            label = ", ".join(f"{k.rpartition('.')[2]}={flats[key].get(k)}" for k in differing[:3])
-        labelled[label + (f" ({len(runs)} runs)" if len(runs) > 1 else "")] = runs
+            label += ": " + ", ".join(f"{k.rpartition('.')[2]}={flats[key].get(k)}" for k in differing[:3])
+        labelled[label] = runs
     return labelled
 
 
@@ -137,14 +146,19 @@ def _flatten(config: Any, prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def _name(runs: Sequence[Curve]) -> str:
-    """The runs' common name without a trailing seed number (``dqn_s0``, ``dqn_s1`` -> ``dqn``)."""
-    names = {re.sub(r"[_-]?(seed|s)?\d+$", "", run.run_dir.name) or run.run_dir.name for run in runs}
-    return names.pop() if len(names) == 1 else runs[0].run_dir.name
+def _names(runs: Sequence[Curve]) -> str:
+    """The runs' names (``dqn_s0, dqn_s1``); of more than three, their common name without the seed number
+    and their count (``dqn (5 runs)``)."""
+    if len(runs) <= 3:
+        return ", ".join(run.run_dir.name for run in runs)
+    stems = {re.sub(r"[_-]?(seed|s)?\d+$", "", run.run_dir.name) or run.run_dir.name for run in runs}
+    return f"{stems.pop() if len(stems) == 1 else runs[0].run_dir.name + ', ...'} ({len(runs)} runs)"
 
 
-def _draw(groups: Dict[str, List[Curve]], args: argparse.Namespace) -> None:
-    """One mean line and band per experiment on one axes, written to ``args.out`` (Agg, no display needed)."""
+def draw(groups: Dict[str, List[Curve]], out: str, *, metric: str = "eval/return", x: str = "env_step",
+         band: str = "minmax") -> Any:
+    """One mean line and band per experiment (:func:`experiments`) on one axes, and the stop value of a return,
+    written to ``out`` (Agg, no display needed); returns the matplotlib figure."""
     try:
         import numpy as np
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -160,12 +174,16 @@ def _draw(groups: Dict[str, List[Curve]], args: argparse.Namespace) -> None:
         mean = ys.mean(axis=0)
         line, = axes.plot(grid, mean, label=label, marker="o" if len(grid) <= 30 else None, markersize=3)
         if len(runs) > 1:
-            low, high = (ys.min(axis=0), ys.max(axis=0)) if args.band == "minmax" else \
+            low, high = (ys.min(axis=0), ys.max(axis=0)) if band == "minmax" else \
                 (mean - ys.std(axis=0), mean + ys.std(axis=0))
             axes.fill_between(grid, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-    axes.set_xlabel("env steps" if args.x == "env_step" else "wall-clock seconds")
-    axes.set_ylabel(args.metric)
+    if metric.endswith("return"):  # on the scale the stop value is judged on
+        for stop in sorted({run.stop_value for runs in groups.values() for run in runs} - {None}):
+            axes.axhline(stop, color="0.4", linestyle="--", linewidth=1, label=f"stop value {stop:g}")
+    axes.set_xlabel("env steps" if x == "env_step" else "wall-clock seconds")
+    axes.set_ylabel(metric)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(args.out, dpi=120)
+    figure.savefig(out, dpi=120)
+    return figure

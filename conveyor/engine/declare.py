@@ -255,9 +255,9 @@ def declares(*, reads: Iterable[str] = (), writes: Iterable[str] = (), optional:
 def fields_of(middleware: Any) -> Optional[Fields]:
     """The declared :class:`Fields` of a middleware, or None if it declares nothing.
 
-    Sees through ``task.use`` records, ``functools.partial``, bound methods (the method's own declaration,
-    else its object's), instances of declared classes, factories annotated to return a declared class
-    (``def trainer(cfg, policy) -> Trainer``), and compositions (``compose`` / ``task.serial``:
+    Sees through ``task.use`` records, ``functools.partial``, ``functools.wraps`` wrappers, bound methods (the
+    method's own declaration, else its object's), instances of declared classes, factories annotated to return a
+    declared class (``def trainer(cfg, policy) -> Trainer``), and compositions (``compose`` / ``task.serial``:
     members in order; ``task.parallel``: members at once), which are undeclared if any member is. Plain
     ``.reads`` / ``.writes`` attributes (tuples of names) count as a declaration too.
     """
@@ -268,6 +268,8 @@ def fields_of(middleware: Any) -> Optional[Fields]:
             middleware = middleware.fn
         elif isinstance(middleware, functools.partial):
             middleware = middleware.func
+        elif getattr(middleware, "__wrapped__", None) is not None and _own(middleware) is None:
+            middleware = middleware.__wrapped__  # a functools.wraps wrapper (task.use_wrapper) declares what it wraps
         else:
             break
     members = getattr(middleware, "_members", None)

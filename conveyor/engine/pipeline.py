@@ -143,11 +143,11 @@ class AsyncPipeline:
             self._cond.notify_all()
 
     def run(self, first: int, count: int, new_ctx: Callable[[int], Any], finished: Callable[[], bool],
-            completed: Callable[[int], None], quiescent: Callable[[], None]) -> None:
+            completed: Callable[[int, Any], None], quiescent: Callable[[], None]) -> None:
         """Run the iterations; raise the oldest error (others as notes) after every worker has stopped.
 
         ``new_ctx(i)`` makes iteration ``i``'s context; ``finished()`` stops new iterations (checked before
-        one enters its first middleware); ``completed(i)`` is called in order for each completed iteration;
+        one enters its first middleware); ``completed(i, ctx)`` is called in order for each completed iteration;
         ``quiescent()`` runs on this thread when a pause was requested and nothing is in flight.
         """
         self._stages = [_Stage(first) for _ in self._chain]
@@ -226,6 +226,7 @@ class AsyncPipeline:
     def _iteration(self, i: int) -> None:
         gate = _Gate(self, i)
         error: Optional[BaseException] = None
+        ctx = None
         try:
             ctx = self._new_ctx(i)
             self._current.ctx = ctx
@@ -240,7 +241,7 @@ class AsyncPipeline:
         self._completion.wait(i)
         try:
             if error is None and not gate.stopped and not self._cancelled(i):
-                self._completed(i)
+                self._completed(i, ctx)
         except BaseException as exc:
             error = exc
             self._cancel(i)

@@ -6,15 +6,10 @@ an episode ended, an env crashed or an env returned a non-empty info dict.
 """
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
 import os
 import pickle
-import signal
-import sys
-import traceback
 import weakref
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Sequence
@@ -23,10 +18,14 @@ import cloudpickle
 import numpy as np
 
 from conveyor.envs._core import (EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, FailureStreaks, Timestep,
-                                 _EnvGroup, _factory_name, _failures, check_env_fns)
+                                 _factory_name, _failures, check_env_fns)
+from conveyor.envs._group import _EnvGroup
 from conveyor.envs._spaces import SpaceLayout
+from conveyor.processes import (GOODBYE, Child, ChildLost, attach_shared_block, create_shared_block,
+                                default_start_method, pack_exception, release_shared_block, send_quietly, stop,
+                                unpack_exception)
 
-__all__ = ["SubprocessEnvManager", "default_num_workers"]
+__all__ = ["SubprocessEnvManager", "default_num_workers", "default_start_method"]
 
 _STEP = b"s"
 _ALIGN = 64
@@ -62,73 +61,9 @@ class _Shared:
         self.action = [take((n, *s), d) for s, d in zip(act_layout.shapes, act_layout.dtypes)]
 
 
-class _RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker process, attached as its ``__cause__``."""
-
-    def __str__(self) -> str:
-        return "\n" + str(self.args[0])
-
-
-class _WorkerLost(Exception):
-    """A worker process died or stopped answering."""
-
-
-def default_start_method(requested: str | None) -> str | None:
-    """The start method for a child process: ``requested``, else multiprocessing's default, except "spawn"
-    once this process has initialised CUDA (a forked child cannot use CUDA, and a policy replica may)."""
-    if requested is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            return "spawn"
-    return requested
-
-
-def start_child(proc: Any) -> None:
-    """Start a worker process so that, if forked, it never finalizes what it inherited: garbage of the
-    parent's (a socket of a library whose threads a fork does not copy, such as nng) would abort the
-    child if its collector ran there. The parent's objects are frozen out of the garbage collector while
-    it forks; the child calls :func:`child_started` first thing."""
-    enabled = gc.isenabled()
-    gc.disable()
-    gc.freeze()
-    try:
-        proc.start()
-    finally:
-        gc.unfreeze()
-        if enabled:
-            gc.enable()
-
-
-def child_started() -> None:
-    """In a worker started by :func:`start_child`: collect garbage again, leaving what was inherited alone."""
-    gc.enable()
-
-
-def _pack_exception(exc: BaseException) -> tuple[bytes | None, str, str]:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = pickle.dumps(exc)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
-    return blob, f"{type(exc).__name__}: {exc}", text
-
-
-def _unpack_exception(packed: tuple[bytes | None, str, str]) -> BaseException:
-    blob, summary, text = packed
-    exc = pickle.loads(blob) if blob is not None else RuntimeError(summary)
-    exc.__cause__ = _RemoteTraceback(text)
-    return exc
-
-
-def _worker(conn: Connection, parent_end: Connection | None, fns_blob: bytes, first_index: int, max_retry: int,
-            env_id: str | None) -> None:
-    """A worker process: builds its envs, then steps them on command, writing results into shared memory."""
-    child_started()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C goes to the parent, which closes its workers
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does SIGTERM sent to the whole process group
-    if parent_end is not None:
-        parent_end.close()
+def _worker(conn: Connection, fns_blob: bytes, first_index: int, max_retry: int, env_id: str | None) -> None:
+    """A worker process (a :class:`conveyor.processes.Child`): builds its envs, then steps them on command,
+    writing results into shared memory."""
     group = shm = None
     try:
         stats = EnvManagerStats()
@@ -136,22 +71,19 @@ def _worker(conn: Connection, parent_end: Connection | None, fns_blob: bytes, fi
         conn.send_bytes(pickle.dumps(("ready", group.observation_space, group.action_space, group.env_id)))
         command, arg = pickle.loads(conn.recv_bytes())
         if command == "attach":
-            shm = SharedMemory(name=arg[0])
+            shm = attach_shared_block(arg[0])
             _serve(conn, group, stats, _Shared(shm.buf, group.obs_layout, group.act_layout, arg[1]))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # the parent went away or is shutting down
     except EnvCrashedError as exc:
-        _send_quietly(conn, ("crashed", exc.args[0], exc.env_index, exc.env_id, _pack_exception(exc.__cause__ or exc)))
+        send_quietly(conn, ("crashed", exc.args[0], exc.env_index, exc.env_id, pack_exception(exc.__cause__ or exc)))
     except BaseException as exc:
-        _send_quietly(conn, ("error", _pack_exception(exc)))
+        send_quietly(conn, ("error", pack_exception(exc)))
     finally:
         if group is not None:
             group.close()
         if shm is not None:
-            try:
-                shm.close()
-            except BufferError:
-                pass  # a view is still referenced; the mapping goes when the process exits
+            release_shared_block(shm, unlink=False)
         conn.close()
 
 
@@ -187,56 +119,21 @@ def _serve(conn: Connection, group: _EnvGroup, stats: EnvManagerStats, shared: _
         reported = counts
 
 
-def _send_quietly(conn: Connection, message: tuple) -> None:
-    try:
-        conn.send_bytes(pickle.dumps(message))
-    except Exception:
-        pass
-
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "is still running"
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
 class _Resources:
-    """What a manager must release: its processes, pipes and shared memory (kept apart for ``weakref.finalize``)."""
+    """What a manager must release: its worker processes and shared memory (kept apart for ``weakref.finalize``)."""
 
     def __init__(self, num_workers: int) -> None:
-        self.procs: list[Any] = [None] * num_workers
-        self.conns: list[Connection | None] = [None] * num_workers
+        self.children: list[Child | None] = [None] * num_workers
         self.shm: SharedMemory | None = None
 
     def release(self) -> None:
         """Ask workers to stop, kill those that do not, close the pipes and free the shared memory."""
-        goodbye = pickle.dumps(("close", None))
-        for conn in self.conns:
-            if conn is not None:
-                try:
-                    conn.send_bytes(goodbye)
-                except OSError:
-                    pass
-        for proc in self.procs:
-            if proc is not None:
-                proc.join(_CLOSE_TIMEOUT_S)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        for conn in self.conns:
-            if conn is not None:
-                conn.close()
+        children = [child for child in self.children if child is not None]
+        stop(children, _CLOSE_TIMEOUT_S, GOODBYE)
+        for child in children:
+            child.close()
         if self.shm is not None:
-            try:
-                self.shm.close()
-            except BufferError:
-                pass  # views still alive during garbage collection; the memory goes with them
-            self.shm.unlink()
+            release_shared_block(self.shm, unlink=True)
             self.shm = None
 
 
@@ -270,7 +167,7 @@ class SubprocessEnvManager(EnvManager):
             raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}")
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
-        self._ctx = mp.get_context(default_start_method(start_method))
+        self._start_method = start_method
         self._step_timeout = step_timeout
         edges = np.linspace(0, n, num_workers + 1).round().astype(int).tolist()
         self._bounds = list(zip(edges[:-1], edges[1:]))
@@ -289,13 +186,12 @@ class SubprocessEnvManager(EnvManager):
         self._respawns = [0] * num_workers
         self._deaths = FailureStreaks(num_workers)
         try:
-            resource_tracker.ensure_running()  # shared by all workers, so none unlinks the block on exit
             for w in range(num_workers):
                 self._start(w)
             for w in range(num_workers):
                 try:
                     obs_space, act_space, found_id = self._handshake(w)
-                except _WorkerLost as lost:
+                except ChildLost as lost:
                     raise RuntimeError(f"{lost} while building envs {self._env_range(w)}") from None
                 if w == 0:
                     self.observation_space, self.action_space, self.env_id = obs_space, act_space, found_id
@@ -304,7 +200,7 @@ class SubprocessEnvManager(EnvManager):
             self._obs_layout = SpaceLayout(self.observation_space, "observation")
             self._act_layout = SpaceLayout(self.action_space, "action")
             size = _Shared(None, self._obs_layout, self._act_layout, n).nbytes
-            self._res.shm = SharedMemory(create=True, size=max(size, 1))
+            self._res.shm = create_shared_block(size)
             self._shared = _Shared(self._res.shm.buf, self._obs_layout, self._act_layout, n)
             for w in range(num_workers):
                 self._attach(w)
@@ -320,18 +216,17 @@ class SubprocessEnvManager(EnvManager):
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of the current workers (they change when a dead worker is replaced)."""
-        return [proc.pid for proc in self._res.procs]
+        return [child.pid for child in self._res.children]  # type: ignore[union-attr]
 
     def _start(self, w: int) -> None:
-        parent_end, child_end = self._ctx.Pipe(duplex=True)
-        inherited = parent_end if self._ctx.get_start_method() == "fork" else None
-        proc = self._ctx.Process(target=_worker, name=f"conveyor-env-worker-{w}", daemon=True,
-                                 args=(child_end, inherited, self._blobs[w], self._bounds[w][0], self._max_retry,
-                                       self._given_env_id))
-        start_child(proc)
-        child_end.close()
-        self._res.procs[w] = proc
-        self._res.conns[w] = parent_end
+        args = (self._blobs[w], self._bounds[w][0], self._max_retry, self._given_env_id)
+        self._res.children[w] = Child(_worker, args, name=f"conveyor-env-worker-{w}", label=f"worker process {w}",
+                                      start_method=self._start_method)
+
+    def _child(self, w: int) -> Child:
+        child = self._res.children[w]
+        assert child is not None
+        return child
 
     def _handshake(self, w: int) -> tuple[Any, Any, str]:
         """Wait until worker ``w`` has built its envs; return their spaces and env id."""
@@ -350,42 +245,26 @@ class SubprocessEnvManager(EnvManager):
 
     def _send(self, w: int, data: bytes) -> bool:
         """Send to worker ``w``; False if its pipe is broken (the worker died)."""
-        try:
-            self._res.conns[w].send_bytes(data)  # type: ignore[union-attr]
-            return True
-        except OSError:
-            return False
+        return self._child(w).send_bytes(data)
 
-    def _recv(self, w: int, timeout: float | None) -> bytes:
-        conn = self._res.conns[w]
-        assert conn is not None
-        try:
-            if timeout is not None and not conn.poll(timeout):
-                self._res.procs[w].kill()
-                raise _WorkerLost(f"worker process {w} did not answer within step_timeout={timeout}s and was killed")
-            return conn.recv_bytes()
-        except (EOFError, OSError):
-            raise self._lost(w) from None
-
-    def _lost(self, w: int) -> _WorkerLost:
+    def _lost(self, w: int) -> ChildLost:
         """Why worker ``w``'s pipe broke: how its process ended."""
-        proc = self._res.procs[w]
-        proc.join(_CLOSE_TIMEOUT_S)
-        return _WorkerLost(f"worker process {w} {_describe_exit(proc.exitcode)}")
+        return self._child(w).lost()
 
     def _reply(self, w: int, timeout: float | None) -> Any:
-        """Worker ``w``'s decoded reply (``None`` for an empty one); raises what the worker reported."""
-        data = self._recv(w, timeout)
+        """Worker ``w``'s decoded reply (``None`` for an empty one); raises what the worker reported (and
+        :class:`ChildLost` if it died or, with ``timeout``, did not answer in time)."""
+        data = self._child(w).recv_bytes(timeout, "step_timeout")
         if not data:
             return None
         reply = pickle.loads(data)
         if reply[0] == "crashed":
             _, message, index, env_id, cause = reply
             self.close()
-            raise EnvCrashedError(message, index, env_id) from _unpack_exception(cause)
+            raise EnvCrashedError(message, index, env_id) from unpack_exception(cause)
         if reply[0] == "error":
             self.close()
-            raise _unpack_exception(reply[1])
+            raise unpack_exception(reply[1])
         return reply
 
     def _env_range(self, w: int) -> str:
@@ -403,7 +282,7 @@ class SubprocessEnvManager(EnvManager):
                 if not sent[w]:
                     raise self._lost(w)
                 self._count(self._reply(w, None))
-            except _WorkerLost as lost:
+            except ChildLost as lost:
                 self._replace(w, str(lost))
         return self._obs_layout.nest([a.copy() for a in shared.obs])
 
@@ -420,7 +299,7 @@ class SubprocessEnvManager(EnvManager):
                 if not sent[w]:
                     raise self._lost(w)
                 reply = self._reply(w, self._step_timeout)
-            except _WorkerLost as lost:
+            except ChildLost as lost:
                 self._replace(w, str(lost))
                 self._mark_crashed(w, str(lost), infos)
                 continue
@@ -461,18 +340,17 @@ class SubprocessEnvManager(EnvManager):
         while True:
             in_a_row = self._deaths.fail(w, self._t)
             self.stats.crashes += b - a
-            proc = self._res.procs[w]
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
-            self._res.conns[w].close()  # type: ignore[union-attr]
+            child = self._child(w)
+            child.kill()
+            child.wait()
+            child.close()
             if in_a_row > self._max_retry:
                 self.close()
                 raise EnvCrashedError(
                     f"envs {self._env_range(w)} ({self.env_id}) gave up after {_failures(in_a_row)} of their worker "
                     f"process, more than max_retry={self._max_retry} restarts allow; last: {reason}. Find out what "
                     f"kills the process (memory, signals), or raise env.max_retry.", a, self.env_id
-                ) from _WorkerLost(reason)
+                ) from ChildLost(reason)
             self._respawns[w] += 1
             self.stats.worker_restarts += 1
             try:
@@ -483,7 +361,7 @@ class SubprocessEnvManager(EnvManager):
                     raise self._lost(w)
                 self._count(self._reply(w, None))
                 return
-            except _WorkerLost as lost:
+            except ChildLost as lost:
                 reason = str(lost)
             except BaseException:
                 self.close()
@@ -498,7 +376,7 @@ class SubprocessEnvManager(EnvManager):
                 if not sent[w]:
                     raise self._lost(w)
                 reply = self._reply(w, None)
-            except _WorkerLost as lost:
+            except ChildLost as lost:
                 self.close()
                 raise RuntimeError(f"{lost} while {what} envs {self._env_range(w)}") from None
             self._count(reply)

@@ -5,7 +5,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from conveyor.envs._core import EnvCrashedError, EnvFn, EnvManager, Timestep, _EnvGroup, check_env_fns
+from conveyor.envs._core import EnvCrashedError, EnvFn, EnvManager, Timestep, check_env_fns
+from conveyor.envs._group import _EnvGroup
 
 __all__ = ["SyncEnvManager"]
 

@@ -1,5 +1,6 @@
 """Middleware: the small steps RL pipelines are made of. Each documents the context fields it reads and writes."""
 from conveyor.middleware.advantage import gae_estimator, generalized_advantage
+from conveyor.middleware.barrier import Barrier
 from conveyor.middleware.ckpt import CheckpointError, CkptSaver, load_checkpoint, restore, save_checkpoint
 from conveyor.middleware.collector import EPISODE_EVENT, EpisodeCollector, StepCollector, eps_greedy_handler
 from conveyor.middleware.collector_process import ProcessCollector, collection_builder
@@ -13,7 +14,7 @@ from conveyor.middleware.offline import EpisodeRecorder, OfflineDataFetcher, epi
 from conveyor.middleware.termination import termination_checker
 from conveyor.middleware.trainer import MultistepTrainer, Trainer, multistep_trainer, trainer
 
-__all__ = ["EpisodeRecorder", "OfflineDataFetcher", "episode_recorder", "offline_data_fetcher",
+__all__ = ["Barrier", "EpisodeRecorder", "OfflineDataFetcher", "episode_recorder", "offline_data_fetcher",
            "CheckpointError", "CkptSaver", "ContextExchanger", "ModelExchanger", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
            "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "ProcessCollector", "StepCollector", "Trainer",
            "collection_builder", "data_pusher", "eps_greedy_handler", "evaluate", "gae_estimator", "generalized_advantage",

@@ -11,15 +11,11 @@ answer into the context.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import pickle
-import signal
-import weakref
-from multiprocessing import resource_tracker
-from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
 import threading
+import weakref
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
@@ -28,9 +24,9 @@ import treetensor.torch as ttorch
 
 from conveyor.data.batch import to_numpy, to_tensor
 from conveyor.engine import OnlineRLContext, compose, declares, task
-from conveyor.envs._subprocess import (_describe_exit, _pack_exception, _send_quietly, _unpack_exception,
-                                      child_started, default_start_method, start_child)
 from conveyor.middleware.collector import EPISODE_EVENT
+from conveyor.processes import (Child, ChildLost, attach_shared_block, create_shared_block, pack_exception,
+                                release_shared_block, send_quietly, unpack_exception)
 
 __all__ = ["ProcessCollector", "collection_builder"]
 
@@ -39,7 +35,6 @@ Builder = Callable[[], Tuple[Chain, Any, Callable[[], None]]]
 
 _OUTPUTS = ("trajectories", "trajectory_end_idx", "episodes", "train_data")
 _ALIGN = 64
-_POLL_S = 0.5  # how often a waiting parent checks that the child is still alive
 _CLOSE_TIMEOUT_S = 5.0
 
 
@@ -54,17 +49,13 @@ def collection_builder(cfg: Any, policy_cls: type, collection: Callable[[Any, An
     return build
 
 
-def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes, weights_name: str,
-           layout: List[Tuple[tuple, torch.dtype]], num_threads: int, cpus: Optional[Set[int]]) -> None:
-    """The child: build the chain, then answer the parent's requests until it says close or goes away."""
-    child_started()
+def _serve(conn: Connection, blob: bytes, weights_name: str, layout: List[Tuple[tuple, torch.dtype]],
+           num_threads: int, cpus: Optional[Set[int]]) -> None:
+    """The child (a :class:`conveyor.processes.Child`): build the chain, then answer the parent's requests until
+    it says close or goes away."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(num_threads)  # the parent's, also where the child is not forked from its thread
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM go to the parent, which closes us
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if parent_end is not None:
-        parent_end.close()
     events: List[tuple] = []
     task.off(EPISODE_EVENT)  # a forked child holds copies of the parent's handlers: collect events for the parent
     task.on(EPISODE_EVENT, lambda *args: events.append(args))
@@ -107,13 +98,13 @@ def _serve(conn: Connection, parent_end: Optional[Connection], blob: bytes, weig
                 else:
                     raise ValueError(f"unknown request {command!r}")
             except Exception as exc:
-                conn.send_bytes(pickle.dumps(("error", _pack_exception(exc))))
+                conn.send_bytes(pickle.dumps(("error", pack_exception(exc))))
                 continue
             conn.send_bytes(pickle.dumps(("ok", reply)))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # the parent went away: nothing is left to collect for
     except BaseException as exc:
-        _send_quietly(conn, ("error", _pack_exception(exc)))
+        send_quietly(conn, ("error", pack_exception(exc)))
     finally:
         if close is not None:
             close()
@@ -148,16 +139,14 @@ class _SharedWeights:
         offsets = [sum(-(-n // _ALIGN) * _ALIGN for n in sizes[:k]) for k in range(len(sizes))]
         total = (offsets[-1] + sizes[-1]) if sizes else 1
         self.layout = layout
-        self.shm = SharedMemory(name=name, create=name is None, size=max(total, 1) if name is None else 0)
+        self.shm = create_shared_block(total) if name is None else attach_shared_block(name)
         self.tensors = [torch.frombuffer(self.shm.buf, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
                         for (shape, dtype), offset in zip(layout, offsets)]
 
     def close(self, unlink: bool) -> None:
         """Drop the tensors, unmap the block, and (its creator) free it."""
         self.tensors = []
-        self.shm.close()
-        if unlink:
-            self.shm.unlink()
+        release_shared_block(self.shm, unlink)
 
 
 _SPLITS: Dict[int, List[Any]] = {}  # thread id -> [its CPUs before, the children's CPUs, collectors sharing them]
@@ -213,21 +202,13 @@ class _Child:
 
     def __init__(self, weights: _SharedWeights) -> None:
         self.weights = weights
-        self.proc: Any = None
-        self.conn: Optional[Connection] = None
+        self.child: Optional[Child] = None
         self.pinned: Optional[int] = None  # the id of the thread it split CPUs with, until closed
 
     def close(self) -> None:
         """Ask the child to stop; kill it if it does not within a few seconds; free the shared weights."""
-        if self.conn is not None:
-            _send_quietly(self.conn, ("close", None))
-        if self.proc is not None:
-            self.proc.join(_CLOSE_TIMEOUT_S)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
-        if self.conn is not None:
-            self.conn.close()
+        if self.child is not None:
+            self.child.stop(_CLOSE_TIMEOUT_S)
         self.weights.close(unlink=True)
         if self.pinned is not None:
             tid, self.pinned = self.pinned, None
@@ -267,23 +248,16 @@ class ProcessCollector:
         self._policy = policy
         self._sent: Optional[int] = None
         layout = [(tuple(t.shape), t.dtype) for t in policy.acting_state()["tensors"]]
-        resource_tracker.ensure_running()  # one tracker for parent and child, so the child's exit frees nothing
         self._child = _Child(_SharedWeights(layout))
         self._finalizer = weakref.finalize(self, self._child.close)
         try:
-            context = mp.get_context(default_start_method(start_method))
-            parent_end, child_end = context.Pipe(duplex=True)
-            inherited = parent_end if context.get_start_method() == "fork" else None
             split = _split_cpus(split_cpus)
             if split is not None:
                 self._child.pinned = split[0]
-            self._child.proc = context.Process(
-                target=_serve, args=(child_end, inherited, cloudpickle.dumps(build), self._child.weights.shm.name,
-                                     layout, torch.get_num_threads(), None if split is None else split[1]),
-                daemon=True, name="conveyor-collector")
-            start_child(self._child.proc)
-            self._child.conn = parent_end
-            child_end.close()
+            args = (cloudpickle.dumps(build), self._child.weights.shm.name, layout, torch.get_num_threads(),
+                    None if split is None else split[1])
+            self._child.child = Child(_serve, args, name="conveyor-collector",
+                                      label="the collector process (pid {pid})", start_method=start_method)
             self._request(None)
         except BaseException:
             self.close()
@@ -295,7 +269,7 @@ class ProcessCollector:
     @property
     def pid(self) -> int:
         """The child's process id."""
-        return self._child.proc.pid
+        return self._child.child.pid
 
     def __call__(self, ctx: OnlineRLContext) -> None:
         self._check_open()
@@ -339,18 +313,13 @@ class ProcessCollector:
     def _request(self, message: Optional[tuple]) -> Any:
         """Send ``message`` (None: only wait for the child's first answer) and return the child's reply."""
         self._check_open()
-        conn, proc = self._child.conn, self._child.proc
+        child = self._child.child
         try:
-            if message is not None:
-                conn.send_bytes(pickle.dumps(message))
-            while not conn.poll(_POLL_S):
-                if not proc.is_alive():
-                    raise EOFError
-            status, reply = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            proc.join(_CLOSE_TIMEOUT_S)
-            raise RuntimeError(f"the collector process (pid {proc.pid}) {_describe_exit(proc.exitcode)}: "
-                               f"its envs and episodes in progress are lost; see its output above") from None
+            if message is not None and not child.send_bytes(pickle.dumps(message)):
+                raise child.lost()
+            status, reply = pickle.loads(child.recv_bytes())
+        except ChildLost as lost:
+            raise RuntimeError(f"{lost}: its envs and episodes in progress are lost; see its output above") from None
         if status == "error":
-            raise _unpack_exception(reply)
+            raise unpack_exception(reply)
         return reply

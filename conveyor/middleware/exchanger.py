@@ -36,148 +36,51 @@ Faults (membership comes from the router: a peer that dies, disconnects or close
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set
+import math
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Set
 
-from conveyor.engine import CLOSE_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, declares, task
-from conveyor.engine.parallel import codec
+from conveyor.engine import OnlineRLContext, declares, task
+from conveyor.middleware.exchange_base import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC,
+                                               TRAIN_ITER_TOPIC, Exchanger, anything, seconds)
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
-from conveyor.policy.normaliser import FrozenNormaliser
+from conveyor.middleware.model_exchanger import ModelExchanger
 
 __all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "COLLECTOR_TOPIC", "DATA_TOPIC",
            "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout"]
 
 log = logging.getLogger(__name__)
 
-DATA_TOPIC = "conveyor.exchange.data"
-"""Collectors -> learners: ``{"node", "trajectories", "episodes", "train_data", "env_step", "env_episode"}``
-(increments)."""
-TRAIN_ITER_TOPIC = "conveyor.exchange.train_iter"
-"""Learners -> collectors and evaluators: ``{"train_iter": int}``."""
-MODEL_TOPIC = "conveyor.exchange.model"
-"""Learner -> the others: ``policy.acting_state()`` (``version``, ``tensors``, ``extras``)."""
-MODEL_REQUEST_TOPIC = "conveyor.exchange.model_request"
-"""A receiver -> learners: ``{"node": id}``, asking for the newest version (a late joiner's first one)."""
-COLLECTOR_TOPIC = "conveyor.exchange.collector"
-"""Subscribed to by collectors, so that learners know them before their first batch; nothing is sent on it."""
-
-# A version's extras travel with its weights: PPO's are its frozen observation statistics (tensors or trees
-# of them; they arrive on the CPU).
-codec.register(FrozenNormaliser, "conveyor.FrozenNormaliser",
-               lambda n: {"mean": n.mean, "inv_std": n.inv_std, "clip": n.clip}, lambda d: FrozenNormaliser(**d))
-
-_RETRY_S = 0.25  # a receiver waiting for weights repeats its request this often (a request can pass its subscription)
-
-
-def _seconds(where: str, name: str, value: Any, zero_ok: bool = False) -> float:
-    """``value`` as a float number of seconds (> 0, or >= 0 with ``zero_ok``); else a ValueError naming it."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0 if zero_ok else value > 0):
-        raise ValueError(f"{where}({name}={value!r}): must be a number of seconds {'>= 0' if zero_ok else '> 0'}")
-    return float(value)
-
-
-def _active_router() -> Any:
-    router = task.router
-    if router is None or not getattr(router, "is_active", True):
-        return None
-    return router
-
-
-class _Exchanger:
-    """What both exchangers share: the side this process plays, its router subscription, the stop and
-    lost-peer wake-ups, and unsubscribing when the ``task.start`` block closes."""
-
-    def __init__(self, name: str, learner_topic: str, learner_fn: Callable[[Any], Any], other_topic: str,
-                 other_fn: Callable[[Any], Any]) -> None:
-        self._router = _active_router()
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._learner = self._collector = False
-        self._subscribed: List[tuple] = []  # (topic, handler)
-        self._rejections = Rejections(f"{name} on node {getattr(self._router, 'node_id', '-')}")
-        if self._router is None:
-            return
-        if not task.roles:
-            raise RuntimeError(f"{name} in a multi-process run needs this process's role: call "
-                               f"task.add_role(task.role.LEARNER) (or COLLECTOR / EVALUATOR) before making it")
-        self._learner = task.has_role(task.role.LEARNER)
-        if self._learner and task.has_role(task.role.COLLECTOR):
-            raise RuntimeError(f"{name}: this process has both the LEARNER and the COLLECTOR role; in a multi-process "
-                               f"run a learner takes its data from collector processes (its own collector would "
-                               f"overwrite what they sent): give collecting to other workers, or run one process")
-        self._collector = not self._learner and task.has_role(task.role.COLLECTOR)
-        topic, fn = (learner_topic, learner_fn) if self._learner else (other_topic, other_fn)
-        self._subscribe(topic, self._rejections(fn, topic))
-        task.on(STOP_EVENT, self._stop)
-        task.on(PEER_LOST_EVENT, self._peer_lost)
-        task.on(CLOSE_EVENT, self.close)
-
-    def stats(self) -> Dict[str, int]:
-        """``rejected``: messages dropped on receipt as not what their topic carries (see the module docstring)."""
-        return {"rejected": self._rejections.count}
-
-    def close(self) -> None:
-        """Unsubscribe from the router (called when the ``with task.start():`` block closes)."""
-        for topic, fn in self._subscribed:
-            self._router.off(topic, fn)
-        self._subscribed = []
-
-    def _subscribe(self, topic: str, fn: Callable[[Any], Any]) -> None:
-        self._router.on(topic, fn)
-        self._subscribed.append((topic, fn))
-
-    def _stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-
-    def _peer_lost(self, node: Any) -> None:
-        finished = str(node) in self._router.peers()  # its main returned (a goodbye), else the router lost it
-        with self._cond:
-            self._forget(str(node), finished)
-            self._cond.notify_all()
-
-    def _forget(self, node: str, finished: bool) -> None:
-        """A peer has left: ``finished`` (said goodbye), or lost (called holding ``_cond``)."""
-
-    def _wait(self, ready: Callable[[], bool], timeout_s: float, poke: Optional[Callable[[], None]] = None) -> Optional[bool]:
-        """Wait (holding ``_cond``) until ``ready()``: True; until asked to stop: False; ``timeout_s`` over:
-        None. ``poke()`` runs every ``_RETRY_S`` while waiting."""
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if self._stopping:
-                return False
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if poke is not None:
-                self._cond.release()
-                try:
-                    poke()
-                finally:
-                    self._cond.acquire()
-            self._cond.wait(min(left, _RETRY_S) if poke is not None else left)
-        return True
-
-    def _timeout(self, what: str, sender: str, timeout_s: float) -> TimeoutError:
-        return TimeoutError(f"node {self._router.node_id}: no {what} within {timeout_s}s (live peers: "
-                            f"{self._router.peers()}); is a {sender} running, with this exchanger in its chain? "
-                            f"Raise timeout_s if it is just slow")
-
-    def _end_run(self, level: int, why: str) -> None:
-        """End the run normally after this iteration, entering no further middleware in it."""
-        log.log(level, "node %s: %s", self._router.node_id, why)
-        task.finish = True
-        task.end_iteration()
-
-
-def _any(value: Any) -> bool:
-    return True
-
 
 def _ignore(payload: Any) -> None:
     pass
+
+
+def _transitions(trajectories: Any) -> int:
+    """How many transitions a batch of trajectories holds: the size of its leading dims (``reward``'s shape)."""
+    try:
+        return math.prod(trajectories["reward"].shape)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise BadMessage("its trajectory_end_idx comes with trajectories without a 'reward' array to count them by") \
+            from None
+
+
+def _end_idx(value: Any) -> bool:
+    """Whether ``value`` is a 1-D array of non-negative integers."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
+        and (value.size == 0 or int(value.min()) >= 0)
+
+
+def _merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
+    """The received ``trajectory_end_idx`` as flat indices into the merged trajectories (each collector's shifted
+    by the transitions before its own); None unless every batch of trajectories came with them."""
+    sent = [p for p in payloads if p["trajectories"] is not None]
+    if not sent or any(p.get("trajectory_end_idx") is None for p in sent):
+        return None
+    np = sys.modules["numpy"]  # the arrays received are numpy's
+    offsets = np.cumsum([0] + [_transitions(p["trajectories"]) for p in sent[:-1]])
+    return np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
 
 
 def _merge_trajectories(batches: List[Any]) -> Any:
@@ -191,18 +94,31 @@ def _merge_trajectories(batches: List[Any]) -> Any:
                          f"first dim ({type(e).__name__}: {e}); give every collector the same env count") from None
 
 
-@declares(reads=("train_iter", "env_step", "env_episode"),
-          writes=("train_iter", "trajectories", "episodes", "train_data", "env_step", "env_episode"),
-          backward_reads=("trajectories", "episodes", "train_data", "env_step", "env_episode", "train_iter"),
-          optional=("trajectories", "episodes", "train_data"))  # both sides: see the docstring
-class ContextExchanger(_Exchanger):
+@declares(reads=("train_iter", "env_step", "env_episode", "total_step"),
+          writes=("train_iter", "trajectories", "trajectory_end_idx", "episodes", "train_data", "env_step",
+                  "env_episode"),
+          backward_reads=("trajectories", "trajectory_end_idx", "episodes", "train_data", "env_step", "env_episode",
+                          "train_iter"),
+          optional=("trajectories", "trajectory_end_idx", "episodes", "train_data", "total_step"))  # see the docstring
+class ContextExchanger(Exchanger):
     """Collectors send what they collected to learners; learners send ``train_iter`` back.
 
-    Reads ctx (collector, after the collector ran): ``trajectories``, ``episodes``, ``train_data`` (what an
-    advantage estimator made of them), ``env_step``, ``env_episode``. Writes ctx (collector, before):
-    ``train_iter`` (the newest a learner sent). Writes ctx (learner, before): ``trajectories`` and
-    ``train_data`` (received ones concatenated on their first dim), ``episodes`` (lists joined), ``env_step`` / ``env_episode`` (+ the collectors' increments).
-    Reads ctx (learner, after): ``train_iter``.
+    Reads ctx (collector, after the collector ran): ``trajectories``, ``trajectory_end_idx`` (sent with them when
+    the collector set it), ``episodes``, ``train_data`` (what an advantage estimator made of them), ``env_step``,
+    ``env_episode``. Reads ctx (collector or evaluator, before): ``total_step`` (with ``skip_n_iter``). Writes
+    ctx (collector or evaluator, before): ``train_iter`` (the newest a learner sent). Writes ctx (learner,
+    before): ``trajectories`` and ``train_data`` (received ones concatenated on their first dim),
+    ``trajectory_end_idx`` (each collector's indices shifted past the transitions before its own, so they index
+    the merged trajectories; None unless every batch came with indices that fit it: a later middleware, such as
+    an n-step enhancer, may have reshaped the trajectories after the collector), ``episodes`` (lists joined),
+    ``env_step`` / ``env_episode`` (+ the collectors' increments). Reads ctx (learner, after): ``train_iter``.
+
+    ``skip_n_iter`` (DI-engine's argument): from its ``skip_n_iter``-th iteration on (``ctx.total_step >=
+    skip_n_iter``), a collector or evaluator waits at the start of each iteration, at most ``timeout_s``, for
+    a ``train_iter`` the learner sent since its last iteration, so it runs in step with the learner (DI-engine's
+    default, 1: all but the first iteration wait). ``None`` (the default here): it never waits and acts on the
+    newest ``train_iter`` it has. Unlike DI-engine, where the wait ends in a warning after 60 s, it ends in a
+    ``TimeoutError``, as every wait here does; it ends the run normally once every learner is gone.
 
     A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
     knows (subscribed to :data:`COLLECTOR_TOPIC`, or sent a batch) is lost it waits ``grace_s`` for one to
@@ -212,12 +128,20 @@ class ContextExchanger(_Exchanger):
     unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
     """
 
-    def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0) -> None:
-        self.timeout_s = _seconds("ContextExchanger", "timeout_s", timeout_s)
-        self.grace_s = _seconds("ContextExchanger", "grace_s", grace_s)
-        self.rejoin_s = _seconds("ContextExchanger", "rejoin_s", rejoin_s, zero_ok=True)
+    def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0,
+                 skip_n_iter: Optional[int] = None) -> None:
+        if skip_n_iter is not None and (not isinstance(skip_n_iter, int) or isinstance(skip_n_iter, bool)
+                                        or skip_n_iter < 0):
+            raise ValueError(f"ContextExchanger(skip_n_iter={skip_n_iter!r}): must be an int >= 0 (iterations that "
+                             f"do not wait for the learner), or None never to wait")
+        self.skip_n_iter = skip_n_iter
+        self.timeout_s = seconds("ContextExchanger", "timeout_s", timeout_s)
+        self.grace_s = seconds("ContextExchanger", "grace_s", grace_s)
+        self.rejoin_s = seconds("ContextExchanger", "rejoin_s", rejoin_s, zero_ok=True)
         self._inbox: List[Dict[str, Any]] = []
         self._train_iter: Optional[int] = None
+        self._fresh = False  # collector or evaluator: a train_iter arrived since its last iteration began
+        self._learners_seen = False  # collector or evaluator: a learner was subscribed to the data topic
         self._collectors: Set[str] = set()  # learner: the live collectors that have sent data
         self._left: Dict[str, bool] = {}  # learner: collectors gone since it last had none, by id: finished?
         self._gone: Set[str] = set()  # learner: nodes gone (one speaks again only as a restarted, live peer)
@@ -231,11 +155,18 @@ class ContextExchanger(_Exchanger):
     def __repr__(self) -> str:
         side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
             else "evaluator"
-        return f"ContextExchanger({side}, timeout_s={self.timeout_s}, grace_s={self.grace_s})"
+        return f"ContextExchanger({side}, timeout_s={self.timeout_s}, grace_s={self.grace_s}, " \
+               f"skip_n_iter={self.skip_n_iter})"
 
     def _got_data(self, payload: Any) -> None:
         check_fields(payload, node=lambda v: isinstance(v, str), env_step=int, env_episode=int,
-                     episodes=lambda v: v is None or isinstance(v, list), trajectories=_any, train_data=_any)
+                     episodes=lambda v: v is None or isinstance(v, list), trajectories=anything, train_data=anything)
+        end_idx = payload.get("trajectory_end_idx")
+        if end_idx is not None:
+            if payload["trajectories"] is None or not _end_idx(end_idx):
+                raise BadMessage("its trajectory_end_idx is not a 1-D array of indices >= 0 sent with trajectories")
+            if end_idx.size and int(end_idx.max()) >= _transitions(payload["trajectories"]):
+                payload["trajectory_end_idx"] = None  # set before a later middleware (n-step) reshaped them: unknown
         layouts = [(name, self._batch_layout(name, value)) for name, value in (
             ("trajectories", payload["trajectories"]), ("train_data", payload["train_data"]),
             *(("episodes", ep) for ep in payload["episodes"] or ())) if value is not None]
@@ -266,6 +197,8 @@ class ContextExchanger(_Exchanger):
         check_fields(payload, train_iter=int)
         with self._cond:
             self._train_iter = max(self._train_iter or 0, int(payload["train_iter"]))
+            self._fresh = True
+            self._cond.notify_all()
 
     def _note_collectors(self) -> None:
         """Learner: count the collectors subscribed to :data:`COLLECTOR_TOPIC` as live (a lost one is listed
@@ -290,7 +223,13 @@ class ContextExchanger(_Exchanger):
             yield
             self._router.publish(TRAIN_ITER_TOPIC, {"train_iter": int(ctx.train_iter)})
         else:
+            if self.skip_n_iter is not None:
+                self._note_learners()
+                if ctx.total_step >= self.skip_n_iter and not self._await_train_iter():
+                    yield
+                    return
             with self._cond:
+                self._fresh = False
                 if self._train_iter is not None and self._train_iter > ctx.train_iter:
                     ctx.train_iter = self._train_iter
             env_step, env_episode = ctx.env_step, ctx.env_episode
@@ -298,6 +237,7 @@ class ContextExchanger(_Exchanger):
             if self._collector and (ctx.trajectories is not None or ctx.episodes is not None
                                     or ctx.train_data is not None):
                 self._send({"node": str(self._router.node_id), "trajectories": ctx.trajectories,
+                            "trajectory_end_idx": getattr(ctx, "trajectory_end_idx", None),
                             "episodes": ctx.episodes, "train_data": ctx.train_data,
                             "env_step": int(ctx.env_step - env_step),
                             "env_episode": int(ctx.env_episode - env_episode)})
@@ -326,9 +266,31 @@ class ContextExchanger(_Exchanger):
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
+        if hasattr(ctx, "trajectory_end_idx"):
+            ctx.trajectory_end_idx = _merge_end_idx(got)
         ctx.train_data = _merge_trajectories([p["train_data"] for p in got if p.get("train_data") is not None])
         episodes = [ep for p in got if p["episodes"] is not None for ep in p["episodes"]]
         ctx.episodes = episodes or None
+
+    def _await_train_iter(self) -> bool:
+        """Collector or evaluator, ``skip_n_iter`` passed: wait for a ``train_iter`` sent since the last iteration;
+        False (the run was ended) when asked to stop or every learner is gone."""
+        with self._cond:
+            got = self._wait(lambda: self._fresh or self._learners_gone(), self.timeout_s, self._note_learners)
+            if got is None:
+                raise self._timeout(f"train_iter on {TRAIN_ITER_TOPIC!r} (skip_n_iter={self.skip_n_iter})",
+                                    "learner", self.timeout_s)
+            if got and self._fresh:
+                return True
+        self._end_run(logging.INFO, "asked to stop" if self._stopping else "every learner is gone; this node stops")
+        return False
+
+    def _note_learners(self) -> None:
+        if self._router.subscribers(DATA_TOPIC):
+            self._learners_seen = True
+
+    def _learners_gone(self) -> bool:
+        return self._learners_seen and not self._router.subscribers(DATA_TOPIC)
 
     def _send(self, payload: Dict[str, Any]) -> None:
         if self._router.publish(DATA_TOPIC, payload) > 0:
@@ -347,7 +309,6 @@ class ContextExchanger(_Exchanger):
                                f"to (live peers: {self._router.peers()})")
         self._had_learner = True
 
-
     def _rejoined(self) -> bool:
         """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""
         if not self.rejoin_s or task.finish or self._stopping:
@@ -357,216 +318,3 @@ class ContextExchanger(_Exchanger):
         except TimeoutError:
             return False
         return True
-
-
-class _ModelVersions:
-    """A bare ``nn.Module`` seen as a versioned policy: one version per learner iteration."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.version = model, 0
-        self._lock = threading.Lock()
-
-    def _tensors(self) -> List[Any]:
-        return [*self.model.parameters(), *self.model.buffers()]
-
-    def publish(self) -> int:
-        self.version += 1
-        return self.version
-
-    def acting_state(self) -> Dict[str, Any]:
-        with self._lock:
-            return {"version": self.version, "tensors": [t.detach().clone() for t in self._tensors()], "extras": None}
-
-    def load_acting_state(self, state: Dict[str, Any]) -> None:
-        import torch
-        with self._lock, torch.no_grad():
-            for mine, theirs in zip(self._tensors(), state["tensors"]):
-                mine.copy_(theirs)
-            self.version = int(state["version"])
-
-
-@declares()  # no context field: it reads and writes the policy's weights
-class ModelExchanger(_Exchanger):
-    """The learner sends its newest weights; collectors and evaluators act on the newest they received.
-
-    ``model_or_policy``: a policy (``version``, ``acting_state()``, ``load_acting_state()``, as
-    :class:`conveyor.policy.Policy`) or a bare ``torch.nn.Module`` (then the learner numbers a new version
-    after each of its iterations).
-
-    Learner: after each iteration (after the trainer published), sends ``acting_state()`` when its
-    version is newer than the last sent; it answers a request (a late joiner's) at once, from the router's
-    receive thread, with the last version it sent (the current one before the first). Receiver: before each iteration, loads the newest version received
-    (``load_acting_state``, under the learner's number, so collected rows record it). The first iteration
-    waits for a version (asking for one). ``max_staleness`` (collectors only): one version serves at most
-    ``max_staleness + 1`` collect iterations, so no batch is collected on weights more than
-    ``max_staleness`` versions older than what the learner has made of the earlier ones; the next waits for
-    a newer version (``0``: every batch on fresh weights, on-policy). ``None``: never waits after the
-    first. Every wait is bounded by ``timeout_s``. A receiver whose learners are all gone (finished or
-    lost) ends its run normally at once, at the start of an iteration or in a wait; with ``rejoin_s`` > 0,
-    when the last one was lost (not finished) it first waits that long for a learner to (re)join (one
-    restarted by ``auto_recover``) and goes on with that learner's first version, whatever its number.
-
-    Reads / writes ctx: nothing; it reads and writes the policy's weights.
-    """
-
-    def __init__(self, model_or_policy: Any, max_staleness: Optional[int] = None, timeout_s: float = 60.0,
-                 rejoin_s: float = 0.0) -> None:
-        if all(callable(getattr(model_or_policy, m, None)) for m in ("acting_state", "load_acting_state")):
-            self.policy = model_or_policy
-            self._bare = False
-        elif callable(getattr(model_or_policy, "parameters", None)) and callable(getattr(model_or_policy, "buffers", None)):
-            self.policy, self._bare = _ModelVersions(model_or_policy), True
-        else:
-            raise TypeError(f"ModelExchanger({model_or_policy!r}): needs a policy with acting_state() and "
-                            f"load_acting_state(), or a torch.nn.Module")
-        if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
-                                          or max_staleness < 0):
-            raise ValueError(f"ModelExchanger(max_staleness={max_staleness!r}): must be an int >= 0, or None")
-        self.max_staleness, self.timeout_s = max_staleness, _seconds("ModelExchanger", "timeout_s", timeout_s)
-        self.rejoin_s = _seconds("ModelExchanger", "rejoin_s", rejoin_s, zero_ok=True)
-        self._learners: Set[str] = set()  # receiver: the live learners seen subscribed to requests
-        self._left: Set[str] = set()  # receiver: peers that finished (never counted as learners again)
-        self._learners_gone = False  # receiver: every learner seen has left
-        self._rejoin_due = False  # receiver: every learner left, the last one lost: wait for one to rejoin
-        self._newest: Optional[Dict[str, Any]] = None  # receiver: the newest version received, not yet loaded
-        self._heard = -1  # receiver: the newest version number heard of
-        self._loaded: Optional[int] = None
-        self._uses = 0
-        self._sent = -1
-        self._last: Optional[Dict[str, Any]] = None  # learner: the last version sent
-        self._layout: Any = None  # receiver: the layout of its policy's acting state
-        self._send_lock = threading.Lock()
-        super().__init__("ModelExchanger", MODEL_REQUEST_TOPIC, self._answer, MODEL_TOPIC, self._got_model)
-
-    def __repr__(self) -> str:
-        side = "inactive" if self._router is None else "learner" if self._learner else "receiver"
-        return f"ModelExchanger({side}, max_staleness={self.max_staleness}, timeout_s={self.timeout_s})"
-
-    @property
-    def loaded_version(self) -> Optional[int]:
-        """Receiver: the version number acted on now (None before the first)."""
-        return self._loaded
-
-    # --- learner -------------------------------------------------------------------------------------
-    def _send(self) -> None:
-        """After an iteration: send the newest version if it is new (train_iter went out just before)."""
-        with self._send_lock:
-            state = self.policy.acting_state()
-            if state["version"] > self._sent:
-                self._router.publish(MODEL_TOPIC, state)
-                self._sent, self._last = state["version"], state
-
-    def _answer(self, payload: Any) -> None:
-        """A request (on the receive thread): re-send the last version the loop sent, not one a trainer may have
-        published mid-iteration, so a version never arrives before the ``train_iter`` that goes with it."""
-        with self._send_lock:
-            if self._last is None:
-                self._last = self.policy.acting_state()
-                self._sent = self._last["version"]
-            self._router.publish(MODEL_TOPIC, self._last)
-
-    # --- receiver ------------------------------------------------------------------------------------
-    def _got_model(self, state: Any) -> None:
-        check_fields(state, version=int, tensors=lambda v: isinstance(v, list), extras=_any)
-        if self._layout is None:  # this node's own weights: what every version must look like
-            own = self.policy.acting_state()
-            self._layout = layout(own["tensors"]), type(own["extras"])
-        if (layout(state["tensors"]), type(state["extras"])) != self._layout:
-            raise BadMessage("its tensors are not laid out as this node's policy's (count, dtypes, shapes), or its "
-                             "extras are of another type")
-        version = state["version"]
-        with self._cond:
-            if version > self._heard:
-                self._heard, self._newest = version, state
-                self._cond.notify_all()
-
-    def _request(self) -> None:
-        self._router.publish(MODEL_REQUEST_TOPIC, {"node": str(self._router.node_id)})
-        self._note_learners()
-
-    def _note_learners(self) -> None:
-        found = self._router.subscribers(MODEL_REQUEST_TOPIC)  # a learner that finished may still be listed
-        with self._cond:
-            new = {node for node in found if node not in self._left and node not in self._learners}
-            if new:  # a lost learner is not listed: one found again has been restarted
-                self._learners.update(new)
-                self._learners_gone = False
-
-    def _forget(self, node: str, finished: bool) -> None:
-        if finished:
-            self._left.add(node)
-        if node in self._learners:
-            self._learners.discard(node)
-            self._learners_gone = not self._learners
-            self._rejoin_due = self._learners_gone and not finished and self.rejoin_s > 0
-
-    def _await_version(self, newer_than: int, what: str) -> bool:
-        """Wait for a version newer than ``newer_than`` (or the first of a learner that rejoins); False if asked
-        to stop or every learner is gone."""
-        with self._cond:
-            got = self._wait(lambda: self._heard > newer_than or self._learners_gone or self._rejoin_due or task.finish,
-                             self.timeout_s, self._request)  # a run told to finish stops waiting for weights
-            if got is None:
-                raise self._timeout(what, "learner", self.timeout_s)
-            if got and self._heard > newer_than and not self._rejoin_due:
-                return True
-        return bool(got) and self._rejoin_due and self._rejoin()
-
-    def _rejoin(self) -> bool:
-        """Every learner is gone, the last one lost (not finished): wait ``rejoin_s`` for one to (re)join and load
-        its first version (a restarted learner goes on from its checkpoint: its numbers start afresh); whether
-        one did."""
-        self._rejoin_due = False
-        if self._stopping or task.finish:
-            return False
-        log.warning("node %s: every learner is lost; waiting up to %ss for one to rejoin", self._router.node_id,
-                    self.rejoin_s)
-        with self._cond:
-            self._heard, self._newest, self._loaded = -1, None, None
-            got = self._wait(lambda: self._heard >= 0 or task.finish, self.rejoin_s, self._request)
-        if not (got and self._heard >= 0):
-            log.warning("node %s: no learner rejoined within rejoin_s=%ss", self._router.node_id, self.rejoin_s)
-            return False
-        log.info("node %s: a learner rejoined with version %s", self._router.node_id, self._heard)
-        self._learners_gone = False  # it answered; the next _note_learners lists it
-        self._note_learners()
-        self._load_newest()
-        return True
-
-    def _receive(self) -> bool:
-        """Load the newest version, waiting as the first version and ``max_staleness`` require; False: stop."""
-        if self._stopping or (self._rejoin_due and not self._rejoin()) or self._learners_gone:
-            return False
-        if self._loaded is None and not self._await_version(-1, f"weights on {MODEL_TOPIC!r} (the first version)"):
-            return False
-        self._load_newest()
-        if self._collector and self.max_staleness is not None and self._uses > self.max_staleness:
-            if not self._await_version(self._loaded, f"weights newer than version {self._loaded} (max_staleness="
-                                                     f"{self.max_staleness} and it served {self._uses} batches)"):
-                return False
-            self._load_newest()
-        return True
-
-    def _load_newest(self) -> None:
-        with self._cond:
-            state, self._newest = self._newest, None
-        if state is not None and (self._loaded is None or int(state["version"]) > self._loaded):
-            self.policy.load_acting_state(state)
-            self._loaded, self._uses = int(state["version"]), 0
-
-    def __call__(self, ctx: Any) -> Iterator[None]:
-        if self._router is None:
-            yield
-        elif self._learner:
-            yield
-            if self._bare:
-                self.policy.publish()
-            self._send()
-        else:
-            self._note_learners()
-            if not self._receive():
-                self._end_run(logging.INFO, "asked to stop" if self._stopping else
-                              "every learner is gone (finished or lost); this node stops")
-            else:
-                self._uses += 1
-            yield

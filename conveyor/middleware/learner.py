@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Protocol
 
 from conveyor.data.batch import flatten_batch
 from conveyor.engine import OnlineRLContext, declares
+from conveyor.policy.learning import LearnResult
 
 __all__ = ["data_pusher", "OffPolicyLearner"]
 
@@ -25,7 +26,7 @@ class Buffer(Protocol):
 
 
 class LearnPolicy(Protocol):
-    def forward(self, batch: Any) -> Dict[str, Any]: ...
+    def forward(self, batch: Any) -> LearnResult: ...
 
     def publish(self) -> int: ...
 
@@ -72,10 +73,12 @@ class OffPolicyLearner:
     In one process each call follows one collection round, so it takes ``update_per_collect`` steps; a
     learner fed by collector processes gets what arrived since its last call (``ctx.env_step`` grew by
     more or less than ``n_sample``) and takes as many steps as one process would on those env steps
-    (fractions carry over to the next call), so the replay ratio does not depend on how the data came. A
-    call after which ``ctx.env_step`` has not grown (a pipeline that does not count env steps) is one round.
+    (fractions carry over to the next call), so the replay ratio does not depend on how the data came. In a
+    pipeline that counts no env steps (``ctx.env_step`` stays 0) each call is one round; a call that sees no
+    new env steps (in async mode the call before it may have counted them already) takes none.
     Training waits until the buffer holds ``max(batch_size, learn.learning_starts)`` transitions.
-    Priorities returned by the policy (``priority``) are written back when the buffer is prioritized.
+    The priorities of the policy's :class:`~conveyor.policy.LearnResult` are written back when the buffer is
+    prioritized; each step's ``metrics`` go into ``ctx.train_output``.
     After its steps it publishes the weights once (``policy.publish()``), for collectors and evaluators to act on.
 
     Reads ctx: ``train_iter``, ``env_step``. Writes ctx: ``train_iter``, ``train_output`` (list of per-step
@@ -111,8 +114,10 @@ class OffPolicyLearner:
         self._owed = float(state["owed"])
 
     def __call__(self, ctx: OnlineRLContext) -> None:
-        new = self._n_sample if self._env_step is None or ctx.env_step <= self._env_step \
-            else ctx.env_step - self._env_step
+        # a whole round on the first call and in a pipeline that counts no env steps; else what is new (in async
+        # mode a call may already have counted the next iteration's steps: the one after it then earns none)
+        new = self._n_sample if self._env_step is None or ctx.env_step == 0 \
+            else max(0, ctx.env_step - self._env_step)
         self._env_step = ctx.env_step
         if len(self._buffer) < self._starts:
             return
@@ -122,11 +127,10 @@ class OffPolicyLearner:
         outputs: List[Dict[str, Any]] = []
         for _ in range(steps):
             batch = self._buffer.sample(self._batch_size)
-            out = self._policy.forward(batch)
-            priority = out.pop("priority", None)
-            if priority is not None and self._prioritized:
-                self._buffer.update_priority(batch.index, priority)
+            result = LearnResult.of(self._policy.forward(batch), "OffPolicyLearner")
+            if result.priorities is not None and self._prioritized:
+                self._buffer.update_priority(batch.index, result.priorities)
             ctx.train_iter += 1
-            outputs.append(out)
+            outputs.append(result.metrics)
         self._policy.publish()
         ctx.train_output = outputs

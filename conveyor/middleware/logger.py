@@ -1,4 +1,5 @@
-"""Loggers: TensorBoard (tensorboardX) or Weights & Biases scalars, and a terminal progress bar.
+"""Loggers: TensorBoard (tensorboardX) or Weights & Biases scalars, and progress: a bar on a terminal, a line
+every few seconds in a log file (CI, Slurm).
 
 Their files and bars live as long as the pipeline: they flush when a run ends (``FINISH_EVENT``) and
 close when the ``with task.start():`` block exits (``CLOSE_EVENT``), so a second ``run()`` in the same
@@ -8,9 +9,10 @@ logger's turn.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, TextIO
 
 import numpy as np
 
@@ -18,7 +20,7 @@ from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OfflineRLContext, OnlineR
 from conveyor.middleware.collector import EPISODE_EVENT
 from conveyor.middleware.evaluator import EVAL_EVENT
 
-__all__ = ["online_logger", "offline_logger", "wandb_online_logger", "progress_bar"]
+__all__ = ["online_logger", "offline_logger", "wandb_online_logger", "progress_bar", "ProgressLines"]
 
 
 def eval_scalars(result: Dict[str, Any]) -> Dict[str, float]:
@@ -176,19 +178,70 @@ def wandb_online_logger(project: str, config: Optional[Dict[str, Any]] = None, t
     return _log
 
 
+class ProgressLines:
+    """Progress as plain lines, for output that is not a terminal (a CI log, a Slurm output file): one line
+    ``train: 4160/50000 step (8%), eval_return=312.5/475, 1234 step/s, 0:01:23 elapsed`` at most every
+    ``interval`` seconds, and the last state when the run ends if any line was written (a short run stays
+    quiet). It takes the calls :func:`progress_bar` makes on a tqdm bar; ``clock`` and ``file`` (default:
+    ``sys.stderr`` when writing) are there to be replaced in tests.
+    """
+
+    def __init__(self, total: Optional[int] = None, desc: str = "train", unit: str = "step", *,
+                 interval: float = 5.0, clock: Optional[Callable[[], float]] = None, file: Optional[TextIO] = None,
+                 **_tqdm_options: Any) -> None:
+        self.total, self.desc, self.unit, self.n = total, desc, unit, 0
+        self.postfix: Dict[str, Any] = {}
+        self._interval, self._clock, self._file = interval, clock or time.monotonic, file
+        self._start = self._clock()
+        self._last = (self._start, 0)  # when the last line was written, and the count it showed
+        self._written = False
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more; write a line if ``interval`` seconds have passed since the last one."""
+        self.n += n
+        if self._clock() - self._last[0] >= self._interval:
+            self._write()
+
+    def set_postfix(self, refresh: bool = True, **values: Any) -> None:
+        """What the next line shows after the count (``eval_return=...``)."""
+        self.postfix = values
+
+    def refresh(self) -> None:
+        """Write the state now if it changed since the last line and lines are being written at all."""
+        if self._written and self.n != self._last[1]:
+            self._write()
+
+    def close(self) -> None:
+        """Nothing to release: every line is written when it is made."""
+
+    def _write(self) -> None:
+        now = self._clock()
+        count = f"{self.n}/{self.total} {self.unit} ({100 * self.n // max(self.total, 1)}%)" if self.total \
+            else f"{self.n} {self.unit}"
+        rate = (self.n - self._last[1]) / max(now - self._last[0], 1e-9)
+        elapsed = int(now - self._start)
+        parts = [count, *(f"{k}={v}" for k, v in self.postfix.items()), f"{rate:.0f} {self.unit}/s",
+                 f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d} elapsed"]
+        print(f"{self.desc}: {', '.join(parts)}", file=self._file or sys.stderr, flush=True)
+        self._last, self._written = (now, self.n), True
+
+
 @declares(backward_reads=("env_step",), factory=True)
 def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
                  make_bar: Optional[Callable[..., Any]] = None, *, stop_value: Optional[float] = None,
                  counter: str = "env_step"):
-    """A terminal progress bar of env steps (or of the context's ``counter``, e.g. ``train_iter`` offline; out of
+    """Progress of env steps (or of the context's ``counter``, e.g. ``train_iter`` offline; out of
     ``total_env_step`` when there is a budget) with the latest eval return (against ``stop_value`` when given; and
-    its env crashes and dropped episodes, when there were any) and steps/s (tqdm, on stderr; it stays silent when
-    stderr is not a terminal).
+    its env crashes and dropped episodes, when there were any) and steps/s: a tqdm bar on stderr when stderr is a
+    terminal, else a line every few seconds (:class:`ProgressLines`), so CI and Slurm logs show it too.
 
     Reads ctx: ``env_step`` (or ``counter``).
     """
     if make_bar is None:
-        from tqdm import tqdm as make_bar
+        if sys.stderr is not None and sys.stderr.isatty():
+            from tqdm import tqdm as make_bar
+        else:
+            make_bar = ProgressLines
     bar = make_bar(total=total_env_step, desc=desc, unit="step" if counter == "env_step" else "iter",
                    dynamic_ncols=True, disable=None)
     crashes = [0, 0]  # env crashes and dropped episodes over all evaluations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import reprlib
+import sys
 import threading
 from typing import Any, Callable, Dict, Optional, Set
 
@@ -68,10 +69,8 @@ def layout(value: Any, rows: Optional[Set[int]] = None) -> Any:
     dtype and shape. With ``rows`` (a set), arrays are batches: their first dim is left out of the layout and
     added to ``rows`` (a batch whose arrays disagree on it gets 2 or more); a scalar array is a BadMessage.
     Objects with ``__slots__`` (the codec's registered types, such as FrozenNormaliser) by their slots."""
-    import numpy as np
-    import torch
-
-    if isinstance(value, (torch.Tensor, np.ndarray)):
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")  # an array of theirs exists only once loaded
+    if (np is not None and isinstance(value, np.ndarray)) or (torch is not None and isinstance(value, torch.Tensor)):
         shape = tuple(value.shape)
         if rows is not None:
             if not shape:

@@ -1,6 +1,7 @@
 """On-policy training on the batch an advantage estimator left in ``ctx.train_data``.
 
-Both trainers call ``learn_mode.forward(batch)``, one gradient step per call, as every learner does;
+Both trainers call ``learn_mode.forward(batch)``, one gradient step per call, as every learner does, and
+put each step's metrics (its :class:`~conveyor.policy.LearnResult`'s ``metrics``) in ``ctx.train_output``;
 they differ in what they hand it:
 
 - :func:`multistep_trainer` (:class:`MultistepTrainer`) runs ``cfg.policy.learn.epoch_per_collect`` shuffled
@@ -20,12 +21,13 @@ import numpy as np
 import torch
 
 from conveyor.engine import OnlineRLContext, declares
+from conveyor.policy.learning import LearnResult
 
 __all__ = ["multistep_trainer", "trainer", "MultistepTrainer", "Trainer"]
 
 
 class LearnPolicy(Protocol):
-    def forward(self, batch: Any) -> Dict[str, Any]: ...
+    def forward(self, batch: Any) -> LearnResult: ...
 
     def publish(self) -> int: ...
 
@@ -72,7 +74,7 @@ class _Trainer:
 
     def __init__(self, cfg: Any, policy: LearnPolicy, where: str) -> None:
         _check_learn_view(policy, where)
-        self._policy = policy
+        self._policy, self._where = policy, where
         self._schedule = _LrSchedule(cfg.policy.learn, where)
         if self._schedule.steps is not None and not callable(getattr(policy, "set_lr_factor", None)):
             raise TypeError(f"{where}: cfg.policy.learn.lr_anneal_steps needs a learn view with set_lr_factor(), "
@@ -91,12 +93,11 @@ class _Trainer:
 
     def _step(self, ctx: OnlineRLContext, batch: Any, outputs: List[Dict[str, Any]]) -> bool:
         """One learn step; whether the round goes on (the policy may decline a step and end it: ``early_stop``)."""
-        out = self._policy.forward(batch)
-        stop = bool(out.pop("early_stop", False))
-        outputs.append(out)
-        if not stop:
+        result = LearnResult.of(self._policy.forward(batch), self._where)
+        outputs.append(result.metrics)
+        if not result.early_stop:
             ctx.train_iter += 1
-        return not stop
+        return not result.early_stop
 
 
 class MultistepTrainer(_Trainer):
@@ -105,7 +106,7 @@ class MultistepTrainer(_Trainer):
     Minibatches are cut along the batch's last leading dim (that of ``reward``): rows of a flat batch
     ``[B]``, whole sequences of a recurrent policy's ``[L, B]`` batch, ``batch_size // L`` at a time. The
     last minibatch of a pass holds the remainder when ``batch_size`` does not divide the batch.
-    Shuffling draws from a generator seeded with ``cfg.seed``. A step whose output has ``early_stop`` (PPO
+    Shuffling draws from a generator seeded with ``cfg.seed``. A step whose result has ``early_stop`` (PPO
     with ``learn.target_kl``: the policy moved too far from the collecting one, checked before stepping)
     took no gradient step and ends the round. With ``learn.lr_anneal_steps`` the learning rate is set
     before each round (see ``lr_anneal_unit``). After the round the weights are published once.

@@ -1,5 +1,7 @@
 """Policies: models plus algorithms, each seen through a learn, a collect and an eval view.
 
+A learning step returns a :class:`LearnResult`; acting reads the versions :class:`VersionedWeights` publishes.
+
 Imports only ``conveyor.schema`` and ``conveyor.data`` of Conveyor: a policy works without a pipeline.
 """
 from conveyor.policy.base import (
@@ -16,6 +18,8 @@ from conveyor.policy.base import (
     make_target,
     soft_update,
 )
+from conveyor.policy.learning import LazyOptimizer, LearnResult
+from conveyor.policy.weights import ModuleVersions, VersionedWeights
 from conveyor.policy.actor_critic import ActorCritic
 from conveyor.policy.bc import BCPolicy
 from conveyor.policy.continuous import (
@@ -37,6 +41,10 @@ from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
 
 __all__ = [
     "Policy",
+    "LearnResult",
+    "LazyOptimizer",
+    "VersionedWeights",
+    "ModuleVersions",
     "LearnMode",
     "CollectMode",
     "EvalMode",

@@ -1,14 +1,15 @@
 """The policy base class: one model, three views (learn / collect / eval), one checkpoint format.
 
 A policy is built from its ``cfg.policy`` section and exposes what each part of a pipeline needs
-through a small view, in the spirit of Tianshou 2's split between acting and learning:
+through a small view (:mod:`conveyor.policy.views`), in the spirit of Tianshou 2's split between acting
+and learning:
 
 - ``collect_mode.forward(obs, **kwargs) -> dict(action=..., ...)`` and ``collect_mode.reset(env_ids)``
   for the collector (exploration, per-env recurrent state); an actor-critic policy's collect view
   (:class:`ActorCriticCollectMode`) adds ``value(obs, **state)`` for advantage estimators;
 - ``eval_mode.forward(obs) -> dict(action=...)`` and ``eval_mode.reset(env_ids)`` for the evaluator;
-- ``learn_mode.forward(batch) -> dict`` of float metrics (plus ``priority`` for prioritized replay),
-  ``learn_mode.train_iter`` and the checkpoint methods for the learner.
+- ``learn_mode.forward(batch) ->`` :class:`LearnResult` (float metrics, and priorities for prioritized replay
+  or an early stop), ``learn_mode.train_iter`` and the checkpoint methods for the learner.
 
 The views convert their input to tensors once (``to_tensor``) and run acting under ``torch.no_grad``,
 then call the subclass's hooks: :meth:`Policy._forward_learn`, :meth:`Policy._forward_collect`,
@@ -17,28 +18,21 @@ Hooks are ordinary overridden methods; nothing is looked up by name. Whatever a 
 checkpoint (a target network, an optimizer, an observation normaliser) it hands to
 :meth:`Policy.register_state` once, in its constructor. Optimizers are :class:`LazyOptimizer` objects, made on
 first use: a process that only acts never makes one (making a torch optimizer imports ``torch._dynamo``,
-about 1.5 s of CPU).
+about 1.5 s of CPU), not even to checkpoint.
 
-Versioned weights. Learning updates ``policy.model`` in place; acting never reads it. :meth:`Policy.publish`
-copies the model's weights into an immutable acting copy and numbers it (:attr:`Policy.version`); the
-collect and eval views act on the newest published copy, pinned for the whole of one ``forward``, so a
-reader in another thread sees one complete version even while a learner steps. Learners publish once
-per call (``OffPolicyLearner``, the on-policy trainers), so a sync pipeline acts exactly as if it read
-the live weights. The initial weights are version 0 (published on first use); loading a checkpoint
-publishes its weights under the version number saved with them. The acting hooks receive an
-:class:`Acting`: the version's ``model`` (a copy: never train it), its ``extras`` (what else acting reads
-and a learner changes, taken at publish: PPO's observation statistics, see :meth:`Policy._acting_extras`)
-and the view's ``memory`` (per-env state such as a recurrent policy's hidden state; each view and each
-snapshot has its own). Copies are recycled once no reader pins them, so publishing copies tensors into
-spare storage and allocates only while readers hold every older copy.
+Acting never reads the model a learner updates: the views act on its published versions, held by the policy's
+:class:`~conveyor.policy.weights.VersionedWeights` (:meth:`Policy.publish`, :attr:`Policy.version`,
+:meth:`Policy.acting_state`). The acting hooks receive an :class:`Acting`: the version's ``model`` (a copy:
+never train it), its ``extras`` (see :meth:`Policy._acting_extras`) and the view's ``memory`` (per-env state;
+each view and each snapshot has its own). Loading a checkpoint publishes its weights under the version number
+saved with them.
 """
 from __future__ import annotations
 
 import abc
 import copy
 import threading
-import weakref
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -48,10 +42,17 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.data.batch import to_tensor
+from conveyor.policy.learning import (LazyOptimizer, LearnResult, TargetSync, fused_adam, hard_update,  # noqa: F401
+                                      make_target, soft_update)
+from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, nstep_option,  # noqa: F401
+                                     offline_schema, replay_buffer_schema)
+from conveyor.policy.views import ActorCriticCollectMode, CollectMode, EvalMode, LearnMode, Snapshot
+from conveyor.policy.weights import Acting, VersionedWeights, _Version
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["Policy", "LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot", "Acting", "Stateful",
-           "LazyOptimizer", "make_target", "hard_update", "soft_update", "TargetSync"]
+           "LazyOptimizer", "LearnResult", "make_target", "hard_update", "soft_update", "TargetSync"]
+# fused_adam and the option groups (conveyor.policy.options) stay importable from here, where they were.
 
 
 @runtime_checkable
@@ -61,45 +62,6 @@ class Stateful(Protocol):
     def state_dict(self) -> Mapping[str, Any]: ...
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any: ...
-
-
-class LazyOptimizer:
-    """``optimizer_cls(module.parameters(), **options)``, made on first use: a step, any attribute of the
-    optimizer (``param_groups``, ``zero_grad``...), a checkpoint. A process that only acts (a distributed
-    collector or evaluator, a collector process) never makes it, and so never imports ``torch._dynamo``,
-    which torch imports when an optimizer is made (about 1.5 s of CPU). :attr:`base_lrs`: the learning rates
-    it was made with."""
-
-    def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: nn.Module, **options: Any) -> None:
-        self._cls, self._module, self._options = optimizer_cls, module, options
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._lock = threading.Lock()
-        self.base_lrs: list[float] = []
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer, made now if it was not yet."""
-        with self._lock:
-            if self._optimizer is None:
-                self._optimizer = self._cls(self._module.parameters(), **self._options)
-                self.base_lrs = [float(group["lr"]) for group in self._optimizer.param_groups]
-            return self._optimizer
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state (a fresh one's if nothing made it yet)."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load the optimizer's state."""
-        self.optimizer.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"LazyOptimizer({self._optimizer!r})" if self._optimizer is not None else "LazyOptimizer(not made yet)"
 
 
 class _GeneratorState:
@@ -115,45 +77,6 @@ class _GeneratorState:
         self.rng.bit_generator.state = dict(state_dict)
 
 
-class _Version:
-    """One published copy of the acting weights: a frozen module, the extras taken with it, its readers' pins."""
-
-    __slots__ = ("number", "model", "tensors", "extras", "pins")
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.tensors = [*model.parameters(), *model.buffers()]
-        self.number = -1
-        self.extras: Any = None
-        self.pins = 0
-
-
-class Acting:
-    """What an acting hook works with: one published version's ``model`` and ``extras``, and the calling view's
-    ``memory`` (a dict for per-env state, e.g. a recurrent policy's hidden state). ``version`` is its number."""
-
-    __slots__ = ("model", "extras", "memory", "version")
-
-    def __init__(self, version: _Version, memory: dict) -> None:
-        self.model = version.model
-        self.extras = version.extras
-        self.memory = memory
-        self.version = version.number
-
-
-_OWN_EXTRAS = object()  # _publish's default: take the extras from the policy itself
-_SPARE_COPIES = 2  # unpinned old versions kept for reuse, so publishing copies into them instead of allocating
-
-
-def _hidden_sizes_check(value: Sequence[int]) -> str | None:
-    ok = len(value) > 0 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
-    return None if ok else "must be a non-empty list of positive ints"
-
-
-def _optional_positive(value: Any) -> str | None:
-    return None if value is None or value > 0 else "must be > 0 (or None to disable)"
-
-
 class Policy(abc.ABC):
     """Base class of all policies: builds the model, validates the config, owns counters and checkpoints.
 
@@ -161,7 +84,8 @@ class Policy(abc.ABC):
     errors (see :meth:`config_schema`). ``model`` overrides the one :meth:`build_model` makes from
     ``cfg.model``. ``device`` defaults to ``"cuda"`` if ``cfg.cuda`` else ``"cpu"``. ``seed`` seeds
     :attr:`rng`, the generator for exploration noise (drawn from torch's global generator when
-    ``None``, so ``torch.manual_seed`` makes a run reproducible).
+    ``None``, so ``torch.manual_seed`` makes a run reproducible). The published acting copies of the model
+    are its :class:`~conveyor.policy.weights.VersionedWeights`.
     """
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
@@ -184,11 +108,7 @@ class Policy(abc.ABC):
         self._learn_lock = threading.RLock()
         self.register_state("model", self.model)
         self.register_state("rng", _GeneratorState(self.rng))
-        # Published acting copies (see the module doc): the newest, and spares no reader pins any more.
-        self._versions_lock = threading.Lock()
-        self._newest: _Version | None = None
-        self._spare: list[_Version] = []
-        self._model_tensors: list[torch.Tensor] | None = None
+        self._weights = VersionedWeights(self.model, self._learn_lock, self._acting_extras)
         self._base_lrs: dict[str, list[float]] = {}
         self._learn_mode = LearnMode(self)
         self._collect_mode = CollectMode(self)
@@ -283,8 +203,9 @@ class Policy(abc.ABC):
 
     # --- hooks for subclasses --------------------------------------------------------------------
     @abc.abstractmethod
-    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
-        """One update on a batch of tensors on ``self.device``; float metrics and optional ``priority``."""
+    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
+        """One update on a batch of tensors on ``self.device``: its :class:`LearnResult` (a plain dict of float
+        metrics is taken as one without priorities or early stop)."""
 
     @abc.abstractmethod
     def _forward_collect(self, acting: Acting, obs: Any, **kwargs: Any) -> dict[str, Any]:
@@ -312,94 +233,29 @@ class Policy(abc.ABC):
         lock) and handed to the acting hooks as ``acting.extras``; it must never change afterwards."""
         return None
 
-    # --- versioned weights -----------------------------------------------------------------------
+    # --- versioned weights (conveyor.policy.weights) ---------------------------------------------
     def publish(self) -> int:
         """Make the learning model's current weights the newest acting version (an immutable copy); its number.
 
         Learners call it once per call; readers that are mid-``forward`` finish on the version they pinned.
         """
-        with self._learn_lock:
-            self._ensure_published()
-            return self._publish(self._newest.number + 1)
+        return self._weights.publish()
 
     @property
     def version(self) -> int:
         """The number of the newest published version (0: the initial weights)."""
-        return self._ensure_published().number
-
-    def _ensure_published(self) -> _Version:
-        newest = self._newest
-        if newest is None:
-            with self._learn_lock:
-                if self._newest is None:
-                    self._publish(0)
-                newest = self._newest
-        return newest
-
-    def _publish(self, number: int, extras: Any = _OWN_EXTRAS) -> int:
-        """Copy the weights into a spare (or new) version numbered ``number`` and make it the newest; the caller
-        holds the learn lock, so no gradient step runs during the copy. ``extras`` defaults to this policy's own."""
-        if extras is _OWN_EXTRAS:
-            extras = self._acting_extras()
-        with self._versions_lock:
-            version = self._spare.pop() if self._spare else None
-        if version is None:
-            model = copy.deepcopy(self.model)
-            model.requires_grad_(False)
-            version = _Version(model)
-        else:
-            if self._model_tensors is None:
-                self._model_tensors = [*self.model.parameters(), *self.model.buffers()]
-            with torch.no_grad():
-                torch._foreach_copy_(version.tensors, self._model_tensors)
-        version.number, version.extras = number, extras
-        with self._versions_lock:
-            old, self._newest = self._newest, version
-            if old is not None and old.pins == 0:
-                self._retire(old)
-        return number
+        return self._weights.newest().number
 
     def acting_state(self, out: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
         """The newest version as plain data, for a replica of this policy that acts elsewhere (a collector
-        process): ``version`` (its number), ``tensors`` (the model's parameters then buffers, in module order)
-        and ``extras``. The tensors are copied into ``out`` when given (e.g. shared memory), else cloned."""
-        version = self._pin()
-        try:
-            if out is None:
-                tensors = [t.detach().clone() for t in version.tensors]
-            else:
-                with torch.no_grad():
-                    torch._foreach_copy_(list(out), version.tensors)
-                tensors = list(out)
-            return {"version": version.number, "tensors": tensors, "extras": version.extras}
-        finally:
-            self._unpin(version)
+        process, a ModelExchanger's receivers): ``version``, ``tensors`` (copied into ``out`` when given) and
+        ``extras`` (see :meth:`VersionedWeights.acting_state`)."""
+        return self._weights.acting_state(out)
 
     def load_acting_state(self, state: Mapping[str, Any]) -> None:
         """Publish a version received from another policy's :meth:`acting_state` as this one's newest, under
         the same number, so an acting replica follows the learner's versions (and records them)."""
-        with self._learn_lock, torch.no_grad():
-            torch._foreach_copy_([*self.model.parameters(), *self.model.buffers()], list(state["tensors"]))
-            self._publish(int(state["version"]), state["extras"])
-
-    def _retire(self, version: _Version) -> None:
-        if len(self._spare) < _SPARE_COPIES:
-            self._spare.append(version)
-
-    def _pin(self) -> _Version:
-        """The newest version, pinned: it is not recycled until :meth:`_unpin`."""
-        if self._newest is None:
-            self._ensure_published()
-        with self._versions_lock:
-            version = self._newest
-            version.pins += 1
-            return version
-
-    def _unpin(self, version: _Version) -> None:
-        with self._versions_lock:
-            version.pins -= 1
-            if version.pins == 0 and version is not self._newest:
-                self._retire(version)
+        self._weights.load(state)
 
     # --- learning rate ---------------------------------------------------------------------------
     def set_lr_factor(self, factor: float) -> None:
@@ -409,14 +265,10 @@ class Policy(abc.ABC):
         with self._learn_lock:
             for name, component in self._stateful.items():
                 if isinstance(component, LazyOptimizer):
-                    optimizer = component.optimizer
-                    base = component.base_lrs
+                    component.set_lr_factor(factor)  # when it is made, if it is not yet
                 elif isinstance(component, torch.optim.Optimizer):
-                    optimizer, base = component, self._base_lrs[name]
-                else:
-                    continue
-                for group, lr in zip(optimizer.param_groups, base):
-                    group["lr"] = lr * factor
+                    for group, lr in zip(component.param_groups, self._base_lrs[name]):
+                        group["lr"] = lr * factor
 
     # --- helpers for subclasses ------------------------------------------------------------------
     def register_state(self, name: str, component: Stateful) -> None:
@@ -476,7 +328,7 @@ class Policy(abc.ABC):
     def _checkpoint(self, version: _Version | None) -> dict[str, Any]:
         """:meth:`state_dict`, with the model's weights (and version number) of ``version`` when given."""
         with self._learn_lock:
-            newest = self._ensure_published()
+            newest = self._weights.newest()
             state: dict[str, Any] = {name: component.state_dict() for name, component in self._stateful.items()}
             state["counters"] = {"train_iter": self.train_iter, "version": newest.number}
             if version is not None:
@@ -495,305 +347,5 @@ class Policy(abc.ABC):
             for name, component in self._stateful.items():
                 component.load_state_dict(state_dict[name])
             self.train_iter = int(state_dict["counters"]["train_iter"])
-            self._publish(int(state_dict["counters"].get("version", 0)))
+            self._weights.publish(int(state_dict["counters"].get("version", 0)))
 
-
-def nstep_option() -> Option:
-    """The ``nstep`` option of policies whose targets go through :meth:`Policy._bootstrap_discount`."""
-    return Option(1, "N-step return length; the pipeline's n-step enhancer reads it and writes 'discount' into "
-                     "batches.", check=schema.positive)
-
-
-def replay_buffer_schema(size: int) -> dict:
-    """The ``other.replay_buffer`` options of off-policy policies, read by the pipeline to build a DequeBuffer."""
-    return {
-        "size": Option(size, "Replay buffer capacity in transitions.", check=schema.positive),
-        "prioritized": Option(False, "Prioritized experience replay."),
-        "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float, check=schema.unit_interval),
-        "beta": Option(0.4, "Importance-weight exponent of prioritized replay at the start.", type=float,
-                       check=schema.unit_interval),
-        "beta_end": Option(1.0, "The importance-weight exponent reached after beta_anneal_steps (1 corrects the whole "
-                                "sampling bias, as the PER paper anneals to).", type=float, check=schema.unit_interval),
-        "beta_anneal_steps": Option(100_000, "Transitions added to the buffer (env steps) over which beta rises "
-                                             "linearly to beta_end; the schedule is saved with the buffer (None: beta "
-                                             "stays fixed).", type=int, check=_optional_positive),
-    }
-
-
-def offline_schema(max_train_iter: int) -> dict:
-    """The options every offline policy adds: its dataset, its gradient-step budget, one step per minibatch."""
-    return {
-        "learn": {
-            "max_train_iter": Option(max_train_iter, "Gradient steps of an offline run (the zoo entry stops there).",
-                                     check=schema.positive),
-            "update_per_collect": Option(1, "Gradient steps per minibatch the offline data fetcher hands over.",
-                                         check=schema.positive),
-        },
-        "other": {
-            "dataset": {
-                "id": Option(None, "Dataset to train on: a Minari dataset id (in the local Minari root), or the path "
-                                   "of a Minari dataset directory, .npz or HDF5 transition file.", type=str),
-            },
-        },
-    }
-
-
-def fused_adam(device: torch.device) -> bool:
-    """Whether Adam's fused kernel can run on ``device``: CUDA, or CPU from torch 2.4 on. On a small MLP it
-    steps about 3x faster than the per-tensor loop."""
-    if device.type == "cuda":
-        return True
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return device.type == "cpu" and (major, minor) >= (2, 4)
-
-
-class LearnMode:
-    """The learner's view of a policy."""
-
-    __slots__ = ("_policy",)
-
-    def __init__(self, policy: Policy) -> None:
-        self._policy = policy
-
-    def forward(self, batch: Any) -> dict[str, Any]:
-        """One update on ``batch`` (a ttorch tree of transitions); float metrics, maybe ``priority``."""
-        policy = self._policy
-        batch = policy._batch_to_tensor(batch)
-        if policy._newest is None:
-            policy._ensure_published()  # version 0 holds the initial weights, never updated ones
-        with policy._learn_lock:
-            return policy._forward_learn(batch)
-
-    def publish(self) -> int:
-        """Make the current weights the newest acting version (see :meth:`Policy.publish`); its number."""
-        return self._policy.publish()
-
-    def set_lr_factor(self, factor: float) -> None:
-        """Scale the configured learning rates by ``factor`` (see :meth:`Policy.set_lr_factor`)."""
-        self._policy.set_lr_factor(factor)
-
-    @property
-    def train_iter(self) -> int:
-        """Gradient steps taken so far."""
-        return self._policy.train_iter
-
-    def state_dict(self) -> dict[str, Any]:
-        """The policy's checkpoint (see :meth:`Policy.state_dict`)."""
-        return self._policy.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the policy from a checkpoint (see :meth:`Policy.load_state_dict`)."""
-        self._policy.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"<learn_mode of {type(self._policy).__name__}>"
-
-
-def _collect(policy: Policy, version: _Version, memory: dict, obs: Any, kwargs: dict) -> dict[str, Any]:
-    with torch.no_grad():
-        out = policy._forward_collect(Acting(version, memory), policy._obs_to_tensor(obs), **kwargs)
-    out["weight_version"] = np.full(len(out["action"]), version.number, dtype=np.int64)
-    return out
-
-
-def _evaluate(policy: Policy, version: _Version, memory: dict, obs: Any) -> dict[str, Any]:
-    with torch.no_grad():
-        return policy._forward_eval(Acting(version, memory), policy._obs_to_tensor(obs))
-
-
-class _ActingView:
-    """What the collect and eval views share: the policy, the view's per-env memory, reset and version."""
-
-    __slots__ = ("_policy", "_memory")
-    _name = "acting view"
-
-    def __init__(self, policy: Policy) -> None:
-        self._policy = policy
-        self._memory: dict = {}
-
-    def reset(self, env_ids: Sequence[int] | None = None) -> None:
-        """Forget per-env state of ``env_ids`` (all envs for ``None``), e.g. when their episodes restart."""
-        self._policy._reset(self._memory, env_ids)
-
-    @property
-    def version(self) -> int:
-        """The newest published version, which the next ``forward`` acts on."""
-        return self._policy.version
-
-    def __repr__(self) -> str:
-        return f"<{self._name} of {type(self._policy).__name__}>"
-
-
-class CollectMode(_ActingView):
-    """The collector's view of a policy: acts on the newest published version of the weights."""
-
-    __slots__ = ()
-    _name = "collect_mode"
-
-    def forward(self, obs: Any, **kwargs: Any) -> dict[str, Any]:
-        """Actions (numpy ``[N, ...]``) for an env manager's batch of observations, exploring per ``kwargs``,
-        and ``weight_version`` (int64 ``[N]``): the published version that chose them."""
-        policy = self._policy
-        version = policy._pin()
-        try:
-            return _collect(policy, version, self._memory, obs, kwargs)
-        finally:
-            policy._unpin(version)
-
-    def snapshot(self) -> Snapshot:
-        """A collect view pinned to the newest version (see :class:`Snapshot`)."""
-        return Snapshot(self._policy, "collect")
-
-    def state_dict(self) -> dict[str, Any]:
-        """What collecting carries from one call to the next: the per-env state (``memory``: a recurrent policy's
-        hidden state) and the exploration generator (``rng``). A replica that acts elsewhere (a collector
-        process) is checkpointed with it; the learner's own policy saves its ``rng`` in :meth:`Policy.state_dict`."""
-        return {"memory": copy.deepcopy(self._memory), "rng": copy.deepcopy(self._policy.rng.bit_generator.state)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Go on collecting from :meth:`state_dict`."""
-        self._memory.clear()
-        self._memory.update(copy.deepcopy(dict(state["memory"])))
-        self._policy.rng.bit_generator.state = dict(state["rng"])
-
-
-class ActorCriticCollectMode(CollectMode):
-    """The collector's view of a policy with a critic: also ``value(obs, **state)`` (via :meth:`Policy._value`),
-    which advantage estimators bootstrap with. Such a policy installs it in its constructor:
-    ``self._collect_mode = ActorCriticCollectMode(self)``."""
-
-    __slots__ = ()
-
-    def value(self, obs: Any, **state: Any) -> np.ndarray:
-        """State values (numpy float32 ``[B]``) of a batch of observations, numpy or tensors, by the newest
-        published version. A recurrent policy also takes its state before ``obs`` (e.g. ``hidden=``, as stored
-        in the trajectory)."""
-        policy = self._policy
-        version = policy._pin()
-        try:
-            with torch.no_grad():
-                return policy._value(Acting(version, self._memory), policy._obs_to_tensor(obs),
-                                     **{k: policy._obs_to_tensor(v) for k, v in state.items()})
-        finally:
-            policy._unpin(version)
-
-
-class EvalMode(_ActingView):
-    """The evaluator's view of a policy: acts on the newest published version of the weights."""
-
-    __slots__ = ()
-    _name = "eval_mode"
-
-    def forward(self, obs: Any) -> dict[str, Any]:
-        """Greedy / deterministic actions (numpy ``[N, ...]``) for a batch of observations."""
-        policy = self._policy
-        version = policy._pin()
-        try:
-            return _evaluate(policy, version, self._memory, obs)
-        finally:
-            policy._unpin(version)
-
-    def snapshot(self) -> Snapshot:
-        """An eval view pinned to the newest version, so a whole evaluation sees one version (see :class:`Snapshot`)."""
-        return Snapshot(self._policy, "eval")
-
-
-class Snapshot:
-    """A collect or eval view pinned to one published version: every ``forward`` acts on it, however many
-    versions are published meanwhile. It has its own per-env state (start it with ``reset()``), and
-    ``state_dict()`` is the policy's checkpoint with this version's model weights (and version number) and
-    the other parts as they are now. The version stays pinned (its copy is not recycled) while the snapshot
-    is referenced.
-    """
-
-    __slots__ = ("_policy", "_version", "_mode", "_memory", "__weakref__")
-
-    def __init__(self, policy: Policy, mode: str) -> None:
-        self._policy = policy
-        self._version = policy._pin()
-        self._mode = mode
-        self._memory: dict = {}
-        weakref.finalize(self, policy._unpin, self._version)
-
-    @property
-    def version(self) -> int:
-        """The number of the version this snapshot acts on."""
-        return self._version.number
-
-    def forward(self, obs: Any, **kwargs: Any) -> dict[str, Any]:
-        """As the view it was taken from (``collect_mode.forward`` / ``eval_mode.forward``), on this version."""
-        if self._mode == "collect":
-            return _collect(self._policy, self._version, self._memory, obs, kwargs)
-        if kwargs:
-            raise TypeError(f"an eval snapshot's forward takes only obs, got {sorted(kwargs)}")
-        return _evaluate(self._policy, self._version, self._memory, obs)
-
-    def reset(self, env_ids: Sequence[int] | None = None) -> None:
-        """Forget this snapshot's per-env state of ``env_ids`` (all envs for ``None``)."""
-        self._policy._reset(self._memory, env_ids)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The policy's checkpoint whose model weights are exactly this version's (see :meth:`Policy.state_dict`)."""
-        return self._policy._checkpoint(self._version)
-
-    def model_state_dict(self) -> dict[str, Any]:
-        """A copy of this version's model weights alone, as a dict (without the rest of :meth:`state_dict`, for
-        which a policy would make its optimizers)."""
-        return {name: tensor.clone() for name, tensor in self._version.model.state_dict().items()}
-
-    def __repr__(self) -> str:
-        return f"<{self._mode} snapshot of {type(self._policy).__name__}, version {self.version}>"
-
-
-def make_target(model: nn.Module) -> nn.Module:
-    """A frozen copy of ``model`` to compute bootstrap targets with."""
-    target = copy.deepcopy(model)
-    target.requires_grad_(False)
-    return target
-
-
-def hard_update(target: nn.Module, source: nn.Module) -> None:
-    """Copy ``source``'s parameters and buffers into ``target``."""
-    TargetSync(target, source).hard()
-
-
-def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
-    """Polyak averaging: ``target = (1 - tau) * target + tau * source`` (buffers are copied)."""
-    TargetSync(target, source).soft(tau)
-
-
-class TargetSync:
-    """Keeps a target network in step with its source, softly (Polyak averaging) or by copying.
-
-    It gathers both networks' tensors once: walking the module tree on every gradient step costs more
-    than the update itself on the small networks RL uses. Loading a state dict copies into those same
-    tensors, but moving a network to another device or dtype replaces its buffers: build the sync after
-    the networks are in place.
-    """
-
-    def __init__(self, target: nn.Module, source: nn.Module) -> None:
-        self._target = list(target.parameters())
-        self._source = list(source.parameters())
-        self._target_buffers = list(target.buffers())
-        self._source_buffers = list(source.buffers())
-        same = [t.shape for t in self._target] == [s.shape for s in self._source]
-        if not same or len(self._target_buffers) != len(self._source_buffers):
-            raise ValueError("TargetSync: target and source networks differ in shape; make the target with "
-                             "make_target(source)")
-
-    @torch.no_grad()
-    def soft(self, tau: float) -> None:
-        """``target = (1 - tau) * target + tau * source`` for parameters; buffers (e.g. norm statistics) are copied."""
-        torch._foreach_lerp_(self._target, self._source, tau)  # one kernel for all tensors
-        self._copy_buffers()
-
-    @torch.no_grad()
-    def hard(self) -> None:
-        """``target = source``."""
-        for t, s in zip(self._target, self._source):
-            t.copy_(s)
-        self._copy_buffers()
-
-    def _copy_buffers(self) -> None:
-        for t, s in zip(self._target_buffers, self._source_buffers):
-            t.copy_(s)

@@ -21,7 +21,9 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Acting, LazyOptimizer, Policy, _hidden_sizes_check, fused_adam, offline_schema
+from conveyor.policy.base import Acting, Policy
+from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
+from conveyor.policy.options import _hidden_sizes_check, offline_schema
 from conveyor.policy.continuous import ActionScaler
 from conveyor.policy.model import EncoderHead
 from conveyor.policy.sac import _bound_check
@@ -115,7 +117,7 @@ class BCPolicy(Policy):
         return {"action": self.action_scaler.to_env(torch.tanh(out)).cpu().numpy()}
 
     # --- learning --------------------------------------------------------------------------------
-    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
+    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """One gradient step of cross-entropy (discrete) or mean squared error (continuous)."""
         out = self.model(batch.obs)
         metrics: dict[str, Any] = {}
@@ -131,4 +133,4 @@ class BCPolicy(Policy):
         metrics["losses/bc"] = loss.item()
         if grad_norm is not None:
             metrics["charts/grad_norm"] = grad_norm.item()
-        return metrics
+        return LearnResult(metrics)

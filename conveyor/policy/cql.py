@@ -25,7 +25,7 @@ import torch
 import treetensor.torch as ttorch
 
 from conveyor import schema
-from conveyor.policy.base import offline_schema
+from conveyor.policy.options import offline_schema
 from conveyor.policy.dqn import DQNPolicy
 from conveyor.policy.sac import SACPolicy
 from conveyor.schema import Option

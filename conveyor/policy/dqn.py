@@ -16,8 +16,9 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import (Acting, LazyOptimizer, Policy, TargetSync, fused_adam, make_target, nstep_option,
-                                  replay_buffer_schema)
+from conveyor.policy.base import Acting, Policy
+from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, fused_adam, make_target
+from conveyor.policy.options import nstep_option, replay_buffer_schema
 from conveyor.policy.model import QNetwork
 from conveyor.schema import ConfigError, Option
 
@@ -38,8 +39,9 @@ class DQNPolicy(Policy):
 
     ``collect_mode.forward(obs, eps=...)`` acts eps-greedily (vectorised over envs, drawing from the
     seeded :attr:`rng`); ``eval_mode.forward(obs)`` is greedy. ``learn_mode.forward(batch)`` takes one
-    gradient step and returns ``losses/td``, ``charts/q_mean``, ``charts/target_q_mean`` and, when the
-    batch carries importance ``weight`` (prioritized replay), ``priority`` (``|TD error|`` per sample).
+    gradient step; its :class:`~conveyor.policy.LearnResult` has the metrics ``losses/td``, ``charts/q_mean``,
+    ``charts/target_q_mean`` and, when the batch carries importance ``weight`` (prioritized replay),
+    ``priorities`` (``|TD error|`` per sample).
     """
 
     @classmethod
@@ -128,7 +130,7 @@ class DQNPolicy(Policy):
         return {"action": acting.model(obs).argmax(-1).cpu().numpy()}
 
     # --- learning --------------------------------------------------------------------------------
-    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
+    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """One gradient step of (double) DQN on a flat batch of transitions."""
         discount = self._bootstrap_discount(batch)
         q_all = self.model(batch.obs)
@@ -162,9 +164,7 @@ class DQNPolicy(Policy):
         }
         if grad_norm is not None:
             out["charts/grad_norm"] = grad_norm.item()
-        if prioritized:
-            out["priority"] = (q - target).abs().cpu().numpy()
-        return out
+        return LearnResult(out, priorities=(q - target).abs().cpu().numpy() if prioritized else None)
 
     def _extra_losses(self, batch: ttorch.Tensor, q_all: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
         """Loss terms added to the TD loss, by metric name, from the batch's Q-values ``q_all`` ``[B, A]`` and

@@ -23,9 +23,10 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import LazyOptimizer, fused_adam, offline_schema
+from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
 from conveyor.policy.model import EncoderHead
-from conveyor.policy.sac import SACModel, TanhActorCriticPolicy, _optional_positive
+from conveyor.policy.options import lr_option, offline_schema
+from conveyor.policy.sac import SACModel, TanhActorCriticPolicy
 from conveyor.schema import Option
 
 __all__ = ["IQLPolicy", "IQLModel", "expectile_loss"]
@@ -70,8 +71,7 @@ class IQLPolicy(TanhActorCriticPolicy):
                                check=schema.non_negative),
                 "max_weight": Option(100.0, "Advantage weights are clipped to this.", type=float,
                                      check=schema.positive),
-                "value_learning_rate": Option(None, "Value network learning rate (None: learning_rate).", type=float,
-                                              check=_optional_positive),
+                "value_learning_rate": lr_option("value network"),
             },
         })
 
@@ -96,7 +96,7 @@ class IQLPolicy(TanhActorCriticPolicy):
         self.register_state("value_optimizer", self.value_optimizer)
         self._value_params = list(self.value.parameters())
 
-    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
+    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """Value, critic and actor updates on one flat batch, then the soft target update."""
         learn = self.cfg.learn
         discount = self._bootstrap_discount(batch)
@@ -128,7 +128,7 @@ class IQLPolicy(TanhActorCriticPolicy):
 
         self.train_iter += 1
         self._target_sync.soft(learn.target_theta)
-        return {
+        return LearnResult({
             "losses/value": value_loss.item(),
             "losses/q": q_loss.item(),
             "losses/actor": actor_loss.item(),
@@ -136,4 +136,4 @@ class IQLPolicy(TanhActorCriticPolicy):
             "charts/q_mean": q.detach().mean().item(),
             "charts/advantage_mean": advantage.mean().item(),
             "charts/weight_mean": weight.mean().item(),
-        }
+        })

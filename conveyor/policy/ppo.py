@@ -26,8 +26,9 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
-from conveyor.policy.base import (Acting, ActorCriticCollectMode, LazyOptimizer, Policy, _optional_positive,
-                                  fused_adam)
+from conveyor.policy.base import Acting, ActorCriticCollectMode, Policy
+from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
+from conveyor.policy.options import _optional_positive
 from conveyor.policy.normaliser import ObsNormaliser
 from conveyor.schema import ConfigError, Option
 
@@ -281,11 +282,11 @@ class PPOPolicy(Policy):
         return acting.model.value(obs).cpu().numpy()
 
     # --- learning --------------------------------------------------------------------------------
-    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
+    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """One PPO gradient step on a minibatch (flat ``[B]``, or sequences ``[L, B]`` for a recurrent policy).
 
         With ``learn.target_kl`` set, the minibatch's approximate KL under the current policy is checked first:
-        above ``1.5 * target_kl`` no step is taken and the output carries ``early_stop = True``.
+        above ``1.5 * target_kl`` no step is taken and the result has ``early_stop = True``.
         """
         learn = self.cfg.learn
         lr = self.optimizer.param_groups[0]["lr"]
@@ -337,10 +338,9 @@ class PPOPolicy(Policy):
                                         "charts/clip_frac"), metrics))
         out["charts/lr"] = float(lr)
         if learn.target_kl is not None and out["charts/approx_kl"] > 1.5 * learn.target_kl:
-            out["early_stop"] = True  # moved far enough from the collecting policy: no step on this minibatch
-            return out
+            return LearnResult(out, early_stop=True)  # moved far enough from the collecting policy: no step here
         grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
         self.train_iter += 1
         if grad_norm is not None:
             out["charts/grad_norm"] = grad_norm.item()
-        return out
+        return LearnResult(out)

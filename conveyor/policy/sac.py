@@ -28,8 +28,9 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import (Acting, LazyOptimizer, Policy, TargetSync, _hidden_sizes_check, fused_adam,
-                                  make_target, nstep_option, replay_buffer_schema)
+from conveyor.policy.base import Acting, Policy
+from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, fused_adam, make_target
+from conveyor.policy.options import _hidden_sizes_check, lr_option, nstep_option, replay_buffer_schema, with_defaults
 from conveyor.policy.continuous import ActionScaler, EnsembleQ, TanhGaussianActor
 from conveyor.schema import ConfigError, Option
 
@@ -38,10 +39,6 @@ __all__ = ["SACPolicy", "SACModel", "TanhActorCriticPolicy"]
 
 def _theta_check(value: Any) -> str | None:
     return None if 0 < value <= 1 else "must be in (0, 1]"
-
-
-def _optional_positive(value: Any) -> str | None:
-    return None if value is None or value > 0 else "must be > 0 (or None to use learn.learning_rate)"
 
 
 def _action_dim_check(value: Any) -> str | None:
@@ -107,7 +104,10 @@ class TanhActorCriticPolicy(Policy):
     @classmethod
     def config_schema(cls) -> dict:
         """Base options plus the actor's and critics' (defaults are the SAC paper's: 256x256, lr 3e-4, batch 256)."""
-        return schema.merge_schemas(super().config_schema(), {
+        base = super().config_schema()
+        changed = with_defaults(base, {"learn": {"batch_size": 256, "learning_starts": 1000},
+                                       "collect": {"n_sample": 8}})
+        return schema.merge_schemas(base, changed, {
             "nstep": nstep_option(),
             "model": {
                 "action_shape": Option(None, "Action dimension of the 1-D Box action space (set from the env).",
@@ -124,21 +124,14 @@ class TanhActorCriticPolicy(Policy):
                                          type=list, check=_log_std_bounds_check),
             },
             "learn": {
-                "batch_size": Option(256, "Transitions per gradient step.", check=schema.positive),
                 "learning_rate": Option(3e-4, "Adam learning rate of every network (unless set apiece below).",
                                         type=float, check=schema.positive),
-                "actor_learning_rate": Option(None, "Actor learning rate (None: learning_rate).", type=float,
-                                              check=_optional_positive),
-                "critic_learning_rate": Option(None, "Critic learning rate (None: learning_rate).", type=float,
-                                               check=_optional_positive),
+                "actor_learning_rate": lr_option("actor"),
+                "critic_learning_rate": lr_option("critic"),
                 "target_theta": Option(0.005, "Soft target update rate of the critics per gradient step.",
                                        type=float, check=_theta_check),
-                "learning_starts": Option(1000, "Transitions in the replay buffer before training starts "
-                                                "(at least batch_size).", check=schema.non_negative),
             },
             "collect": {
-                "n_sample": Option(8, "Transitions collected per collection round (over all envs).",
-                                   check=schema.positive),
                 "random_collect_size": Option(5000, "Env steps of uniformly random actions before the policy acts "
                                                     "(the pipeline passes it to StepCollector).",
                                               check=schema.non_negative),
@@ -219,7 +212,7 @@ class SACPolicy(TanhActorCriticPolicy):
     ``learn_mode.forward(batch)`` updates the critics, the actor and (with ``learn.auto_alpha``) the
     temperature, then the target critics, and returns ``losses/q``, ``losses/actor``, ``losses/alpha``,
     ``charts/alpha``, ``charts/entropy``, ``charts/q_mean``, ``charts/target_q_mean`` and, when the
-    batch has importance ``weight`` (prioritized replay), ``priority`` (mean ``|TD error|`` of the critics).
+    batch has importance ``weight`` (prioritized replay), ``priorities`` (mean ``|TD error|`` of the critics).
 
     Checkpointed: ``model`` (actor and critics), ``target_critic``, ``actor_optimizer``,
     ``critic_optimizer``, ``temperature`` (log-alpha), ``alpha_optimizer``, the exploration ``rng``, the
@@ -231,8 +224,7 @@ class SACPolicy(TanhActorCriticPolicy):
         """The actor-critic options plus the entropy temperature's."""
         return schema.merge_schemas(super().config_schema(), {
             "learn": {
-                "alpha_learning_rate": Option(None, "Temperature learning rate (None: learning_rate).", type=float,
-                                              check=_optional_positive),
+                "alpha_learning_rate": lr_option("temperature"),
                 "auto_alpha": Option(True, "Learn the entropy temperature alpha against target_entropy; False "
                                            "keeps alpha fixed."),
                 "alpha": Option(0.2, "Entropy temperature: its fixed value, or the initial one with auto_alpha.",
@@ -264,7 +256,7 @@ class SACPolicy(TanhActorCriticPolicy):
         return float(self.temperature.log_alpha.detach().exp())
 
     # --- learning --------------------------------------------------------------------------------
-    def _forward_learn(self, batch: ttorch.Tensor) -> dict[str, Any]:
+    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """Critic, actor and temperature updates on one flat batch, then the soft target update."""
         discount = self._bootstrap_discount(batch)
         log_alpha = self.temperature.log_alpha
@@ -323,9 +315,7 @@ class SACPolicy(TanhActorCriticPolicy):
         if critic_grad_norm is not None:
             out["charts/critic_grad_norm"] = critic_grad_norm.item()
             out["charts/actor_grad_norm"] = actor_grad_norm.item()
-        if prioritized:
-            out["priority"] = td_error.abs().mean(0).cpu().numpy()
-        return out
+        return LearnResult(out, priorities=td_error.abs().mean(0).cpu().numpy() if prioritized else None)
 
     def _extra_critic_losses(self, batch: ttorch.Tensor, action: torch.Tensor,
                              q: torch.Tensor) -> dict[str, torch.Tensor]:

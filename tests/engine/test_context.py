@@ -42,7 +42,7 @@ def test_renew_carries_kept_fields_and_resets_the_rest():
     new = ctx.renew()
     assert type(new) is OnlineRLContext
     assert (new.env_step, new.train_iter) == (10, 3)
-    assert new.obs is None and new.eval_value is None
+    assert new.obs is None and new.eval_value == float("-inf")
 
 
 def test_renew_never_shares_mutable_defaults():

@@ -26,7 +26,7 @@ def test_each_item_has_the_counters_the_eval_value_and_each_middlewares_time():
         task.use(train)
         logs = list(task.iterate(max_step=3))
     assert [(log["total_step"], log["env_step"], log["train_iter"], log["eval_value"]) for log in logs] == [
-        (0, 10, 1, None), (1, 20, 2, 2.0), (2, 30, 3, None)]
+        (0, 10, 1, float("-inf")), (1, 20, 2, 2.0), (2, 30, 3, float("-inf"))]  # -inf: no evaluation
     assert set(logs[0]["time_s"]) == {"collect", "train"} and all(t >= 0 for t in logs[0]["time_s"].values())
     assert "trajectories" not in logs[0] and "collect_kwargs" not in logs[0]  # only scalar fields
 

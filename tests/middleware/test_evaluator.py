@@ -42,7 +42,7 @@ def test_evaluator_runs_first_then_every_eval_freq_train_iterations(cfg, cartpol
         ctx = ctx.renew()
         ctx.train_iter = train_iter
         evaluator(ctx)
-        if ctx.eval_value is not None:
+        if ctx.eval_value > float("-inf"):
             evaluated.append(train_iter)
     assert evaluated == [0, 10, 20]
     assert ctx.last_eval_iter == 20 and ctx.eval_output["train_iter"] == 20
@@ -58,7 +58,7 @@ def test_evaluator_also_runs_every_eval_env_step_freq_env_steps(cfg, cartpole_en
         ctx = ctx.renew()
         ctx.env_step = env_step
         evaluator(ctx)
-        if ctx.eval_value is not None:
+        if ctx.eval_value > float("-inf"):
             evaluated.append(env_step)
     assert evaluated == [0, 100, 200]
 

@@ -1,5 +1,7 @@
 """Exchangers: collected data to learners, train_iter and versioned weights back, over real worker processes."""
 import logging
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -397,3 +399,125 @@ def test_a_learner_whose_collectors_are_lost_before_their_first_batch_stops_afte
         task.use(ContextExchanger(timeout_s=60, grace_s=0.05)).use(trained.append)
         task.run(max_step=5)
         assert trained == [] and task.finish and task.ctx.total_step == 1
+
+
+# --- DI-engine's ContextExchanger: trajectory_end_idx travels, skip_n_iter ----------------------------------
+def trajectories(value: float, steps: int = 2, envs: int = 3):
+    return ttorch.Tensor({"obs": torch.full((steps, envs), value), "reward": torch.zeros(steps, envs)})
+
+
+def test_a_collector_sends_trajectory_end_idx_with_its_trajectories(fake_router):
+    fake_router.publish = lambda topic, payload: fake_router.sent.append((topic, payload)) or 1  # a learner listens
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+
+        def collect(ctx):
+            ctx.trajectories, ctx.trajectory_end_idx = trajectories(1.0), np.array([1, 4])
+
+        task.use(ContextExchanger(timeout_s=1)).use(collect)
+        task.run(max_step=1)
+    [(topic, payload)] = [(t, p) for t, p in fake_router.sent if t == DATA_TOPIC]
+    assert payload["trajectory_end_idx"].tolist() == [1, 4]
+
+
+@pytest.mark.parametrize("second, merged", [(np.array([0, 5]), [1, 4, 6, 11]), (None, None),
+                                            (np.array([6]), None)])  # past its 6 transitions: reshaped after it was set
+def test_a_learner_shifts_each_collectors_trajectory_end_idx_into_the_merged_trajectories(fake_router, second, merged):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=1)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        for node, end_idx in (("1", np.array([1, 4])), ("2", second)):  # [T=2, N=3]: 6 transitions apiece
+            deliver({"node": node, "trajectories": trajectories(float(node)), "trajectory_end_idx": end_idx,
+                     "episodes": None, "train_data": None, "env_step": 6, "env_episode": 2})
+        got = []
+        task.use(exchanger).use(lambda ctx: got.append(ctx.trajectory_end_idx))
+        task.run(max_step=1)
+    assert (got[0] if merged is None else got[0].tolist()) == merged  # None: where the second's episodes end is unknown
+
+
+@pytest.mark.parametrize("end_idx, sent", [
+    (np.array([[1]]), trajectories(1.0)), (np.array([0.5]), trajectories(1.0)), (np.array([-1]), trajectories(1.0)),
+    ([1, 4], trajectories(1.0)), (np.array([1]), None), (np.array([9]), ttorch.Tensor({"obs": torch.ones(2)}))])
+def test_a_learner_drops_a_trajectory_end_idx_that_does_not_index_its_trajectories(fake_router, end_idx, sent):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=1)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        deliver({"node": "1", "trajectories": sent, "trajectory_end_idx": end_idx,
+                 "episodes": None, "train_data": None, "env_step": 6, "env_episode": 2})
+    assert exchanger.stats() == {"rejected": 1}
+
+
+def test_skip_n_iter_must_be_a_count_or_none(fake_router):
+    with task.start():
+        task.add_role(task.role.COLLECTOR)
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="skip_n_iter"):
+                ContextExchanger(skip_n_iter=bad)
+
+
+@pytest.mark.parametrize("skip_n_iter", [1, 2])
+def test_with_skip_n_iter_a_collector_waits_for_the_learner_from_its_skip_n_iter_th_iteration_on(fake_router,
+                                                                                                  skip_n_iter):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        seen = []
+        task.use(ContextExchanger(timeout_s=0.3, skip_n_iter=skip_n_iter)).use(lambda ctx: seen.append(ctx.total_step))
+        with pytest.raises(TimeoutError, match=r"no train_iter .*\(skip_n_iter=%d\) within 0.3s" % skip_n_iter):
+            task.run(max_step=skip_n_iter + 5)  # no learner ever sends a train_iter
+    assert seen == list(range(skip_n_iter))  # the iterations before skip_n_iter did not wait
+
+
+def test_with_skip_n_iter_a_collector_runs_in_step_with_the_learners_train_iter(fake_router):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ContextExchanger(timeout_s=0.3, skip_n_iter=1)
+        [deliver] = fake_router.handlers["conveyor.exchange.train_iter"]
+        seen = []
+
+        def collect(ctx):
+            seen.append((ctx.total_step, ctx.train_iter))
+            if ctx.total_step < 2:
+                deliver({"train_iter": 10 * (ctx.total_step + 1)})  # the learner's answer to this iteration's batch
+
+        task.use(exchanger).use(collect)
+        with pytest.raises(TimeoutError, match="no train_iter"):
+            task.run(max_step=5)  # the third answer never comes
+    assert seen == [(0, 0), (1, 10), (2, 20)]
+
+
+def test_with_skip_n_iter_a_collector_whose_learners_are_gone_ends_its_run_normally(fake_router):
+    learners = ["0"]
+    fake_router.subscribers = lambda topic: list(learners) if topic == DATA_TOPIC else []
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.EVALUATOR)
+        seen = []
+
+        def evaluate(ctx):
+            seen.append(ctx.total_step)
+            learners.clear()
+            task.emit(PEER_LOST_EVENT, "0")
+
+        task.use(ContextExchanger(timeout_s=WAIT, skip_n_iter=1)).use(evaluate)
+        started = time.monotonic()
+        task.run(max_step=5)
+        assert seen == [0] and task.finish and time.monotonic() - started < WAIT / 2
+
+
+IMPORT_THE_EXCHANGERS = """
+import pathlib, sys, types
+import conveyor
+# conveyor.middleware's __init__ imports every middleware (torch among them): load the exchangers' modules alone.
+package = types.ModuleType("conveyor.middleware")
+package.__path__ = [str(pathlib.Path(conveyor.__file__).parent / "middleware")]
+sys.modules["conveyor.middleware"] = package
+import conveyor.middleware.exchanger, conveyor.middleware.model_exchanger
+print(",".join(m for m in ("torch", "numpy", "treetensor") if m in sys.modules) or "none")
+"""
+
+
+def test_the_exchangers_import_no_torch():
+    """A process that exchanges context only (or has not made its policy yet) pays no torch import for it."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_THE_EXCHANGERS], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["none"], out.stderr[-2000:]

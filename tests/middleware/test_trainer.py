@@ -13,7 +13,7 @@ from conveyor.config import compile_config
 from conveyor.envs import SyncEnvManager
 from conveyor.middleware import (CkptSaver, StepCollector, gae_estimator, interaction_evaluator, multistep_trainer,
                                  trainer)
-from conveyor.policy import PPOPolicy
+from conveyor.policy import LearnResult, PPOPolicy
 
 
 class RecordingLearner:
@@ -74,7 +74,7 @@ def test_a_step_the_policy_declines_ends_the_round_and_is_not_counted():
     class Drifting(RecordingLearner):
         def forward(self, batch):
             super().forward(batch)
-            return {"charts/approx_kl": 0.01, "early_stop": len(self.batches) == 4}  # declines the 4th minibatch
+            return LearnResult({"charts/approx_kl": 0.01}, early_stop=len(self.batches) == 4)  # declines the 4th
 
     learner = Drifting()
     ctx = train(multistep_trainer(learn_cfg(epoch_per_collect=4, batch_size=4, target_kl=0.02), learner),

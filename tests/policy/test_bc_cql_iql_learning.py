@@ -31,7 +31,7 @@ def test_a_learn_step_changes_the_weights_and_reports_finite_losses(case):
     cls, cfg, _ = CASES[case]
     policy = cls(cfg, seed=0)
     before = [p.detach().clone() for p in policy.model.parameters()]
-    out = policy.learn_mode.forward(batch(case, 0))
+    out = policy.learn_mode.forward(batch(case, 0)).metrics
     assert policy.learn_mode.train_iter == 1
     assert all(np.isfinite(v) for v in out.values()) and any(k.startswith("losses/") for k in out)
     changed = [not torch.equal(a, b) for a, b in zip(before, policy.model.parameters())]

@@ -24,7 +24,7 @@ def table_policy(table, **learn) -> DQNPolicy:
 def targets(policy: DQNPolicy, **fields) -> np.ndarray:
     """The TD targets of a batch whose Q(obs, action) is 0, read back as its ``|TD error|`` priorities."""
     batch = transitions(weight=[1.0] * len(fields["reward"]), **fields)
-    return policy.learn_mode.forward(batch)["priority"]
+    return policy.learn_mode.forward(batch).priorities
 
 
 # --- TD target -------------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def test_plain_dqn_values_target_networks_own_max():
 def test_metrics_are_namespaced_floats():
     policy = table_policy([[0.0, 0.0], [1.0, 3.0]])
     batch = transitions(obs=[0], action=[0], reward=[1.0], next_obs=[1], terminated=[True], truncated=[False])
-    out = policy.learn_mode.forward(batch)
+    out = policy.learn_mode.forward(batch).metrics
     assert set(out) == {"losses/td", "charts/q_mean", "charts/target_q_mean"}
     assert all(isinstance(v, float) for v in out.values())
     assert out["charts/target_q_mean"] == pytest.approx(1.0)
@@ -142,13 +142,13 @@ def test_priority_is_absolute_td_error_per_sample():
     with torch.no_grad():
         policy.model.table[0] = torch.tensor([4.0, -1.0])
     out = policy.learn_mode.forward(_batch_with_weight([1.0, 1.0]))
-    assert isinstance(out["priority"], np.ndarray) and out["priority"].shape == (2,)
-    np.testing.assert_allclose(out["priority"], [abs(4.0 - 1.0), abs(-1.0 - 2.0)], rtol=1e-6)
+    assert isinstance(out.priorities, np.ndarray) and out.priorities.shape == (2,)
+    np.testing.assert_allclose(out.priorities, [abs(4.0 - 1.0), abs(-1.0 - 2.0)], rtol=1e-6)
 
 
 def test_no_priority_without_importance_weights():
     policy = table_policy([[0.0, 0.0], [1.0, 3.0]])
-    assert "priority" not in policy.learn_mode.forward(_one_step_batch())
+    assert policy.learn_mode.forward(_one_step_batch()).priorities is None
 
 
 # --- acting ----------------------------------------------------------------------------------------

@@ -128,10 +128,10 @@ def test_a_minibatch_past_the_target_kl_takes_no_step_and_asks_to_stop():
     policy = table_policy(target_kl=0.01)
     before = policy.model.logits.detach().clone()
     out = policy.learn_mode.forward(batch(adv=[1.0], logp=[math.log(0.9)]))  # far from the collecting policy
-    assert out["early_stop"] is True and out["charts/approx_kl"] > 0.015
+    assert out.early_stop is True and out["charts/approx_kl"] > 0.015
     assert torch.equal(policy.model.logits, before) and policy.learn_mode.train_iter == 0
     out = policy.learn_mode.forward(batch(adv=[1.0], logp=[HALF]))  # ratio 1: KL 0, the step is taken
-    assert "early_stop" not in out and policy.learn_mode.train_iter == 1
+    assert out.early_stop is False and policy.learn_mode.train_iter == 1
 
 
 def test_constant_learning_rate_without_annealing():
@@ -142,7 +142,7 @@ def test_constant_learning_rate_without_annealing():
 
 def test_metrics_are_namespaced_floats_with_grad_norm_when_clipping():
     policy = table_policy(grad_clip=0.5)
-    out = policy.learn_mode.forward(batch(adv=[1.0], logp=[HALF]))
+    out = policy.learn_mode.forward(batch(adv=[1.0], logp=[HALF])).metrics
     assert set(out) == {"losses/policy", "losses/value", "losses/entropy", "charts/approx_kl", "charts/clip_frac",
                         "charts/lr", "charts/grad_norm"}
     assert all(isinstance(v, float) for v in out.values())

@@ -282,7 +282,7 @@ def test_actor_loss_puts_no_gradient_into_the_critics():
 
 
 def test_metrics_are_namespaced_floats():
-    out = SACPolicy(small_cfg(), seed=0).learn_mode.forward(random_batch(0))
+    out = SACPolicy(small_cfg(), seed=0).learn_mode.forward(random_batch(0)).metrics
     assert set(out) == {"losses/q", "losses/actor", "losses/alpha", "charts/alpha", "charts/entropy",
                         "charts/q_mean", "charts/target_q_mean"}
     assert all(isinstance(v, float) and math.isfinite(v) for v in out.values())
@@ -308,7 +308,7 @@ def test_priority_is_mean_absolute_td_error_of_the_critics():
              "truncated": torch.tensor([False, False]), "weight": torch.ones(2)}
     out = policy.learn_mode.forward(ttorch.Tensor(batch))
     # Q_1 = 0, Q_2 = 1 at state 0; targets are the rewards.
-    np.testing.assert_allclose(out["priority"], [(1.0 + 0.0) / 2, (2.0 + 1.0) / 2], rtol=1e-6)
+    np.testing.assert_allclose(out.priorities, [(1.0 + 0.0) / 2, (2.0 + 1.0) / 2], rtol=1e-6)
 
 
 def test_importance_weights_scale_the_critic_loss():
@@ -322,7 +322,7 @@ def test_importance_weights_scale_the_critic_loss():
 
 
 def test_no_priority_without_importance_weights():
-    assert "priority" not in SACPolicy(small_cfg(), seed=0).learn_mode.forward(random_batch(0))
+    assert SACPolicy(small_cfg(), seed=0).learn_mode.forward(random_batch(0)).priorities is None
 
 
 # --- observations and models ----------------------------------------------------------------------

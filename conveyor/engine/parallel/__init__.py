@@ -11,6 +11,10 @@ imports numpy / torch / treetensor only when it decodes one of their values.
   ``MalformedFrame``, ``load_secret``, ``generate_secret``.
 - :mod:`~conveyor.engine.parallel.router`: ``Router`` (topics between nodes over pynng). Imported on first
   use of ``Router``, so the names above stay free of pynng.
+
+``Parallel.runner`` is in :mod:`~conveyor.engine.parallel.runner` (its face and argument checks), with the
+launcher's side (start, supervision, restarts) in :mod:`~conveyor.engine.parallel.launch` and the worker's in
+:mod:`~conveyor.engine.parallel.worker`; processes themselves are :mod:`conveyor.processes`'s.
 """
 from conveyor.engine.parallel.codec import Codec, DecodeError, PickleCodec, decode, encode, register
 from conveyor.engine.parallel.frame import (AuthError, Frame, MalformedFrame, OversizeError, RejectedMessage, ReplayError,

@@ -1,0 +1,439 @@
+"""A router's membership: the links it dials, the peers it has proven, and when it loses them.
+
+Handshake, per pair of nodes (the keys are :mod:`~conveyor.engine.parallel.frame`'s). A node that does
+not know a peer's incarnation sends it a *hello* (its state, sealed for "anyone": replayable, so it makes
+nothing live and delivers nothing); the peer keeps the hello's incarnation as a *candidate* for
+``auth_timeout_s`` and answers with its state sealed for it, which proves the answer is fresh; from then
+on both seal everything for each other's incarnation. A peer whose genuine (freshly keyed) state comes
+from a new incarnation has restarted: the old one is lost and *retired*, so its recorded messages are
+refused. Within an incarnation, link counters are checked against a
+:class:`~conveyor.engine.parallel.guard.ReplayWindow`.
+
+State: a node's *state* (advertised address, subscribed topics, the ids of the peers it has heard) goes
+on each link as soon as the link connects, whenever it changes, and every ``heartbeat_s``
+(:meth:`Membership.announce`, called by the router's control thread). Any authentic message refreshes
+the sender's liveness; one silent for ``peer_timeout_s`` is declared dead, its subscriptions dropped and
+the lost callbacks called. Two faster paths need no timeout: a closing router says goodbye, and a link
+whose connection closes (the peer's process died) loses its peer half a heartbeat later. A lost peer
+that speaks again is live again. A peer is *ready* when its state lists this node among those it heard.
+Messages are numbered per (sender, topic): gaps count as ``lost``, repeats as ``duplicated``.
+
+Everything here is guarded by the router's lock: the router reads topics and handlers under the same
+lock, so a message is accepted and its handlers chosen in one step.
+"""
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import threading
+import time
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
+from urllib.parse import urlsplit
+
+import pynng
+
+from conveyor.engine.parallel import codec as _codec
+from conveyor.engine.parallel.frame import Frame, pack
+from conveyor.engine.parallel.guard import RateLimitedLog, ReplayWindow
+from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
+
+__all__ = ["Link", "Membership", "Peer", "is_local_address"]
+
+_SEND_BUFFER = 8  # messages a link queues before a send waits: room for a heartbeat beside data
+_MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
+_MAX_CANDIDATES = 64  # hellos of incarnations not proven fresh yet, answered until they expire
+_RETIRED_PER_NODE = 16  # incarnations of one node id remembered as replaced
+_MAX_AUTH_FAILURES = 64  # remote addresses remembered for failing authentication
+
+
+def is_local_address(url: str) -> bool:
+    """Whether ``url`` stays on this host: ``ipc://``, ``inproc://``, or tcp to a loopback address."""
+    parts = urlsplit(url)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    if not parts.scheme.startswith("tcp"):
+        return False
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Link:
+    """Our Push0 socket dialing one peer's inbox."""
+
+    def __init__(self, url: str, sock: Any) -> None:
+        self.url, self.sock = url, sock
+        self.connected = False
+        self.unproven_since = 0.0  # connected since then with no proven peer behind it (0: not so)
+        self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
+        self.dropped_at = 0.0  # when its connection closed, until the control thread judged it (0: not so)
+        self.learned = False  # dialed back after a peer's hello, not asked for with connect()
+        self.for_hello = False  # dialed for a hello only, not yet for a proven peer: closed when it expires
+        self.warned = False  # told that nothing authentic came back from it
+        self.peer_id: Optional[str] = None
+        self.peer_inc: Optional[bytes] = None  # the proven incarnation of the peer behind it
+
+
+class Peer:
+    """What this node knows of one incarnation of another node, from its state messages."""
+
+    def __init__(self, node_id: str, address: str, incarnation: bytes) -> None:
+        self.node_id, self.address, self.incarnation = node_id, address, incarnation
+        self.topics: frozenset = frozenset()
+        self.heard: frozenset = frozenset()
+        self.last_seen = time.monotonic()
+        self.control_seq = -1
+        self.alive = False
+        self.window = ReplayWindow()
+        self.last_seq: Dict[str, int] = {}
+
+
+class _Router(Protocol):
+    """What membership asks of its router (:class:`~conveyor.engine.parallel.router.Router`)."""
+    node_id: str
+    address: str
+    local_only: bool
+    heartbeat_s: float
+    peer_timeout_s: float
+    send_timeout_s: float
+    auth_timeout_s: float
+
+    @property
+    def closed(self) -> bool: ...
+    def topics(self) -> List[str]: ...
+    def _count(self, name: str, n: int = 1) -> None: ...
+    def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True,
+              count: bool = True) -> bool: ...
+
+
+class Membership:
+    """The links and peers of ``router``, under its ``lock``: ``changed`` is notified when who is ready or
+    subscribed changes, ``wake`` asks the router's control thread to announce our state now. Losses and
+    warnings go to ``log``'s logger."""
+
+    def __init__(self, router: _Router, lock: threading.RLock, changed: threading.Condition,
+                 wake: threading.Event, log: RateLimitedLog) -> None:
+        self._router, self._lock, self._changed, self._wake, self._log = router, lock, changed, wake, log
+        self.links: Dict[str, Link] = {}
+        self.peers: Dict[str, Peer] = {}
+        self.lost_callbacks: List[Callable[[str], Any]] = []
+        self._retired: Dict[str, Deque[bytes]] = {}
+        self._candidates: Dict[Tuple[str, bytes], Tuple[str, float]] = {}  # (node, inc) -> (address, expiry)
+        self._auth_failures: Dict[str, int] = {}  # remote address -> messages that failed their tag
+        self._control_seq = -1
+
+    # --- links -------------------------------------------------------------------------------------
+    def dial(self, url: str, learned: bool) -> None:
+        """Open a link to the inbox at ``url`` (``learned``: announced by a peer, not asked for)."""
+        r = self._router
+        if r.local_only and not is_local_address(url):
+            raise ValueError(f"Router {r.node_id!r}: refusing to dial {url} without a secret; give every node "
+                             f"the same secret (--secret-file FILE or $CONVEYOR_SECRET)")
+        with self._lock:
+            if r.closed or url in self.links or url == r.address:
+                return
+            try:
+                sock = pynng.Push0(send_timeout=int(r.send_timeout_s * 1000), send_buffer_size=_SEND_BUFFER,
+                                   reconnect_time_min=50, reconnect_time_max=int(max(r.heartbeat_s, 0.1) * 1000))
+            except pynng.NNGException as e:
+                raise nng_os_error(f"Router {r.node_id!r} cannot open a link to {url}", e) from None
+            link = self.links[url] = Link(url, sock)
+            link.learned = learned
+
+        def connected(pipe: Any) -> None:
+            with self._lock:
+                link.connected, link.hello_sent = True, False
+                if link.peer_inc is None:  # kept over reconnects: a listener closes unauthenticated connections
+                    link.unproven_since = link.unproven_since or time.monotonic()
+            self._wake.set()
+
+        def removed(pipe: Any) -> None:
+            with self._lock:
+                link.dropped_at = time.monotonic()
+                link.connected = link.hello_sent = False
+                link.peer_inc = None  # whoever answers the reconnect proves itself afresh (it may have restarted)
+            self._wake.set()  # the control thread loses its peer (nng's thread must not run the callbacks)
+
+        sock.add_post_pipe_connect_cb(connected)
+        sock.add_post_pipe_remove_cb(removed)
+        sock.dial(url, block=False)
+
+    def _dial_back(self, address: str, inc: Optional[bytes]) -> None:
+        """Dial the address a peer announced (learned: closed again if it never proves fresh)."""
+        try:
+            self.dial(address, learned=True)
+        except (ValueError, OSError) as e:
+            self._router._count("malformed")
+            return self._log.log(f"dial {address}", "router %s: not dialing %s: %s", self._router.node_id, address, e)
+        with self._lock:
+            link = self.links.get(address)
+            if link is not None and inc is not None:
+                link.peer_inc, link.unproven_since = inc, 0.0
+            elif link is not None and link.peer_inc is None and link.peer_id is None:
+                link.for_hello = True
+
+    def subscribed(self, topic: str) -> List[Link]:
+        """The links to live peers subscribed to ``topic`` that have our state (call with the lock held)."""
+        links = []
+        for peer in self.peers.values():
+            link = self.links.get(peer.address)
+            if (peer.alive and topic in peer.topics and link is not None and link.hello_sent
+                    and link.peer_inc == peer.incarnation):
+                link.peer_id = peer.node_id
+                links.append(link)
+        return links
+
+    # --- who is there ------------------------------------------------------------------------------
+    def live(self) -> List[str]:
+        """Ids of the live peers."""
+        with self._lock:
+            return sorted(p.node_id for p in self.peers.values() if p.alive)
+
+    def ready(self) -> List[str]:
+        """Live peers that know this node too."""
+        with self._lock:
+            return sorted(p.node_id for p in self.peers.values() if self._ready(p))
+
+    def _ready(self, peer: Peer) -> bool:
+        link = self.links.get(peer.address)
+        return (peer.alive and self._router.node_id in peer.heard and link is not None and link.hello_sent
+                and link.peer_inc == peer.incarnation)
+
+    def wait_ready(self, n: int, timeout: float) -> List[str]:
+        """Block until ``n`` peers are ready (see :meth:`Router.wait_for_peers`)."""
+        r = self._router
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                ready = [p.node_id for p in self.peers.values() if self._ready(p)]
+                if len(ready) >= n:
+                    return sorted(ready)
+                now = time.monotonic()
+                left = deadline - now
+                unanswered = sorted(url for url, link in self.links.items()
+                                    if not link.learned and self._unanswered(link, now))
+                if unanswered:
+                    raise TimeoutError(self._no_answer(", ".join(unanswered)))
+                if left <= 0 or r.closed:
+                    break
+                self._changed.wait(min(left, r.heartbeat_s))
+            heard = sorted(p.node_id for p in self.peers.values() if p.alive and not self._ready(p))
+            silent = sorted(url for url, link in self.links.items() if link.peer_inc is None)
+            failed = sorted(self._auth_failures)
+        raise TimeoutError(f"router {r.node_id!r}: {len(ready)} of {n} peers ready after {timeout}s "
+                           f"(ready: {sorted(ready)}; heard but not yet knowing us: {heard}; dialed, nothing "
+                           f"authentic heard from: {silent}; failed authentication: {failed}); check that those "
+                           f"nodes run, use the same secret, and are given this node's address {r.address}")
+
+    def _unanswered(self, link: Link, now: float) -> bool:
+        """Whether ``link`` has been connected for over ``auth_timeout_s`` with nothing authentic back."""
+        return bool(link.unproven_since) and now - link.unproven_since > self._router.auth_timeout_s
+
+    def _no_answer(self, urls: str) -> str:
+        r = self._router
+        return (f"router {r.node_id!r}: connected to {urls} for over {r.auth_timeout_s}s and nothing authentic "
+                f"came back: the node there uses another secret than this one (check --secret-file / "
+                f"$CONVEYOR_SECRET on both hosts), or is not a Conveyor node")
+
+    # --- what we send ------------------------------------------------------------------------------
+    def _state(self) -> bytearray:
+        r = self._router
+        with self._lock:
+            state = {"kind": "state", "address": r.address, "topics": r.topics(),
+                     "heard": sorted(p.node_id for p in self.peers.values() if p.alive)}
+            self._control_seq += 1
+            seq = self._control_seq
+        return pack(CONTROL_TOPIC, seq, r.node_id, _codec.encode(state))
+
+    def announce(self) -> None:
+        """Send our state on every connected link: sealed for the proven peer behind it, and for each fresh
+        hello heard from that address; a hello of our own where nobody is known yet."""
+        now = time.monotonic()
+        with self._lock:
+            self._candidates = {k: v for k, v in self._candidates.items() if v[1] > now}
+            wanted = {address for address, _ in self._candidates.values()}
+            targets, stale = [], []
+            for url, link in list(self.links.items()):
+                if link.for_hello and url not in wanted:
+                    stale.append(self.links.pop(url))  # dialed back for a hello never proven fresh
+                    continue
+                if not link.warned and self._unanswered(link, now):
+                    link.warned = True
+                    self._log.logger.warning("%s", self._no_answer(url))
+                if not link.connected:
+                    continue
+                incs = [inc for (_, inc), (address, _) in self._candidates.items()
+                        if address == url and inc != link.peer_inc]
+                targets.append((link, [link.peer_inc] if link.peer_inc is not None else [], incs))
+        for link in stale:
+            link.sock.close()  # outside the lock: nng runs the link's callbacks, which take it, before returning
+        for link, proven, others in targets:
+            for to in proven + others or [None]:
+                ok = self._router._send(link, self._state(), to, block=False, count=False)
+                if ok and proven and to == proven[0]:
+                    with self._lock:
+                        link.hello_sent = link.connected and link.peer_inc == to
+                        self._changed.notify_all()
+
+    def goodbye(self) -> None:
+        """Tell the peers that have our state that we close, waiting a little for room on each link: a
+        goodbye dropped on a full link reads as a loss there."""
+        r = self._router
+        with self._lock:
+            links = [link for link in self.links.values() if link.hello_sent and link.peer_inc is not None]
+            seq = self._control_seq + 1
+        for link in links:
+            link.sock.send_timeout = int(min(r.heartbeat_s, r.send_timeout_s) * 1000)
+            r._send(link, pack(CONTROL_TOPIC, seq, r.node_id, _codec.encode({"kind": "bye"})), link.peer_inc,
+                    count=False)
+
+    # --- losses ------------------------------------------------------------------------------------
+    def check_timeouts(self) -> None:
+        """Lose the peers silent for ``peer_timeout_s``, and those whose connection closed half a heartbeat ago
+        (a goodbye sent before the closing goes through the inbox, the closing is seen on the link)."""
+        r = self._router
+        now = time.monotonic()
+        with self._lock:
+            dead = [(p, f"silent for {r.peer_timeout_s}s") for p in self.peers.values()
+                    if p.alive and now - p.last_seen > r.peer_timeout_s]
+            dropped = {url for url, link in self.links.items()
+                       if link.dropped_at and now - link.dropped_at >= r.heartbeat_s / 2}
+            for url in dropped:
+                self.links[url].dropped_at = 0.0
+            dead += [(p, "its connection closed") for p in self.peers.values()
+                     if p.alive and p.address in dropped and not self.links[p.address].connected]
+        for peer, why in dead:
+            self._lose(peer, why)
+
+    def _lose(self, peer: Peer, why: str) -> None:
+        node_id = self._router.node_id
+        with self._lock:
+            if not peer.alive:
+                return
+            peer.alive = False
+            peer.topics = frozenset()
+            self._router._count("peers_lost")
+            self._changed.notify_all()
+            link = self.links.get(peer.address)
+            if link is not None and link.learned:  # its hello makes us dial again if it comes back
+                del self.links[peer.address]
+            callbacks = list(self.lost_callbacks)
+        if link is not None and link.learned:
+            link.sock.close()
+        self._log.logger.log(logging.INFO if why == "it closed" else logging.WARNING, "router %s: peer %s lost (%s)",
+                             node_id, peer.node_id, why)
+        for fn in callbacks:
+            try:
+                fn(peer.node_id)
+            except Exception:
+                self._log.logger.exception("router %s: an on_peer_lost callback raised", node_id)
+        self._wake.set()  # our "heard" list changed
+
+    # --- what the inbox hands over -----------------------------------------------------------------
+    def on_hello(self, frame: Frame, message: Dict[str, Any]) -> None:
+        """A hello: remember its incarnation as a candidate to answer (sealed for it) until it expires."""
+        sender, inc = frame.sender, frame.sender_incarnation
+        with self._lock:
+            if inc in self._retired.get(sender, ()):
+                self._router._count("rejected_replay")
+                return
+            if len(self._candidates) >= _MAX_CANDIDATES and (sender, inc) not in self._candidates:
+                self._candidates.pop(next(iter(self._candidates)))
+            self._candidates[(sender, inc)] = (message["address"], time.monotonic() + self._router.auth_timeout_s)
+            known = message["address"] in self.links
+        if not known:
+            self._dial_back(message["address"], None)
+        self._wake.set()
+
+    def on_control(self, frame: Frame, message: Dict[str, Any]) -> None:
+        """State or goodbye sealed for us: proof that ``frame``'s incarnation runs now."""
+        sender, inc = frame.sender, frame.sender_incarnation
+        with self._lock:
+            old = self.peers.get(sender)
+        if old is not None and old.incarnation != inc:
+            if message["kind"] == "bye":
+                return
+            self._lose(old, "it restarted")  # its callbacks run before the new incarnation is live
+            with self._lock:
+                self._retired.setdefault(sender, collections.deque(maxlen=_RETIRED_PER_NODE)).append(old.incarnation)
+        with self._lock:
+            peer = self.peers.get(sender)
+            if peer is None or peer.incarnation != inc:
+                if message["kind"] == "bye":
+                    return
+                peer = self.peers[sender] = Peer(sender, message["address"], inc)
+            if not peer.window.accept(frame.counter):
+                self._router._count("rejected_replay")
+                return
+            if frame.seq <= peer.control_seq:
+                return  # an older state overtaken by a newer one
+            peer.control_seq = frame.seq
+            if message["kind"] == "bye":
+                new_link = False
+            else:
+                self._candidates.pop((sender, inc), None)
+                was_alive, peer.alive = peer.alive, True
+                peer.address = message["address"]
+                peer.topics, peer.heard = frozenset(message["topics"]), frozenset(message["heard"])
+                peer.last_seen = time.monotonic()
+                link = self.links.get(peer.address)
+                new_link = link is None
+                if link is not None and link.peer_inc != inc:
+                    link.peer_inc, link.hello_sent, link.peer_id, link.unproven_since = inc, False, sender, 0.0
+                    link.for_hello = False
+                self._changed.notify_all()
+        if message["kind"] == "bye":
+            return self._lose(peer, "it closed")
+        if new_link:
+            self._dial_back(peer.address, inc)
+        if not was_alive or self._router.node_id not in peer.heard or new_link:
+            self._wake.set()  # tell it (again) that we heard it
+
+    def accept(self, frame: Frame) -> bool:
+        """Whether an authentic data message is new from a known peer: not when its sender incarnation is not
+        a known peer's, its counter was seen, or its seq is a repeat or an absurd jump (each counted). Call
+        with the lock held."""
+        count = self._router._count
+        peer = self.peers.get(frame.sender)
+        if peer is None or peer.incarnation != frame.sender_incarnation:
+            retired = frame.sender_incarnation in self._retired.get(frame.sender, ())
+            count("rejected_replay" if retired else "malformed")
+            return False
+        if not peer.window.accept(frame.counter):
+            count("rejected_replay")
+            return False
+        if peer.alive:
+            peer.last_seen = time.monotonic()
+        last = peer.last_seq.get(frame.topic, -1)
+        if frame.seq <= last:
+            count("duplicated")
+            return False
+        if frame.seq - last > _MAX_SEQ_JUMP:
+            count("malformed")  # would make every later message of its look old
+            return False
+        if last >= 0 and frame.seq - last > 1:  # counted only on a gap: the common case takes no lock call
+            count("lost", frame.seq - last - 1)
+        peer.last_seq[frame.topic] = frame.seq
+        return True
+
+    def auth_failed(self, remote: str) -> None:
+        """A message from ``remote`` failed its tag: remember the address for errors, warn once a minute."""
+        with self._lock:
+            self._auth_failures[remote] = self._auth_failures.get(remote, 0) + 1
+            if len(self._auth_failures) > _MAX_AUTH_FAILURES:
+                self._auth_failures.pop(next(iter(self._auth_failures)))
+        self._log.log("auth", "router %s: a message from %s failed authentication: the node there uses another "
+                      "secret (check --secret-file / $CONVEYOR_SECRET on both hosts), or is not a Conveyor node",
+                      self._router.node_id, remote)
+
+    def resumed(self) -> None:
+        """The inbox waited for its handlers: its peers' messages queued meanwhile; count them as heard now."""
+        with self._lock:
+            now = time.monotonic()
+            for peer in self.peers.values():
+                peer.last_seen = max(peer.last_seen, now - self._router.heartbeat_s)

@@ -1,0 +1,79 @@
+"""Config options the policies share: checks, option groups (n-step, replay buffer, offline data) and a way to
+change the default of an inherited option without declaring it again."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+from conveyor import schema
+from conveyor.schema import Option
+
+__all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults"]
+
+
+def _hidden_sizes_check(value: Sequence[int]) -> str | None:
+    ok = len(value) > 0 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    return None if ok else "must be a non-empty list of positive ints"
+
+
+def _optional_positive(value: Any) -> str | None:
+    return None if value is None or value > 0 else "must be > 0 (or None to disable)"
+
+
+def _optional_lr(value: Any) -> str | None:
+    return None if value is None or value > 0 else "must be > 0 (or None to use learn.learning_rate)"
+
+
+def lr_option(network: str) -> Option:
+    """The ``learn.<network>_learning_rate`` option of a policy with one optimizer per network."""
+    return Option(None, f"{network.capitalize()} learning rate (None: learning_rate).", type=float, check=_optional_lr)
+
+
+def with_defaults(base: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
+    """The options of ``base`` named in ``defaults`` (nested by section), with those defaults: a subclass's
+    schema changes an inherited default without declaring the option again."""
+    out: dict = {}
+    for key, value in defaults.items():
+        spec = base[key]
+        out[key] = with_defaults(spec, value) if isinstance(spec, Mapping) else dataclasses.replace(spec, default=value)
+    return out
+
+
+def nstep_option() -> Option:
+    """The ``nstep`` option of policies whose targets go through :meth:`Policy._bootstrap_discount`."""
+    return Option(1, "N-step return length; the pipeline's n-step enhancer reads it and writes 'discount' into "
+                     "batches.", check=schema.positive)
+
+
+def replay_buffer_schema(size: int) -> dict:
+    """The ``other.replay_buffer`` options of off-policy policies, read by the pipeline to build a DequeBuffer."""
+    return {
+        "size": Option(size, "Replay buffer capacity in transitions.", check=schema.positive),
+        "prioritized": Option(False, "Prioritized experience replay."),
+        "alpha": Option(0.6, "Priority exponent of prioritized replay.", type=float, check=schema.unit_interval),
+        "beta": Option(0.4, "Importance-weight exponent of prioritized replay at the start.", type=float,
+                       check=schema.unit_interval),
+        "beta_end": Option(1.0, "The importance-weight exponent reached after beta_anneal_steps (1 corrects the whole "
+                                "sampling bias, as the PER paper anneals to).", type=float, check=schema.unit_interval),
+        "beta_anneal_steps": Option(100_000, "Transitions added to the buffer (env steps) over which beta rises "
+                                             "linearly to beta_end; the schedule is saved with the buffer (None: beta "
+                                             "stays fixed).", type=int, check=_optional_positive),
+    }
+
+
+def offline_schema(max_train_iter: int) -> dict:
+    """The options every offline policy adds: its dataset, its gradient-step budget, one step per minibatch."""
+    return {
+        "learn": {
+            "max_train_iter": Option(max_train_iter, "Gradient steps of an offline run (the zoo entry stops there).",
+                                     check=schema.positive),
+            "update_per_collect": Option(1, "Gradient steps per minibatch the offline data fetcher hands over.",
+                                         check=schema.positive),
+        },
+        "other": {
+            "dataset": {
+                "id": Option(None, "Dataset to train on: a Minari dataset id (in the local Minari root), or the path "
+                                   "of a Minari dataset directory, .npz or HDF5 transition file.", type=str),
+            },
+        },
+    }

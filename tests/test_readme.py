@@ -1,0 +1,142 @@
+"""The README's commands as a newcomer meets them: each parses, no two runs share a name, and, run one after
+another in a fresh folder exactly as written, every one succeeds.
+
+Commands are the lines of the README's ```bash blocks (``\\`` continues a line, ``&&`` chains commands); a
+```python block whose first line is ``# NAME.py`` is a file the reader saves before going on. Only ``conveyor``
+commands for this machine run: installing, the test suite, TensorBoard's server, Slurm's ``srun`` and the
+commands meant for other hosts are the reader's environment, not Conveyor's.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+from urllib.parse import urlsplit
+
+import pytest
+
+from conveyor.cli import parser
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+COMMAND_TIMEOUT = 600  # seconds: a bound on each command; each takes well under a minute here
+
+
+def readme_steps(text: str) -> Iterator[Tuple[str, object]]:
+    """In the README's order: ("file", (name, text)) for a file to save, ("command", argv) for a command."""
+    for match in FENCE.finditer(text):
+        language, body = match.group(1), match.group(2)
+        first = body.partition("\n")[0]
+        if language == "python" and re.fullmatch(r"# [\w.-]+\.py\b.*", first):
+            yield "file", (first[2:].split()[0].rstrip(":"), body)
+        elif language == "bash":
+            for line in body.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                while words:
+                    end = words.index("&&") if "&&" in words else len(words)
+                    yield "command", words[:end]
+                    words = words[end + 1:]
+
+
+def _other_host(argv: List[str]) -> bool:
+    """Whether the command names an address that is not this machine's loopback (it runs on another host)."""
+    hosts = []
+    for option, value in zip(argv, argv[1:]):
+        if option == "--address":
+            hosts.append(value)
+        elif option == "--attach-to":
+            hosts += [urlsplit(url).hostname or "" for url in value.split(",")]
+    for host in hosts:
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return True
+        except ValueError:  # an ipc folder or a host name
+            if host not in ("localhost",) and not host.startswith(("/", ".")):
+                return True
+    return False
+
+
+def why_not_run(argv: List[str]) -> Optional[str]:
+    """Why the test leaves this command to the reader, or None to run it."""
+    if argv[0] != "conveyor":
+        return f"{argv[0]}: the reader's environment (install, test suite, TensorBoard's server, Slurm)"
+    if _other_host(argv):
+        return "meant for another host"
+    return None
+
+
+def conveyor_commands() -> List[List[str]]:
+    return [argv for kind, argv in readme_steps((ROOT / "README.md").read_text())
+            if kind == "command" and why_not_run(argv) is None]
+
+
+def test_only_the_readers_environment_is_left_out_of_the_readme_run():
+    steps = list(readme_steps((ROOT / "README.md").read_text()))
+    run = conveyor_commands()
+    assert {argv[1] for argv in run} >= {"list", "train", "plot", "eval", "task"}
+    skipped = {argv[0] for kind, argv in steps if kind == "command" and why_not_run(argv)}
+    assert skipped <= {"python3", ".", "pip", "python", "tensorboard", "srun", "conveyor"}
+
+
+@pytest.mark.parametrize("argv", conveyor_commands(), ids=shlex.join)
+def test_every_conveyor_command_of_the_readme_parses(argv):
+    try:
+        parser().parse_args(argv[1:])
+    except SystemExit as exc:
+        pytest.fail(f"README: `{shlex.join(argv)}` is refused by the parser (exit code {exc.code})")
+
+
+def test_no_two_readme_runs_share_a_run_name():
+    from conveyor.zoo import load_entry
+
+    trained = set()
+    for argv in conveyor_commands():
+        args = parser().parse_args(argv[1:])
+        if args.command != "train":
+            continue
+        name = args.exp_name or load_entry(args.entry).main_config["exp_name"]
+        if args.resume:
+            assert name in trained, f"README: `{shlex.join(argv)}` resumes runs/{name}, which no command before trains"
+        else:
+            assert name not in trained, (f"README: `{shlex.join(argv)}` would train into runs/{name}, which a "
+                                         f"command before already holds: give it its own --exp-name")
+        trained.add(name)
+
+
+def _run(argv: List[str], cwd: Path) -> subprocess.CompletedProcess:
+    """One command in its own session, its whole process group stopped afterwards, also on failure."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", *argv[1:]], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=COMMAND_TIMEOUT)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 160 s idle, 360 s on a busy 2-core machine: a dozen trainings, most until solved
+def test_the_readme_s_commands_run_one_after_another_in_a_fresh_folder(tmp_path):
+    ran = 0
+    for kind, step in readme_steps((ROOT / "README.md").read_text()):
+        if kind == "file":
+            name, text = step
+            (tmp_path / name).write_text(text)
+        elif why_not_run(step) is None:
+            done = _run(step, tmp_path)
+            assert done.returncode == 0, (f"README: `{shlex.join(step)}` exited with {done.returncode}:\n"
+                                          f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+            ran += 1
+    assert ran == len(conveyor_commands())
+    assert (tmp_path / "curves.png").is_file() and (tmp_path / "ep.gif").is_file()
