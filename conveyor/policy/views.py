@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -13,8 +13,29 @@ import torch
 from conveyor.policy.learning import LearnResult
 from conveyor.policy.weights import Acting, _Version
 
-if TYPE_CHECKING:
-    from conveyor.policy.base import Policy
+
+
+class Viewed(Protocol):
+    """What a view needs of its policy: :class:`conveyor.policy.base.Policy` (not imported: it imports this module)."""
+
+    rng: Any
+    train_iter: int
+    version: int
+    _weights: Any
+    _learn_lock: Any
+
+    def publish(self) -> int: ...
+    def set_lr_factor(self, factor: float) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def _forward_learn(self, batch: Any) -> Any: ...
+    def _forward_collect(self, acting: Acting, obs: Any, **kwargs: Any) -> dict: ...
+    def _forward_eval(self, acting: Acting, obs: Any) -> dict: ...
+    def _value(self, acting: Acting, obs: Any, **kwargs: Any) -> Any: ...
+    def _obs_to_tensor(self, obs: Any) -> Any: ...
+    def _batch_to_tensor(self, batch: Any) -> Any: ...
+    def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None: ...
+    def _checkpoint(self, version: Any) -> dict: ...
 
 __all__ = ["LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot"]
 
@@ -24,7 +45,7 @@ class LearnMode:
 
     __slots__ = ("_policy",)
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Viewed) -> None:
         self._policy = policy
 
     def forward(self, batch: Any) -> LearnResult:
@@ -61,14 +82,14 @@ class LearnMode:
         return f"<learn_mode of {type(self._policy).__name__}>"
 
 
-def _collect(policy: Policy, version: _Version, memory: dict, obs: Any, kwargs: dict) -> dict[str, Any]:
+def _collect(policy: Viewed, version: _Version, memory: dict, obs: Any, kwargs: dict) -> dict[str, Any]:
     with torch.no_grad():
         out = policy._forward_collect(Acting(version, memory), policy._obs_to_tensor(obs), **kwargs)
     out["weight_version"] = np.full(len(out["action"]), version.number, dtype=np.int64)
     return out
 
 
-def _evaluate(policy: Policy, version: _Version, memory: dict, obs: Any) -> dict[str, Any]:
+def _evaluate(policy: Viewed, version: _Version, memory: dict, obs: Any) -> dict[str, Any]:
     with torch.no_grad():
         return policy._forward_eval(Acting(version, memory), policy._obs_to_tensor(obs))
 
@@ -79,7 +100,7 @@ class _ActingView:
     __slots__ = ("_policy", "_memory")
     _name = "acting view"
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Viewed) -> None:
         self._policy = policy
         self._memory: dict = {}
 
@@ -180,7 +201,7 @@ class Snapshot:
 
     __slots__ = ("_policy", "_version", "_mode", "_memory", "__weakref__")
 
-    def __init__(self, policy: Policy, mode: str) -> None:
+    def __init__(self, policy: Viewed, mode: str) -> None:
         self._policy = policy
         self._version = policy._weights.pin()
         self._mode = mode
