@@ -24,6 +24,7 @@ from conveyor.policy.actor_critic import ActorCritic
 from conveyor.policy.bc import BCPolicy
 from conveyor.policy.continuous import (
     ActionScaler,
+    DeterministicActor,
     EnsembleLinear,
     EnsembleQ,
     TanhGaussianActor,
@@ -37,7 +38,9 @@ from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, F
                                    build_encoder)
 from conveyor.policy.normaliser import ObsNormaliser, RunningMeanStd
 from conveyor.policy.ppo import PPOPolicy
+from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
+from conveyor.policy.td3 import TD3Policy
 
 __all__ = [
     "Policy",
@@ -77,6 +80,9 @@ __all__ = [
     "tanh_gaussian_log_prob",
     "tanh_log_det_jacobian",
     "TanhActorCriticPolicy",
+    "QActorCriticPolicy",
+    "TD3Policy",
+    "DeterministicActor",
     "EncoderHead",
     "BCPolicy",
     "CQLPolicy",

@@ -1,9 +1,10 @@
-"""Pieces for continuous (``Box``) actions, shared by the policies that act in them (SAC, PPO, ...).
+"""Pieces for continuous (``Box``) actions, shared by the policies that act in them (SAC, TD3, PPO, ...).
 
 - :class:`ActionScaler` maps actions between the squashed range ``[-1, 1]`` and an env's bounds.
 - :class:`TanhGaussianActor` is a diagonal Gaussian over pre-squash actions ``u`` followed by
   ``a = tanh(u)``; :meth:`TanhGaussianActor.sample` draws reparameterised actions with their exact
   log-density, and :func:`tanh_gaussian_log_prob` evaluates the log-density of given actions.
+- :class:`DeterministicActor` is the deterministic ``a = tanh(mu(s))`` of TD3.
 - :class:`EnsembleQ` evaluates several Q(obs, action) networks in one batched pass (``E`` matrices
   multiplied at once by ``torch.baddbmm``): SAC's twin critics cost one forward, not two.
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from conveyor.policy.model import ObsShape, build_encoder
 
-__all__ = ["ActionScaler", "TanhGaussianActor", "tanh_gaussian_log_prob", "tanh_log_det_jacobian",
+__all__ = ["ActionScaler", "TanhGaussianActor", "DeterministicActor", "tanh_gaussian_log_prob", "tanh_log_det_jacobian",
            "EnsembleLinear", "EnsembleQ"]
 
 _LOG2 = math.log(2.0)
@@ -146,6 +147,25 @@ class TanhGaussianActor(nn.Module):
     def mode(self, obs: Any) -> torch.Tensor:
         """The deterministic action ``tanh(mean)`` in ``(-1, 1)``."""
         return torch.tanh(self(obs)[0])
+
+
+class DeterministicActor(nn.Module):
+    """A deterministic policy ``a = tanh(head(encoder(obs)))`` in ``(-1, 1)`` (TD3, DDPG), over an encoder picked
+    from ``obs_shape``; exploration noise is added by the policy that acts with it."""
+
+    def __init__(self, obs_shape: ObsShape, action_dim: int, *, hidden_sizes: Sequence[int] = (256, 256),
+                 encoder: nn.Module | None = None) -> None:
+        super().__init__()
+        self.encoder = encoder if encoder is not None else build_encoder(obs_shape, hidden_sizes)
+        self.action_dim = action_dim
+        self.head = nn.Linear(self.encoder.output_dim, action_dim)
+
+    def forward(self, obs: Any) -> torch.Tensor:
+        return torch.tanh(self.head(self.encoder(obs)))
+
+    def mode(self, obs: Any) -> torch.Tensor:
+        """The action itself (as :meth:`TanhGaussianActor.mode`, so evaluation reads both alike)."""
+        return self(obs)
 
 
 class EnsembleLinear(nn.Module):

@@ -206,7 +206,8 @@ print(acted, 'torch._dynamo' in sys.modules)
 
 
 @pytest.mark.parametrize("entry, cls, obs_dim", [("cartpole.dqn", "DQNPolicy", 4), ("cartpole.ppo", "PPOPolicy", 4),
-                                                 ("pendulum.sac", "SACPolicy", 3), ("pendulum.iql", "IQLPolicy", 3)])
+                                                 ("pendulum.sac", "SACPolicy", 3), ("pendulum.iql", "IQLPolicy", 3),
+                                                 ("pendulum.td3", "TD3Policy", 3)])
 def test_a_policy_that_only_acts_makes_no_optimizer_so_never_imports_torch_dynamo(entry, cls, obs_dim):
     """A torch optimizer imports torch._dynamo when made (1.5 s): a collector or evaluator process never pays it,
     not even to save or load a checkpoint."""

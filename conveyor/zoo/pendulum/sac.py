@@ -4,7 +4,8 @@
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import functools
+from typing import Any, Mapping, Optional, Type
 
 from easydict import EasyDict
 
@@ -32,11 +33,13 @@ main_config = EasyDict(dict(
 
 
 def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
-         **options: Any) -> OnlineRLContext:
-    """Train SAC on Pendulum (lunarlander_continuous/sac trains this pipeline on its ``defaults``); returns the
-    final context. ``options``: :class:`~conveyor.zoo.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``...)."""
+         policy: Type[Any] = SACPolicy, **options: Any) -> OnlineRLContext:
+    """Train SAC on Pendulum; returns the final context. Other off-policy entries train this pipeline with their
+    ``defaults`` and ``policy`` (lunarlander_continuous/sac, pendulum/td3). ``options``:
+    :class:`~conveyor.zoo.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``...)."""
     defaults = main_config if defaults is None else defaults
-    with Run(main, defaults, SACPolicy, cfg, ckpt_freq=5000, **options) as run:
+    again = functools.partial(main, defaults=defaults, policy=policy)  # what an async run's collector process runs
+    with Run(again, defaults, policy, cfg, ckpt_freq=5000, **options) as run:
         cfg, policy = run.cfg, run.policy
         buffer = run.buffer()
         task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
