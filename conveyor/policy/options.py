@@ -8,7 +8,10 @@ from typing import Any, Mapping, Sequence
 from conveyor import schema
 from conveyor.schema import Option
 
-__all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults"]
+__all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults", "encoder_option"]
+
+ENCODER_KINDS = ("auto", "mlp", "nature", "impala")
+"""The values of ``policy.model.encoder`` (conveyor.policy.model.build_encoder builds each)."""
 
 
 def _hidden_sizes_check(value: Sequence[int]) -> str | None:
@@ -27,6 +30,14 @@ def _optional_lr(value: Any) -> str | None:
 def lr_option(network: str) -> Option:
     """The ``learn.<network>_learning_rate`` option of a policy with one optimizer per network."""
     return Option(None, f"{network.capitalize()} learning rate (None: learning_rate).", type=float, check=_optional_lr)
+
+
+def encoder_option() -> Option:
+    """``policy.model.encoder``: the observation encoder of every network of a policy (one definition for all)."""
+    return Option("auto", "Observation encoder: 'auto' (picked from the obs shape: an MLP for vectors, a small CNN "
+                          "for images), 'mlp' (any array obs flattened), 'nature' (the Nature-DQN CNN, 512 features) "
+                          "or 'impala' (the IMPALA ResNet, 256 features); the image encoders ignore hidden_sizes and "
+                          "divide uint8 pixels by 255 inside.", choices=ENCODER_KINDS)
 
 
 def with_defaults(base: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:

@@ -165,7 +165,8 @@ class PPOPolicy(Policy):
                            hidden_sizes=model_cfg.hidden_sizes, activation=model_cfg.activation,
                            share_encoder=model_cfg.share_encoder,
                            rnn_hidden_size=model_cfg.rnn_hidden_size if model_cfg.rnn else None,
-                           state_dependent_std=model_cfg.state_dependent_std, init_log_std=model_cfg.init_log_std)
+                           state_dependent_std=model_cfg.state_dependent_std, init_log_std=model_cfg.init_log_std,
+                           encoder_kind=model_cfg.encoder)
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
                  device: str | torch.device | None = None, seed: int | None = None) -> None:
