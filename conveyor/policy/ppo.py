@@ -102,7 +102,8 @@ class PPOPolicy(Policy):
                 "obs_norm_clip": Option(10.0, "Clip normalised observations to +-this.", type=float,
                                         check=schema.positive),
                 "reward_norm": Option(False, "Scale rewards by the running std of each env's discounted return "
-                                             "(Stable-Baselines3 VecNormalize's norm_reward); logged returns stay raw."),
+                                             "(Stable-Baselines3 VecNormalize's norm_reward); logged returns stay "
+                                             "raw."),
                 "reward_norm_clip": Option(10.0, "Clip scaled rewards to +-this.", type=float, check=schema.positive),
             },
             "learn": {
