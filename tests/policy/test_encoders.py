@@ -6,11 +6,14 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import treetensor.torch as ttorch
 
 from conveyor.policy import (BCPolicy, ConvEncoder, CQLPolicy, DiscreteCQLPolicy, DQNPolicy, FlattenMLP, ImpalaCNN,
                              IQLPolicy, NatureCNN, PPOPolicy, SACPolicy, TD3Policy, build_encoder)
 from conveyor.schema import ConfigError
+
+from policy_testing import through_bytes
 
 IMAGE = (4, 36, 36)  # the smallest side the Nature CNN takes, to keep these tests fast
 N = 8
@@ -145,3 +148,28 @@ def test_an_unknown_encoder_is_a_config_error():
 @pytest.mark.parametrize("cls", [DQNPolicy, PPOPolicy, SACPolicy, TD3Policy, BCPolicy, CQLPolicy, IQLPolicy])
 def test_every_policy_schema_has_the_encoder_option_defaulting_to_auto(cls):
     assert cls.default_config().model.encoder == "auto"
+
+
+def test_channels_last_nature_cnn_computes_what_the_plain_layout_computes():
+    torch.manual_seed(0)
+    enc = build_encoder(IMAGE, [8], "nature")
+    x = torch.rand(5, *IMAGE)
+    convs = [m for m in enc.conv if isinstance(m, torch.nn.Conv2d)]
+    h = x
+    for conv in convs:  # the reference: contiguous weights and images, torch.nn.functional
+        h = torch.relu(F.conv2d(h, conv.weight.contiguous(), conv.bias, conv.stride))
+    linear = enc.linear[0]
+    expected = torch.relu(F.linear(h.flatten(1), linear.weight, linear.bias))
+    torch.testing.assert_close(enc(x), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("encoder", ["nature", "impala"])
+def test_a_checkpoint_of_an_image_policy_restores_its_acting(encoder):
+    policy = make("ppo_shared", encoder)
+    g = torch.Generator().manual_seed(1)
+    policy.learn_mode.forward(ttorch.Tensor(ppo_batch(g, policy)))
+    policy.learn_mode.publish()
+    restored = make("ppo_shared", encoder)
+    restored.load_state_dict(through_bytes(policy.state_dict()))
+    obs = images(g).numpy()
+    np.testing.assert_array_equal(restored.collect_mode.value(obs), policy.collect_mode.value(obs))
