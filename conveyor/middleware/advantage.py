@@ -18,8 +18,8 @@ _CONSUMED = ("next_obs", "next_hidden", "valid")
 
 
 class ValuePolicy(Protocol):
-    """A view with ``value``; ``scale_reward(reward, done, valid)`` is read too where it has one (as
-    ``ActorCriticCollectMode``)."""
+    """A view with ``value``; ``scale_reward(reward, done) -> (reward, discounted_return or None)`` is read too
+    where it has one (as ``ActorCriticCollectMode``)."""
 
     def value(self, obs: Any, **state: Any) -> np.ndarray: ...
 
@@ -56,7 +56,8 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
     ``ctx.trajectories`` is time-major ``[T, N]`` (:class:`StepCollector`; whole episodes end to end,
     ``[T]``, from :class:`EpisodeCollector` work too), with the policy's ``value`` of each ``obs``
     (computed with ``policy.value`` when absent). Rewards go through ``policy.scale_reward`` first where the
-    view has it (PPO's ``reward_norm`` scales them; the ``reward`` written stays raw). The value of each
+    view has it (PPO's ``reward_norm`` scales them, and its discounted returns go into the batch as
+    ``discounted_return`` for the learner's statistics; the ``reward`` written stays raw). The value of each
     transition's next state is the next row's ``value`` inside an episode, ``policy.value(next_obs)`` where
     the trajectory was cut short (a truncated episode, whose ``next_obs`` is the true final observation, and
     the end of the chunk, whose episodes go on in the next call), and zero where the episode terminated. Rows with ``valid == False``
@@ -72,8 +73,8 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
 
     Reads ctx: ``trajectories``.
     Writes ctx: ``train_data`` (flat batch ``[B]`` of valid rows: the trajectory's keys, such as ``obs``,
-    ``action``, ``logp``, ``value``, ``reward``, plus ``adv`` and ``return``; without ``next_obs``), unless
-    a buffer is given.
+    ``action``, ``logp``, ``value``, ``reward``, plus ``adv``, ``return`` and, with reward normalisation,
+    ``discounted_return``; without ``next_obs``), unless a buffer is given.
     """
     if not callable(getattr(policy, "value", None)):
         raise TypeError(f"gae_estimator needs a view with value(obs), such as an actor-critic policy's collect_mode "
@@ -94,8 +95,9 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
         terminated, truncated = traj.terminated.numpy(), traj.truncated.numpy()
         valid = traj.valid.numpy() if "valid" in traj else np.ones_like(terminated)
         done = terminated | truncated | ~valid
+        discounted = None
         if scale_reward is not None:
-            reward = scale_reward(reward, done, valid)
+            reward, discounted = scale_reward(reward, done)
         if "value" in traj:
             value = traj.value.numpy()
         else:
@@ -121,6 +123,8 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
         data["value"] = torch.from_numpy(value)
         data["adv"] = torch.from_numpy(adv)
         data["return"] = torch.from_numpy(adv + value)
+        if discounted is not None:
+            data["discounted_return"] = torch.from_numpy(discounted)
         if recurrent:
             if buffer is not None:
                 raise ValueError("gae_estimator: a recurrent policy's sequences cannot be pushed into a replay buffer; "

@@ -10,7 +10,9 @@ they differ in what they hand it:
   (default 1): full-batch steps, as A2C takes them, or for a policy that minibatches inside its own step.
 
 Both are small classes whose ``state_dict()`` holds what a resume needs (the shuffling generator, the
-rounds trained for the learning-rate schedule); both publish the weights once per round.
+rounds trained for the learning-rate schedule); both hand each round's batch to the view's ``gather`` first
+(statistics a policy keeps of what it learns from, such as PPO's reward normaliser) and publish the weights
+once per round.
 """
 from __future__ import annotations
 
@@ -92,6 +94,14 @@ class _Trainer:
         self._rng.bit_generator.state = copy.deepcopy(state["rng"])
         self._schedule.rounds = int(state["rounds"])
 
+    def _begin(self, ctx: OnlineRLContext) -> None:
+        """Before a round's steps: the learning rate for it, and the round's batch handed to the view's ``gather``
+        where it has one (statistics the policy keeps of the data it learns from: PPO's reward normaliser)."""
+        self._schedule.apply(ctx, self._policy)
+        gather = getattr(self._policy, "gather", None)
+        if gather is not None:
+            gather(ctx.train_data)
+
     def _step(self, ctx: OnlineRLContext, batch: Any, outputs: List[Dict[str, Any]]) -> bool:
         """One learn step; whether the round goes on (the policy may decline a step and end it: ``early_stop``)."""
         result = LearnResult.of(self._policy.forward(batch), self._where)
@@ -130,7 +140,7 @@ class MultistepTrainer(_Trainer):
         data = ctx.train_data
         if data is None:
             return
-        self._schedule.apply(ctx, self._policy)
+        self._begin(ctx)
         sequences = data.reward.ndim == 2  # [L, B]: minibatches of whole sequences
         size = data.reward.shape[-1]
         per_step = max(1, self._batch_size // data.reward.shape[0]) if sequences else self._batch_size
@@ -166,7 +176,7 @@ class Trainer(_Trainer):
     def __call__(self, ctx: OnlineRLContext) -> None:
         if ctx.train_data is None:
             return
-        self._schedule.apply(ctx, self._policy)
+        self._begin(ctx)
         outputs: List[Dict[str, Any]] = []
         for _ in range(self._updates):
             if not self._step(ctx, ctx.train_data, outputs):

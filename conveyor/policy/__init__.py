@@ -7,6 +7,7 @@ Imports only ``conveyor.schema`` and ``conveyor.data`` of Conveyor: a policy wor
 from conveyor.policy.base import (
     Acting,
     ActorCriticCollectMode,
+    ActorCriticLearnMode,
     CollectMode,
     EvalMode,
     LearnMode,
@@ -71,6 +72,7 @@ __all__ = [
     "PPOPolicy",
     "ActorCritic",
     "ActorCriticCollectMode",
+    "ActorCriticLearnMode",
     "ObsNormaliser",
     "RewardNormaliser",
     "RunningMeanStd",

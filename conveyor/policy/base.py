@@ -6,10 +6,12 @@ and learning:
 
 - ``collect_mode.forward(obs, **kwargs) -> dict(action=..., ...)`` and ``collect_mode.reset(env_ids)``
   for the collector (exploration, per-env recurrent state); an actor-critic policy's collect view
-  (:class:`ActorCriticCollectMode`) adds ``value(obs, **state)`` for advantage estimators;
+  (:class:`ActorCriticCollectMode`) adds ``value(obs, **state)`` and ``scale_reward(reward, done)`` for
+  advantage estimators;
 - ``eval_mode.forward(obs) -> dict(action=...)`` and ``eval_mode.reset(env_ids)`` for the evaluator;
 - ``learn_mode.forward(batch) ->`` :class:`LearnResult` (float metrics, and priorities for prioritized replay
-  or an early stop), ``learn_mode.train_iter`` and the checkpoint methods for the learner.
+  or an early stop), ``learn_mode.train_iter`` and the checkpoint methods for the learner; a policy that keeps
+  statistics of what it learns from (PPO) has an :class:`ActorCriticLearnMode`, which adds ``gather(batch)``.
 
 The views convert their input to tensors once (``to_tensor``) and run acting under ``torch.no_grad``,
 then call the subclass's hooks: :meth:`Policy._forward_learn`, :meth:`Policy._forward_collect`,
@@ -46,11 +48,13 @@ from conveyor.policy.learning import (LazyOptimizer, LearnResult, TargetSync, fu
                                       make_target, soft_update)
 from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, encoder_option,  # noqa: F401
                                      nstep_option, offline_schema, replay_buffer_schema)
-from conveyor.policy.views import ActorCriticCollectMode, CollectMode, EvalMode, LearnMode, Snapshot
+from conveyor.policy.views import (ActorCriticCollectMode, ActorCriticLearnMode, CollectMode, EvalMode, LearnMode,
+                                   Snapshot)
 from conveyor.policy.weights import Acting, VersionedWeights, _Version
 from conveyor.schema import ConfigError, Option
 
-__all__ = ["Policy", "LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot", "Acting", "Stateful",
+__all__ = ["Policy", "LearnMode", "ActorCriticLearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot",
+           "Acting", "Stateful",
            "LazyOptimizer", "LearnResult", "make_target", "hard_update", "soft_update", "TargetSync"]
 # fused_adam and the option groups (conveyor.policy.options) stay importable from here, where they were.
 
@@ -109,6 +113,7 @@ class Policy(abc.ABC):
         self.register_state("model", self.model)
         self.register_state("rng", _GeneratorState(self.rng))
         self._weights = VersionedWeights(self.model, self._learn_lock, self._acting_extras)
+        self._replica = False  # acts on versions another policy published (load_acting_state), never learns
         self._base_lrs: dict[str, list[float]] = {}
         self._learn_mode = LearnMode(self)
         self._collect_mode = CollectMode(self)
@@ -224,10 +229,15 @@ class Policy(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no value function: advantage estimators such as "
                                   f"gae_estimator need an actor-critic policy (e.g. PPOPolicy)")
 
-    def _scale_reward(self, acting: Acting, reward: np.ndarray, done: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    def _scale_reward(self, acting: Acting, reward: np.ndarray,
+                      done: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """The rewards ``[T, N]`` (time-major, numpy; ``done`` ends an episode after its step) as advantage
-        estimators should read them: as they are, unless the policy normalises rewards (PPO's ``reward_norm``)."""
-        return reward
+        estimators should read them, and what of them the learner keeps statistics of (``None``: nothing). As
+        they are here; a policy that normalises rewards (PPO's ``reward_norm``) scales them."""
+        return reward, None
+
+    def _gather(self, batch: Any) -> None:
+        """Take what the policy keeps statistics of from a round's batch (once per round, before its steps)."""
 
     def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None:
         """Clear a view's per-env state in ``memory`` for ``env_ids`` (``None``: every env)."""
@@ -260,7 +270,9 @@ class Policy(abc.ABC):
 
     def load_acting_state(self, state: Mapping[str, Any]) -> None:
         """Publish a version received from another policy's :meth:`acting_state` as this one's newest, under
-        the same number, so an acting replica follows the learner's versions (and records them)."""
+        the same number, so an acting replica follows the learner's versions (and records them). From then on this
+        policy is a replica: statistics of what it collects are the learner's to gather (see :meth:`_gather`)."""
+        self._replica = True
         self._weights.load(state)
 
     # --- learning rate ---------------------------------------------------------------------------

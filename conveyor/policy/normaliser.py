@@ -175,10 +175,11 @@ class RewardNormaliser:
     """Scales rewards by ``1 / sqrt(var + eps)`` of each env's discounted return ``R = gamma * R + reward``
     (reset at episode ends), clipped to ``+-clip``: Stable-Baselines3 VecNormalize's ``norm_reward``.
 
-    :meth:`observe` runs the envs' returns through a time-major chunk of rewards ``[T, N]`` and gathers them;
-    :meth:`commit` folds what was gathered into the statistics :meth:`scale` reads, as :class:`ObsNormaliser`
-    does, so one rollout is scaled with one set of statistics. The returns carried from one chunk to the next
-    are part of :meth:`state_dict`, so a resumed run goes on with them. Thread-safe.
+    :meth:`discount` runs the envs' returns through a time-major chunk of rewards ``[T, N]`` where they are
+    collected (the returns carried from one chunk to the next are part of :meth:`state_dict`); :meth:`gather`
+    takes returns in where the statistics are kept, and :meth:`commit` folds what was gathered into the
+    statistics :meth:`scale` reads, as :class:`ObsNormaliser` does, so one rollout is scaled with one set of
+    statistics. Thread-safe.
     """
 
     def __init__(self, gamma: float, *, clip: float | None = 10.0, eps: float = 1e-8) -> None:
@@ -188,9 +189,9 @@ class RewardNormaliser:
         self.returns: np.ndarray | None = None  # each env's discounted return so far, [N]
         self._lock = threading.Lock()
 
-    def observe(self, reward: np.ndarray, done: np.ndarray, valid: np.ndarray | None = None) -> None:
-        """Go on with each env's discounted return through ``reward [T, N]`` (``done`` ends a return after its
-        step) and gather the returns of the ``valid`` steps for the next :meth:`commit`."""
+    def discount(self, reward: np.ndarray, done: np.ndarray) -> np.ndarray:
+        """Each env's discounted return after every step of ``reward [T, N]`` (float32 ``[T, N]``), going on from
+        the returns of the previous chunk; ``done`` ends a return after its step."""
         reward = np.asarray(reward, np.float64)
         returns = np.empty_like(reward)
         with self._lock:
@@ -202,7 +203,12 @@ class RewardNormaliser:
                 returns[t] = carry
                 carry = np.where(done[t], 0.0, carry)
             self.returns = carry
-            self.pending.update(returns if valid is None else returns[np.asarray(valid, bool)])
+        return returns.astype(np.float32)
+
+    def gather(self, returns: np.ndarray) -> None:
+        """Take discounted returns (any shape) in for the next :meth:`commit`."""
+        with self._lock:
+            self.pending.update(np.asarray(returns, np.float64).reshape(-1))
 
     def commit(self) -> bool:
         """Fold the returns gathered since the last commit into the statistics; whether anything changed."""

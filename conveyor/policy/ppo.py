@@ -27,6 +27,7 @@ from torch import nn
 from conveyor import schema
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
 from conveyor.policy.base import Acting, ActorCriticCollectMode, Policy
+from conveyor.policy.views import ActorCriticLearnMode
 from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
 from conveyor.policy.options import _optional_positive
 from conveyor.policy.normaliser import FrozenNormaliser, ObsNormaliser, RewardNormaliser
@@ -176,6 +177,7 @@ class PPOPolicy(Policy):
                  device: str | torch.device | None = None, seed: int | None = None) -> None:
         super().__init__(cfg, model, device=device, seed=seed)
         self._collect_mode = ActorCriticCollectMode(self)
+        self._learn_mode = ActorCriticLearnMode(self)
         model_cfg, learn = self.cfg.model, self.cfg.learn
         action_dim = model_cfg.action_shape if model_cfg.action_shape is not None else self.model.action_dim
         try:
@@ -254,11 +256,15 @@ class PPOPolicy(Policy):
 
     # --- acting ----------------------------------------------------------------------------------
     def _forward_collect(self, acting: Acting, obs: Any) -> dict[str, Any]:
-        """Sampled actions with their log-probabilities and values (and the recurrent state around the step)."""
-        if self.obs_normaliser is not None:
-            self.obs_normaliser.observe(obs)  # gathered for the fold at the next publish
-            obs = acting.extras(obs)
+        """Sampled actions with their log-probabilities and values (and the recurrent state around the step); with
+        ``obs_norm``, ``obs_gathered``: whether the observations went into this policy's statistics (a replica's
+        do not: the learner gathers them from the batch)."""
         out: dict[str, Any] = {}
+        if self.obs_normaliser is not None:
+            if not self._replica:
+                self.obs_normaliser.observe(obs)  # gathered for the fold at the next publish
+            out["obs_gathered"] = np.full(obs.shape[0], not self._replica)
+            obs = acting.extras(obs)
         model = acting.model
         if self.recurrent:
             hidden = self._initial_state(acting.memory.get("hidden"), obs.shape[0])
@@ -284,13 +290,26 @@ class PPOPolicy(Policy):
             params = acting.model.actor(obs)  # the critic is not needed to act
         return {"action": self.action_dist.mode(params)}
 
-    def _scale_reward(self, acting: Acting, reward: np.ndarray, done: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        """With ``model.reward_norm``: gather the envs' discounted returns through ``reward [T, N]`` and scale the
-        rewards by the statistics published with ``acting``'s version."""
+    def _scale_reward(self, acting: Acting, reward: np.ndarray,
+                      done: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """With ``model.reward_norm``: the rewards ``[T, N]`` scaled by the statistics published with ``acting``'s
+        version, and the envs' discounted returns through them (for :meth:`_gather` on the learner's side)."""
         if self.reward_normaliser is None:
-            return reward
-        self.reward_normaliser.observe(reward, done, valid)  # gathered for the fold at the next publish
-        return acting.extras.scale_reward(reward)
+            return reward, None
+        return acting.extras.scale_reward(reward), self.reward_normaliser.discount(reward, done)
+
+    def _gather(self, batch: Any) -> None:
+        """Take a round's ``discounted_return`` into the reward statistics, and the observations a replica collected
+        (``obs_gathered`` False) into the observation statistics, real steps only (by ``mask``), to be folded in at
+        the publish after the update: so the statistics grow alike wherever the batch was collected."""
+        real = batch.mask.bool() if "mask" in batch else None
+        if self.reward_normaliser is not None and "discounted_return" in batch:
+            returns = batch.discounted_return
+            self.reward_normaliser.gather((returns if real is None else returns[real]).numpy())
+        if self.obs_normaliser is not None and "obs_gathered" in batch:
+            rows = ~batch.obs_gathered.bool() if real is None else ~batch.obs_gathered.bool() & real
+            if bool(rows.any()):
+                self.obs_normaliser.observe(batch.obs[rows])
 
     def _value(self, acting: Acting, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
         """The critic's values of ``obs`` (after the recurrent state ``hidden``)."""

@@ -32,13 +32,14 @@ class Viewed(Protocol):
     def _forward_collect(self, acting: Acting, obs: Any, **kwargs: Any) -> dict: ...
     def _forward_eval(self, acting: Acting, obs: Any) -> dict: ...
     def _value(self, acting: Acting, obs: Any, **kwargs: Any) -> Any: ...
-    def _scale_reward(self, acting: Acting, reward: Any, done: Any, valid: Any) -> Any: ...
+    def _scale_reward(self, acting: Acting, reward: Any, done: Any) -> Any: ...
+    def _gather(self, batch: Any) -> None: ...
     def _obs_to_tensor(self, obs: Any) -> Any: ...
     def _batch_to_tensor(self, batch: Any) -> Any: ...
     def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None: ...
     def _checkpoint(self, version: Any) -> dict: ...
 
-__all__ = ["LearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot"]
+__all__ = ["LearnMode", "ActorCriticLearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot"]
 
 
 class LearnMode:
@@ -81,6 +82,20 @@ class LearnMode:
 
     def __repr__(self) -> str:
         return f"<learn_mode of {type(self._policy).__name__}>"
+
+
+class ActorCriticLearnMode(LearnMode):
+    """The learner's view of a policy that keeps statistics of the batches it learns from (PPO's reward
+    normaliser): also ``gather(batch)``. Such a policy installs it in its constructor:
+    ``self._learn_mode = ActorCriticLearnMode(self)``."""
+
+    __slots__ = ()
+
+    def gather(self, batch: Any) -> None:
+        """Take what the policy keeps statistics of from a round's batch (PPO's ``discounted_return``), to fold
+        in at the next publish; trainers call it once per round, before its steps."""
+        policy = self._policy
+        policy._gather(policy._batch_to_tensor(batch))
 
 
 def _collect(policy: Viewed, version: _Version, memory: dict, obs: Any, kwargs: dict) -> dict[str, Any]:
@@ -171,16 +186,15 @@ class ActorCriticCollectMode(CollectMode):
         finally:
             weights.unpin(version)
 
-    def scale_reward(self, reward: np.ndarray, done: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def scale_reward(self, reward: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Time-major rewards ``[T, N]`` (numpy) as advantage estimators read them, by the newest published
-        version: scaled when the policy normalises rewards, else as they are. ``done [T, N]`` ends an episode
-        after its step; ``valid`` marks the steps that count (default all)."""
+        version (scaled when the policy normalises rewards, else as they are), and ``[T, N]`` values to hand to
+        the learner with the batch (``discounted_return``, for :meth:`LearnMode.gather`), or None. ``done``
+        ends an episode after its step."""
         policy, weights = self._policy, self._policy._weights
-        if valid is None:
-            valid = np.ones(np.shape(reward), bool)
         version = weights.pin()
         try:
-            return policy._scale_reward(Acting(version, self._memory), reward, done, valid)
+            return policy._scale_reward(Acting(version, self._memory), reward, done)
         finally:
             weights.unpin(version)
 

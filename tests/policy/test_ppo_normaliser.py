@@ -100,3 +100,18 @@ def test_checkpoint_round_trip_restores_the_normaliser():
 def test_obs_norm_needs_array_observations():
     with pytest.raises(ConfigError, match="obs_norm"):
         PPOPolicy({"model": {"obs_shape": {"a": 2}, "action_shape": 2, "obs_norm": True}})
+
+
+def test_a_replica_gathers_nothing_itself_and_the_learner_gathers_its_observations_from_the_batch():
+    learner, replica = normalising_policy(), normalising_policy()
+    replica.load_acting_state(learner.acting_state())  # as a collector process or a distributed collector does
+    obs = np.random.default_rng(3).normal(5.0, 3.0, size=(8, 2)).astype(np.float32)
+    out = replica.collect_mode.forward(obs)
+    assert not out["obs_gathered"].any() and replica.obs_normaliser.state_dict()["pending"]["count"] == 0
+    own = learner.collect_mode.forward(obs)  # the learner's own collector gathers as it acts
+    assert own["obs_gathered"].all()
+    batch = {"obs": np.concatenate([obs, obs]), "obs_gathered": np.concatenate([out["obs_gathered"],
+                                                                                own["obs_gathered"]])}
+    learner.learn_mode.gather(batch)
+    learner.obs_normaliser.commit()
+    assert learner.obs_normaliser.stats.count == 16  # 8 gathered while acting, 8 from the replica's rows
