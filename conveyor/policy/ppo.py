@@ -26,8 +26,7 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
-from conveyor.policy.base import Acting, ActorCriticCollectMode, Policy
-from conveyor.policy.views import ActorCriticLearnMode
+from conveyor.policy.base import Acting, ActorCriticCollectMode, ActorCriticLearnMode, Policy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
 from conveyor.policy.options import _optional_positive
 from conveyor.policy.normaliser import FrozenNormaliser, ObsNormaliser, RewardNormaliser
@@ -68,7 +67,10 @@ class PPOPolicy(Policy):
     With ``model.obs_norm`` every view normalises observations with running statistics of the
     collected ones. The statistics stay fixed while a rollout is collected and learned from: what the
     collector saw is folded in when it starts collecting again after an update (so the first ratio of
-    every update is exactly 1), and they are saved in checkpoints.
+    every update is exactly 1), and they are saved in checkpoints. With ``model.reward_norm`` the advantage
+    estimator reads rewards scaled by the running std of each env's discounted return (``collect_mode.scale_reward``),
+    statistics kept by the same rule; the learner gathers both from each round's batch where a replica collected it
+    (``learn_mode.gather``).
     """
 
     @classmethod
@@ -305,7 +307,7 @@ class PPOPolicy(Policy):
         real = batch.mask.bool() if "mask" in batch else None
         if self.reward_normaliser is not None and "discounted_return" in batch:
             returns = batch.discounted_return
-            self.reward_normaliser.gather((returns if real is None else returns[real]).numpy())
+            self.reward_normaliser.gather((returns if real is None else returns[real]).cpu().numpy())
         if self.obs_normaliser is not None and "obs_gathered" in batch:
             rows = ~batch.obs_gathered.bool() if real is None else ~batch.obs_gathered.bool() & real
             if bool(rows.any()):
