@@ -41,7 +41,7 @@ def tiny(name):
 
 
 @pytest.mark.parametrize("env_id", MUJOCO_ENV_IDS)
-def test_every_mujoco_entry_builds_its_policy_for_the_env_and_acts_in_its_bounds(env_id):
+def test_every_mujoco_entry_builds_its_policy_for_the_env_and_acts_in_its_bounds(in_tmp, env_id):
     env = gym.make(env_id)
     try:
         obs, _ = env.reset(seed=0)
