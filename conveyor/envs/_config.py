@@ -7,8 +7,9 @@ from typing import Any, Literal, Mapping
 
 import gymnasium as gym
 
-from conveyor.envs._atari import ATARI_OPTION, AtariFactory, is_atari_id, register_atari, require_extra
+from conveyor.envs._atari import ATARI_OPTION, AtariFactory, atari_options, is_atari_id, register_atari, require_extra
 from conveyor.envs._core import EnvManager
+from conveyor.envs._envpool import EnvpoolEnvManager, envpool_atari_kwargs, envpool_task_id
 from conveyor.envs._subprocess import SubprocessEnvManager
 from conveyor.envs._sync import SyncEnvManager
 from conveyor.schema import ConfigError, Option, closest, non_negative, positive, validate
@@ -29,10 +30,11 @@ ENV_SCHEMA: dict[str, Option] = {
                                       "so it overlaps the learner), 'thread' (this process, sharing its GIL: "
                                       "slower than sync on the zoo's entries), or 'auto' (now 'process')",
                               choices=("auto", "process", "thread")),
-    "manager": Option("sync", "'sync' steps envs in this process (cheap envs); 'subprocess' in worker processes",
-                      choices=("sync", "subprocess")),
-    "num_workers": Option(None, "worker processes for manager='subprocess' (None: min(env num, CPUs))", type=int,
-                          check=positive),
+    "manager": Option("sync", "'sync' steps envs in this process (cheap envs); 'subprocess' in worker processes; "
+                              "'envpool' in envpool's C++ thread pool (its Atari and MuJoCo envs)",
+                      choices=("sync", "subprocess", "envpool")),
+    "num_workers": Option(None, "worker processes for manager='subprocess' (None: min(env num, CPUs)), threads for "
+                                "'envpool' (None: envpool's default)", type=int, check=positive),
     "start_method": Option(None, "multiprocessing start method for workers (None: the platform default)",
                            choices=(None, "fork", "forkserver", "spawn")),
     "step_timeout": Option(None, "seconds a worker may take for one step before it is killed and replaced "
@@ -131,11 +133,25 @@ def make_env_manager(env_cfg: Mapping[str, Any], role: Role, seed: int | None = 
     cfg = validate(env_cfg, ENV_SCHEMA, "env")
     if role not in ("collector", "evaluator"):
         raise ValueError(f"role must be 'collector' or 'evaluator', got {role!r}")
-    check_env_id(cfg.env_id)
     env_num = cfg.collector_env_num if role == "collector" else cfg.evaluator_env_num
+    if cfg.manager == "envpool":
+        return _envpool_manager(cfg, role, env_num, seed)
+    check_env_id(cfg.env_id)
     env_fns = [env_factory(cfg, role)] * env_num
     if cfg.manager == "sync":
         return SyncEnvManager(env_fns, seed=seed, max_retry=cfg.max_retry, env_id=cfg.env_id)
     num_workers = None if cfg.num_workers is None else min(cfg.num_workers, env_num)
     return SubprocessEnvManager(env_fns, num_workers=num_workers, seed=seed, max_retry=cfg.max_retry,
                                 start_method=cfg.start_method, step_timeout=cfg.step_timeout, env_id=cfg.env_id)
+
+
+def _envpool_manager(cfg: Mapping[str, Any], role: Role, env_num: int, seed: int | None) -> EnvpoolEnvManager:
+    """``manager: envpool``: the env id mapped to envpool's, Atari preprocessing from ``cfg.env.atari``;
+    ``env_kwargs`` go to ``envpool.make``."""
+    task_id = envpool_task_id(cfg.env_id)
+    kwargs = dict(cfg.env_kwargs)
+    if is_atari_id(cfg.env_id):
+        kwargs.update(envpool_atari_kwargs(atari_options(cfg.atari), collector=role == "collector"))
+    if cfg.max_episode_steps is not None:
+        kwargs["max_episode_steps"] = cfg.max_episode_steps
+    return EnvpoolEnvManager(task_id, env_num, seed=seed, num_threads=cfg.num_workers, env_id=cfg.env_id, **kwargs)
