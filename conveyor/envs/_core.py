@@ -18,11 +18,16 @@ import numpy as np
 
 from conveyor.envs._spaces import SpaceLayout
 
-__all__ = ["Timestep", "EnvManagerStats", "EnvCrashedError", "EnvManager", "EnvFn", "Restored"]
+__all__ = ["GAME_INFO", "Timestep", "EnvManagerStats", "EnvCrashedError", "EnvManager", "EnvFn", "Restored"]
 
 EnvFn = Callable[[], gym.Env]
 
 log = logging.getLogger("conveyor.envs")
+
+GAME_INFO = "game"
+"""The info key by which an env whose episodes are parts of a game (Atari with life loss) reports the game at each
+episode end: ``{"over": bool, "r": unclipped game return, "l": agent steps}``. Managers then put
+``info["episode"]`` only at game over, holding the game's figures, and drop this key."""
 
 @dataclass(slots=True)
 class Timestep:
@@ -33,7 +38,9 @@ class Timestep:
     an episode ended, so truncated episodes can bootstrap). Where ``crashed`` is set the env raised, was
     rebuilt and its partial episode is dropped: that row is no transition. ``info[i]`` is env ``i``'s
     own info dict; at an episode's end it also holds ``"episode": {"r": return, "l": length}`` and
-    ``"reset_info"``; on a crash it holds ``"error"``.
+    ``"reset_info"``; on a crash it holds ``"error"``. For envs that report games (:data:`GAME_INFO`, e.g.
+    Atari ending training episodes on a life loss) ``"episode"`` comes only at game over, with the whole
+    game's unclipped return and length.
     """
 
     obs: Any
@@ -57,7 +64,7 @@ class EnvManagerStats:
     env_steps: int = 0
     """Env transitions stepped (``env_num`` per ``step``, crashed ones included)."""
     episodes: int = 0
-    """Episodes that ended normally (terminated or truncated)."""
+    """Episodes that ended normally (terminated or truncated); whole games for envs that report games."""
     crashes: int = 0
     """Env failures: each exception from an env (or its rebuild) and each env of a worker process that died."""
     dropped_episodes: int = 0

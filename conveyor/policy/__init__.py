@@ -36,7 +36,7 @@ from conveyor.policy.dqn import DQNPolicy
 from conveyor.policy.iql import IQLModel, IQLPolicy, expectile_loss
 from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, FlattenMLP, ImpalaCNN, NatureCNN,
                                    ObsShape, QNetwork, build_encoder)
-from conveyor.policy.normaliser import ObsNormaliser, RunningMeanStd
+from conveyor.policy.normaliser import ObsNormaliser, RewardNormaliser, RunningMeanStd
 from conveyor.policy.ppo import PPOPolicy
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
@@ -72,6 +72,7 @@ __all__ = [
     "ActorCritic",
     "ActorCriticCollectMode",
     "ObsNormaliser",
+    "RewardNormaliser",
     "RunningMeanStd",
     "SACPolicy",
     "SACModel",

@@ -224,6 +224,11 @@ class Policy(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no value function: advantage estimators such as "
                                   f"gae_estimator need an actor-critic policy (e.g. PPOPolicy)")
 
+    def _scale_reward(self, acting: Acting, reward: np.ndarray, done: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """The rewards ``[T, N]`` (time-major, numpy; ``done`` ends an episode after its step) as advantage
+        estimators should read them: as they are, unless the policy normalises rewards (PPO's ``reward_norm``)."""
+        return reward
+
     def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None:
         """Clear a view's per-env state in ``memory`` for ``env_ids`` (``None``: every env)."""
         if env_ids is None:
