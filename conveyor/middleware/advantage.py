@@ -18,6 +18,9 @@ _CONSUMED = ("next_obs", "next_hidden", "valid")
 
 
 class ValuePolicy(Protocol):
+    """A view with ``value``; ``scale_reward(reward, done, valid)`` is read too where it has one (as
+    ``ActorCriticCollectMode``)."""
+
     def value(self, obs: Any, **state: Any) -> np.ndarray: ...
 
 
@@ -52,10 +55,11 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
 
     ``ctx.trajectories`` is time-major ``[T, N]`` (:class:`StepCollector`; whole episodes end to end,
     ``[T]``, from :class:`EpisodeCollector` work too), with the policy's ``value`` of each ``obs``
-    (computed with ``policy.value`` when absent). The value of each transition's next state is the next
-    row's ``value`` inside an episode, ``policy.value(next_obs)`` where the trajectory was cut short (a
-    truncated episode, whose ``next_obs`` is the true final observation, and the end of the chunk, whose
-    episodes go on in the next call), and zero where the episode terminated. Rows with ``valid == False``
+    (computed with ``policy.value`` when absent). Rewards go through ``policy.scale_reward`` first where the
+    view has it (PPO's ``reward_norm`` scales them; the ``reward`` written stays raw). The value of each
+    transition's next state is the next row's ``value`` inside an episode, ``policy.value(next_obs)`` where
+    the trajectory was cut short (a truncated episode, whose ``next_obs`` is the true final observation, and
+    the end of the chunk, whose episodes go on in the next call), and zero where the episode terminated. Rows with ``valid == False``
     (crashed env steps) take no part and are dropped. ``return = adv + value``.
 
     Recurrent policies store ``hidden`` (their state before each step) and ``next_hidden`` (after it):
@@ -77,6 +81,7 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
     gamma = float(cfg.policy.discount_factor)
     gae_lambda = float(cfg.policy.gae_lambda)
     sequence_length = int(cfg.policy.learn.get("sequence_length") or 0)
+    scale_reward = getattr(policy, "scale_reward", None)
 
     def _estimate(ctx: OnlineRLContext) -> None:
         traj = ctx.trajectories
@@ -88,6 +93,9 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
         steps, n = reward.shape
         terminated, truncated = traj.terminated.numpy(), traj.truncated.numpy()
         valid = traj.valid.numpy() if "valid" in traj else np.ones_like(terminated)
+        done = terminated | truncated | ~valid
+        if scale_reward is not None:
+            reward = scale_reward(reward, done, valid)
         if "value" in traj:
             value = traj.value.numpy()
         else:
@@ -106,7 +114,6 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
             state = {"hidden": traj.next_hidden[rows]} if recurrent else {}
             next_value[bootstrap] = policy.value(traj.next_obs[rows], **state)
         next_value[terminated] = 0.0
-        done = terminated | truncated | ~valid
         adv = generalized_advantage(reward, value, next_value, done, gamma, gae_lambda)
         adv[~valid] = 0.0
 

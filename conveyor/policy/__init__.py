@@ -34,9 +34,9 @@ from conveyor.policy.continuous import (
 from conveyor.policy.cql import CQLPolicy, DiscreteCQLPolicy, continuous_cql_penalty, discrete_cql_penalty
 from conveyor.policy.dqn import DQNPolicy
 from conveyor.policy.iql import IQLModel, IQLPolicy, expectile_loss
-from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, FlattenMLP, ObsShape, QNetwork,
-                                   build_encoder)
-from conveyor.policy.normaliser import ObsNormaliser, RunningMeanStd
+from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, FlattenMLP, ImpalaCNN, NatureCNN,
+                                   ObsShape, QNetwork, build_encoder)
+from conveyor.policy.normaliser import ObsNormaliser, RewardNormaliser, RunningMeanStd
 from conveyor.policy.ppo import PPOPolicy
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
@@ -65,11 +65,14 @@ __all__ = [
     "ConvEncoder",
     "DictEncoder",
     "build_encoder",
+    "NatureCNN",
+    "ImpalaCNN",
     "QNetwork",
     "PPOPolicy",
     "ActorCritic",
     "ActorCriticCollectMode",
     "ObsNormaliser",
+    "RewardNormaliser",
     "RunningMeanStd",
     "SACPolicy",
     "SACModel",

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from conveyor.policy.continuous import ActionScaler, tanh_log_det_jacobian
-from conveyor.policy.model import ACTIVATIONS, MLP, ObsShape, build_encoder
+from conveyor.policy.model import ACTIVATIONS, MLP, ObsShape, build_encoder, is_flat
 
 __all__ = ["ActorCritic", "ActionDist", "CategoricalDist", "GaussianDist", "TanhGaussianDist", "make_action_dist"]
 
@@ -37,20 +37,9 @@ def _orthogonal(layer: nn.Linear, gain: float) -> nn.Linear:
     return layer
 
 
-def _flat_dim(obs_shape: ObsShape) -> int | None:
-    """The input width of a vector observation, or ``None`` for images and ``Dict`` observations."""
-    if isinstance(obs_shape, int):
-        return obs_shape
-    if isinstance(obs_shape, (list, tuple)) and len(obs_shape) <= 1:
-        return int(obs_shape[0]) if obs_shape else 1
-    return None
-
-
-def _encoder(obs_shape: ObsShape, hidden_sizes: Sequence[int], activation: str) -> nn.Module:
-    dim = _flat_dim(obs_shape)
-    if dim is not None:
-        return MLP(dim, hidden_sizes, activation=activation, orthogonal_gain=math.sqrt(2.0))
-    return build_encoder(obs_shape, hidden_sizes)  # images and Dict observations: conveyor.policy.model's encoders
+def _encoder(obs_shape: ObsShape, hidden_sizes: Sequence[int], activation: str, kind: str) -> nn.Module:
+    """An encoder of ``kind``; MLPs and the Nature CNN are orthogonally initialised (gain sqrt 2), as CleanRL's PPO."""
+    return build_encoder(obs_shape, hidden_sizes, kind, activation=activation, orthogonal_gain=math.sqrt(2.0))
 
 
 class ActorCritic(nn.Module):
@@ -59,8 +48,8 @@ class ActorCritic(nn.Module):
     - ``action_space="discrete"``: the actor outputs ``action_dim`` logits;
       otherwise a Gaussian's ``(mean, log_std)`` over ``action_dim`` dims, with ``log_std`` a learned
       parameter per dim (``state_dependent_std=False``, initialised to ``init_log_std``) or a second head.
-    - Feed-forward: separate actor and critic encoders (MLPs of ``hidden_sizes`` with ``activation`` for
-      vector observations; ``conveyor.policy.model``'s encoders for images and ``Dict`` observations),
+    - Feed-forward: separate actor and critic encoders of ``encoder_kind`` (:func:`build_encoder`; MLPs of
+      ``hidden_sizes`` with ``activation`` for vector observations, orthogonally initialised as the Nature CNN),
       or one shared encoder with ``share_encoder``.
     - Recurrent (``rnn_hidden_size``): a GRU cell reads the observation (vector observations directly,
       others through an encoder) and its state feeds the actor and critic MLPs of ``hidden_sizes``
@@ -71,7 +60,7 @@ class ActorCritic(nn.Module):
     def __init__(self, obs_shape: ObsShape, action_dim: int, *, action_space: str = "discrete",
                  hidden_sizes: Sequence[int] = (64, 64), activation: str = "tanh", share_encoder: bool = False,
                  rnn_hidden_size: int | None = None, state_dependent_std: bool = False,
-                 init_log_std: float = 0.0) -> None:
+                 init_log_std: float = 0.0, encoder_kind: str = "auto") -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
@@ -81,17 +70,17 @@ class ActorCritic(nn.Module):
         self.shared = share_encoder
         self.rnn: nn.GRUCell | None = None
         if rnn_hidden_size is not None:
-            flat = _flat_dim(obs_shape)
-            self.rnn_input = MLP(flat, (), activation=activation) if flat is not None else \
-                build_encoder(obs_shape, hidden_sizes)
+            widths = () if is_flat(obs_shape, encoder_kind) else hidden_sizes  # vectors go to the GRU as they are
+            self.rnn_input = build_encoder(obs_shape, widths, encoder_kind, activation=activation)
             self.rnn = nn.GRUCell(self.rnn_input.output_dim, rnn_hidden_size)
             self.actor_encoder = MLP(rnn_hidden_size, hidden_sizes, activation=activation,
                                      orthogonal_gain=math.sqrt(2.0))
             self.critic_encoder = self.actor_encoder if self.shared else \
                 MLP(rnn_hidden_size, hidden_sizes, activation=activation, orthogonal_gain=math.sqrt(2.0))
         else:
-            self.actor_encoder = _encoder(obs_shape, hidden_sizes, activation)
-            self.critic_encoder = self.actor_encoder if self.shared else _encoder(obs_shape, hidden_sizes, activation)
+            self.actor_encoder = _encoder(obs_shape, hidden_sizes, activation, encoder_kind)
+            self.critic_encoder = self.actor_encoder if self.shared else \
+                _encoder(obs_shape, hidden_sizes, activation, encoder_kind)
         dim = self.actor_encoder.output_dim
         self.state_dependent_std = state_dependent_std and not self.discrete
         out_dim = action_dim * (2 if self.state_dependent_std else 1)

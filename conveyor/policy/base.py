@@ -44,8 +44,8 @@ from conveyor import schema
 from conveyor.data.batch import to_tensor
 from conveyor.policy.learning import (LazyOptimizer, LearnResult, TargetSync, fused_adam, hard_update,  # noqa: F401
                                       make_target, soft_update)
-from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, nstep_option,  # noqa: F401
-                                     offline_schema, replay_buffer_schema)
+from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, encoder_option,  # noqa: F401
+                                     nstep_option, offline_schema, replay_buffer_schema)
 from conveyor.policy.views import ActorCriticCollectMode, CollectMode, EvalMode, LearnMode, Snapshot
 from conveyor.policy.weights import Acting, VersionedWeights, _Version
 from conveyor.schema import ConfigError, Option
@@ -129,6 +129,7 @@ class Policy(abc.ABC):
                                              "continuous control (set from the env).", type=(int, list, tuple)),
                 "hidden_sizes": Option([64, 64], "Widths of the hidden layers of each encoder.", type=list,
                                        check=_hidden_sizes_check),
+                "encoder": encoder_option(),
             },
             "learn": {
                 "batch_size": Option(64, "Transitions per gradient step.", check=schema.positive),
@@ -222,6 +223,11 @@ class Policy(abc.ABC):
         ``acting.model``; ``state`` holds a recurrent policy's state before ``obs`` (e.g. ``hidden``) as tensors."""
         raise NotImplementedError(f"{type(self).__name__} has no value function: advantage estimators such as "
                                   f"gae_estimator need an actor-critic policy (e.g. PPOPolicy)")
+
+    def _scale_reward(self, acting: Acting, reward: np.ndarray, done: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """The rewards ``[T, N]`` (time-major, numpy; ``done`` ends an episode after its step) as advantage
+        estimators should read them: as they are, unless the policy normalises rewards (PPO's ``reward_norm``)."""
+        return reward
 
     def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None:
         """Clear a view's per-env state in ``memory`` for ``env_ids`` (``None``: every env)."""

@@ -79,7 +79,7 @@ class BCPolicy(Policy):
         """An :class:`EncoderHead` with one output per discrete action or per action dim."""
         obs_shape = cls._required(model_cfg, "obs_shape", "obs_shape=4 for CartPole")
         action_shape = cls._required(model_cfg, "action_shape", "action_shape=2 for CartPole")
-        return EncoderHead(obs_shape, action_shape, hidden_sizes=model_cfg.hidden_sizes)
+        return EncoderHead(obs_shape, action_shape, hidden_sizes=model_cfg.hidden_sizes, encoder_kind=model_cfg.encoder)
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
                  device: str | torch.device | None = None, seed: int | None = None) -> None:

@@ -19,13 +19,13 @@ that SAC's temperature update does not need, so entropy targets read the same on
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.policy.model import ObsShape, build_encoder
+from conveyor.policy.model import ObsShape, build_encoder, flat_dim, is_flat
 
 __all__ = ["ActionScaler", "TanhGaussianActor", "DeterministicActor", "tanh_gaussian_log_prob", "tanh_log_det_jacobian",
            "EnsembleLinear", "EnsembleQ"]
@@ -99,7 +99,7 @@ def tanh_gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, action: to
 
 
 class TanhGaussianActor(nn.Module):
-    """A tanh-squashed diagonal Gaussian policy head over an encoder picked from ``obs_shape``.
+    """A tanh-squashed diagonal Gaussian policy head over an encoder (``encoder``, or one of ``encoder_kind``).
 
     ``forward(obs) -> (mean, log_std)`` of the pre-squash Gaussian. With ``state_dependent_std`` the
     head outputs both (SAC); otherwise ``log_std`` is one learned parameter per action dim (PPO-style).
@@ -108,12 +108,12 @@ class TanhGaussianActor(nn.Module):
 
     def __init__(self, obs_shape: ObsShape, action_dim: int, *, hidden_sizes: Sequence[int] = (256, 256),
                  log_std_bounds: Sequence[float] = (-5.0, 2.0), state_dependent_std: bool = True,
-                 encoder: nn.Module | None = None) -> None:
+                 encoder: nn.Module | None = None, encoder_kind: str = "auto") -> None:
         super().__init__()
         low, high = (float(b) for b in log_std_bounds)
         if not low < high:
             raise ValueError(f"log_std_bounds must be (low, high) with low < high, got {tuple(log_std_bounds)}")
-        self.encoder = encoder if encoder is not None else build_encoder(obs_shape, hidden_sizes)
+        self.encoder = encoder if encoder is not None else build_encoder(obs_shape, hidden_sizes, encoder_kind)
         self.action_dim = action_dim
         self.state_dependent_std = state_dependent_std
         self.head = nn.Linear(self.encoder.output_dim, 2 * action_dim if state_dependent_std else action_dim)
@@ -150,13 +150,13 @@ class TanhGaussianActor(nn.Module):
 
 
 class DeterministicActor(nn.Module):
-    """A deterministic policy ``a = tanh(head(encoder(obs)))`` in ``(-1, 1)`` (TD3, DDPG), over an encoder picked
-    from ``obs_shape``; exploration noise is added by the policy that acts with it."""
+    """A deterministic policy ``a = tanh(head(encoder(obs)))`` in ``(-1, 1)`` (TD3, DDPG), over an encoder
+    (``encoder``, or one of ``encoder_kind``); exploration noise is added by the policy that acts with it."""
 
     def __init__(self, obs_shape: ObsShape, action_dim: int, *, hidden_sizes: Sequence[int] = (256, 256),
-                 encoder: nn.Module | None = None) -> None:
+                 encoder: nn.Module | None = None, encoder_kind: str = "auto") -> None:
         super().__init__()
-        self.encoder = encoder if encoder is not None else build_encoder(obs_shape, hidden_sizes)
+        self.encoder = encoder if encoder is not None else build_encoder(obs_shape, hidden_sizes, encoder_kind)
         self.action_dim = action_dim
         self.head = nn.Linear(self.encoder.output_dim, action_dim)
 
@@ -193,26 +193,26 @@ class EnsembleLinear(nn.Module):
 class EnsembleQ(nn.Module):
     """``ensemble_size`` Q(obs, action) networks evaluated in one pass; ``forward -> [E, *batch]``.
 
-    Flat observations (an int or 1-d shape) are concatenated with the action and fed to an ensemble
-    MLP directly. Other observations (images, ``Dict`` spaces) first go through one encoder per member
-    (:func:`~conveyor.policy.model.build_encoder` with the first hidden width), whose features then
-    join the action in the ensemble MLP over the remaining widths.
+    Observations the encoder kind reads flat (:func:`~conveyor.policy.model.is_flat`: vectors, or any array under
+    ``"mlp"``) are concatenated with the action and fed to an ensemble MLP directly. Other observations (images,
+    ``Dict`` spaces) first go through one encoder per member (:func:`~conveyor.policy.model.build_encoder` of
+    ``encoder_kind`` with the first hidden width), whose features then join the action in the ensemble MLP over
+    the remaining widths.
     """
 
     def __init__(self, obs_shape: ObsShape, action_dim: int, *, hidden_sizes: Sequence[int] = (256, 256),
-                 ensemble_size: int = 2) -> None:
+                 ensemble_size: int = 2, encoder_kind: str = "auto") -> None:
         super().__init__()
         if ensemble_size < 1:
             raise ValueError(f"EnsembleQ needs ensemble_size >= 1, got {ensemble_size}")
         self.ensemble_size = ensemble_size
-        flat = isinstance(obs_shape, int) or (not isinstance(obs_shape, Mapping) and len(tuple(obs_shape)) <= 1)
-        if flat:
+        if is_flat(obs_shape, encoder_kind):
             self.encoders = None
-            obs_dim = obs_shape if isinstance(obs_shape, int) else (int(tuple(obs_shape)[0]) if obs_shape else 1)
+            obs_dim = flat_dim(obs_shape)
             self._obs_dim = obs_dim
             widths = list(hidden_sizes)
         else:
-            self.encoders = nn.ModuleList(build_encoder(obs_shape, list(hidden_sizes[:1]))
+            self.encoders = nn.ModuleList(build_encoder(obs_shape, list(hidden_sizes[:1]), encoder_kind)
                                           for _ in range(ensemble_size))
             obs_dim = self.encoders[0].output_dim
             widths = list(hidden_sizes[1:])

@@ -95,10 +95,11 @@ class DQNPolicy(Policy):
 
     @classmethod
     def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:
-        """A :class:`QNetwork` with the encoder ``model_cfg.obs_shape`` calls for."""
+        """A :class:`QNetwork` over the encoder ``model_cfg.encoder`` names for ``model_cfg.obs_shape``."""
         obs_shape = cls._required(model_cfg, "obs_shape", "obs_shape=4 for CartPole")
         action_num = cls._required(model_cfg, "action_shape", "action_shape=2 for CartPole")
-        return QNetwork(obs_shape, action_num, hidden_sizes=model_cfg.hidden_sizes, dueling=model_cfg.dueling)
+        return QNetwork(obs_shape, action_num, hidden_sizes=model_cfg.hidden_sizes, dueling=model_cfg.dueling,
+                        encoder_kind=model_cfg.encoder)
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
                  device: str | torch.device | None = None, seed: int | None = None) -> None:

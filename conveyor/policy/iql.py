@@ -79,7 +79,7 @@ class IQLPolicy(TanhActorCriticPolicy):
     def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:
         """An :class:`IQLModel`: SAC's actor and critics, and an :class:`EncoderHead` value network."""
         base = super().build_model(model_cfg)
-        value = EncoderHead(model_cfg.obs_shape, 1, hidden_sizes=model_cfg.hidden_sizes)
+        value = EncoderHead(model_cfg.obs_shape, 1, hidden_sizes=model_cfg.hidden_sizes, encoder_kind=model_cfg.encoder)
         return IQLModel(base.actor, base.critic, value)
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,

@@ -1,11 +1,13 @@
-"""Running observation statistics, and an observation normaliser policies keep in their checkpoints.
+"""Running statistics, and the observation and reward normalisers policies keep in their checkpoints.
 
 :class:`RunningMeanStd` merges batches into a mean and variance with Chan et al.'s parallel update
 (exact for any batch sizes, float64). :class:`ObsNormaliser` normalises with one set of statistics
 while it gathers the observations to add next, and folds them in only when told to (:meth:`commit`):
 an on-policy policy commits when it starts collecting after an update, so a rollout is normalised the
 same way when it is acted on, valued and learned from (the ratio of new to old action probabilities
-starts at exactly 1).
+starts at exactly 1). :class:`RewardNormaliser` works the same way on the discounted returns of each env,
+whose standard deviation scales rewards (Stable-Baselines3 VecNormalize's ``norm_reward``). What a published
+version acts with is frozen into one :class:`FrozenNormaliser`.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-__all__ = ["RunningMeanStd", "ObsNormaliser", "FrozenNormaliser"]
+__all__ = ["RunningMeanStd", "ObsNormaliser", "RewardNormaliser", "FrozenNormaliser"]
 
 
 class RunningMeanStd:
@@ -57,16 +59,33 @@ class RunningMeanStd:
 
 
 class FrozenNormaliser:
-    """``clip((obs - mean) * inv_std)`` with fixed statistics: what a published policy version acts with."""
+    """The statistics a published policy version acts with, fixed: ``clip((obs - mean) * inv_std)`` for
+    observations (the identity when ``mean`` is None) and ``clip(reward * reward_scale)`` for rewards
+    (:meth:`scale_reward`; the identity when ``reward_scale`` is None)."""
 
-    __slots__ = ("mean", "inv_std", "clip")
+    __slots__ = ("mean", "inv_std", "clip", "reward_scale", "reward_clip")
 
-    def __init__(self, mean: torch.Tensor, inv_std: torch.Tensor, clip: float | None) -> None:
+    def __init__(self, mean: torch.Tensor | None, inv_std: torch.Tensor | None, clip: float | None,
+                 reward_scale: float | None = None, reward_clip: float | None = None) -> None:
         self.mean, self.inv_std, self.clip = mean, inv_std, clip
+        self.reward_scale, self.reward_clip = reward_scale, reward_clip
 
     def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        if self.mean is None:
+            return obs
         out = (obs.float() - self.mean) * self.inv_std
         return out if self.clip is None else out.clamp(-self.clip, self.clip)
+
+    def scale_reward(self, reward: np.ndarray) -> np.ndarray:
+        """Rewards (numpy) scaled by the frozen return statistics and clipped, as float32."""
+        if self.reward_scale is None:
+            return reward
+        out = np.asarray(reward, np.float32) * np.float32(self.reward_scale)
+        return out if self.reward_clip is None else np.clip(out, -self.reward_clip, self.reward_clip)
+
+    def wire(self) -> dict[str, Any]:
+        """Plain data for a codec (see :data:`conveyor.policy.weights.WIRE_TYPES`)."""
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 class ObsNormaliser:
@@ -150,3 +169,67 @@ class ObsNormaliser:
 
     def __repr__(self) -> str:
         return f"ObsNormaliser(shape={self.shape}, clip={self.clip}, count={self.stats.count})"
+
+
+class RewardNormaliser:
+    """Scales rewards by ``1 / sqrt(var + eps)`` of each env's discounted return ``R = gamma * R + reward``
+    (reset at episode ends), clipped to ``+-clip``: Stable-Baselines3 VecNormalize's ``norm_reward``.
+
+    :meth:`observe` runs the envs' returns through a time-major chunk of rewards ``[T, N]`` and gathers them;
+    :meth:`commit` folds what was gathered into the statistics :meth:`scale` reads, as :class:`ObsNormaliser`
+    does, so one rollout is scaled with one set of statistics. The returns carried from one chunk to the next
+    are part of :meth:`state_dict`, so a resumed run goes on with them. Thread-safe.
+    """
+
+    def __init__(self, gamma: float, *, clip: float | None = 10.0, eps: float = 1e-8) -> None:
+        self.gamma, self.clip, self.eps = float(gamma), clip, eps
+        self.stats = RunningMeanStd(())
+        self.pending = RunningMeanStd(())
+        self.returns: np.ndarray | None = None  # each env's discounted return so far, [N]
+        self._lock = threading.Lock()
+
+    def observe(self, reward: np.ndarray, done: np.ndarray, valid: np.ndarray | None = None) -> None:
+        """Go on with each env's discounted return through ``reward [T, N]`` (``done`` ends a return after its
+        step) and gather the returns of the ``valid`` steps for the next :meth:`commit`."""
+        reward = np.asarray(reward, np.float64)
+        returns = np.empty_like(reward)
+        with self._lock:
+            carry = self.returns
+            if carry is None or carry.shape != reward.shape[1:]:
+                carry = np.zeros(reward.shape[1:], np.float64)
+            for t in range(len(reward)):
+                carry = carry * self.gamma + reward[t]
+                returns[t] = carry
+                carry = np.where(done[t], 0.0, carry)
+            self.returns = carry
+            self.pending.update(returns if valid is None else returns[np.asarray(valid, bool)])
+
+    def commit(self) -> bool:
+        """Fold the returns gathered since the last commit into the statistics; whether anything changed."""
+        with self._lock:
+            if self.pending.count == 0:
+                return False
+            self.stats.merge(self.pending.mean, self.pending.var, self.pending.count)
+            self.pending = RunningMeanStd(())
+            return True
+
+    def scale(self) -> float:
+        """The factor rewards are multiplied by now: ``1 / sqrt(var + eps)`` of the committed returns."""
+        with self._lock:
+            return float(1.0 / np.sqrt(self.stats.var + self.eps))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The statistics in use, those gathered but not yet committed, and each env's return so far."""
+        with self._lock:
+            return {"stats": self.stats.state_dict(), "pending": self.pending.state_dict(),
+                    "returns": None if self.returns is None else self.returns.copy()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        with self._lock:
+            self.stats.load_state_dict(state_dict["stats"])
+            self.pending.load_state_dict(state_dict["pending"])
+            returns = state_dict["returns"]
+            self.returns = None if returns is None else np.array(returns, np.float64)
+
+    def __repr__(self) -> str:
+        return f"RewardNormaliser(gamma={self.gamma}, clip={self.clip}, count={self.stats.count})"

@@ -8,7 +8,10 @@ from typing import Any, Mapping, Sequence
 from conveyor import schema
 from conveyor.schema import Option
 
-__all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults"]
+__all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults", "encoder_option"]
+
+ENCODER_KINDS = ("auto", "mlp", "nature", "impala")
+"""The values of ``policy.model.encoder`` (conveyor.policy.model.build_encoder builds each)."""
 
 
 def _hidden_sizes_check(value: Sequence[int]) -> str | None:
@@ -27,6 +30,14 @@ def _optional_lr(value: Any) -> str | None:
 def lr_option(network: str) -> Option:
     """The ``learn.<network>_learning_rate`` option of a policy with one optimizer per network."""
     return Option(None, f"{network.capitalize()} learning rate (None: learning_rate).", type=float, check=_optional_lr)
+
+
+def encoder_option() -> Option:
+    """``policy.model.encoder``: the observation encoder of every network of a policy (one definition for all)."""
+    return Option("auto", "Observation encoder: 'auto' (picked from the obs shape: an MLP for vectors, a small CNN "
+                          "for images), 'mlp' (any array obs flattened), 'nature' (the Nature-DQN CNN, 512 features) "
+                          "or 'impala' (the IMPALA ResNet, 256 features); the image encoders ignore hidden_sizes and "
+                          "divide uint8 pixels by 255 inside.", choices=ENCODER_KINDS)
 
 
 def with_defaults(base: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
@@ -58,7 +69,17 @@ def replay_buffer_schema(size: int) -> dict:
         "beta_anneal_steps": Option(100_000, "Transitions added to the buffer (env steps) over which beta rises "
                                              "linearly to beta_end; the schedule is saved with the buffer (None: beta "
                                              "stays fixed).", type=int, check=_optional_positive),
+        "frame_stack": Option("auto", "Store each image frame once and stack at sampling (same samples, ~1/8 of the "
+                                      "memory for 4-frame Atari stacks): 'auto' does it for uint8 observations "
+                                      "[k, H, W] with k > 1, an int k forces it for [k, H, W] observations, None "
+                                      "stores every array as given.", type=(str, int, type(None)),
+                              check=_frame_stack_check),
     }
+
+
+def _frame_stack_check(value: Any) -> str | None:
+    ok = value is None or value == "auto" or (isinstance(value, int) and value >= 1)
+    return None if ok else "must be 'auto', an int >= 1 (frames per observation) or None"
 
 
 def offline_schema(max_train_iter: int) -> dict:

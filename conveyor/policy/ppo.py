@@ -29,7 +29,7 @@ from conveyor.policy.actor_critic import ActorCritic, make_action_dist
 from conveyor.policy.base import Acting, ActorCriticCollectMode, Policy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
 from conveyor.policy.options import _optional_positive
-from conveyor.policy.normaliser import ObsNormaliser
+from conveyor.policy.normaliser import FrozenNormaliser, ObsNormaliser, RewardNormaliser
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["PPOPolicy"]
@@ -101,6 +101,9 @@ class PPOPolicy(Policy):
                 "obs_norm": Option(False, "Normalise observations by a running mean / std of the collected ones."),
                 "obs_norm_clip": Option(10.0, "Clip normalised observations to +-this.", type=float,
                                         check=schema.positive),
+                "reward_norm": Option(False, "Scale rewards by the running std of each env's discounted return "
+                                             "(Stable-Baselines3 VecNormalize's norm_reward); logged returns stay raw."),
+                "reward_norm_clip": Option(10.0, "Clip scaled rewards to +-this.", type=float, check=schema.positive),
             },
             "learn": {
                 "epoch_per_collect": Option(10, "Passes over each collected batch (multistep_trainer).",
@@ -165,7 +168,8 @@ class PPOPolicy(Policy):
                            hidden_sizes=model_cfg.hidden_sizes, activation=model_cfg.activation,
                            share_encoder=model_cfg.share_encoder,
                            rnn_hidden_size=model_cfg.rnn_hidden_size if model_cfg.rnn else None,
-                           state_dependent_std=model_cfg.state_dependent_std, init_log_std=model_cfg.init_log_std)
+                           state_dependent_std=model_cfg.state_dependent_std, init_log_std=model_cfg.init_log_std,
+                           encoder_kind=model_cfg.encoder)
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
                  device: str | torch.device | None = None, seed: int | None = None) -> None:
@@ -187,7 +191,11 @@ class PPOPolicy(Policy):
                                   f"obs_shape={obs_shape!r}: normalise Dict observations in an env wrapper instead")
             self.obs_normaliser = ObsNormaliser(obs_shape, clip=model_cfg.obs_norm_clip)
             self.register_state("obs_normaliser", self.obs_normaliser)
-        self._committed_at = 0  # train_iter when the normaliser last folded in collected observations
+        self.reward_normaliser: RewardNormaliser | None = None
+        if model_cfg.reward_norm:
+            self.reward_normaliser = RewardNormaliser(self.cfg.discount_factor, clip=model_cfg.reward_norm_clip)
+            self.register_state("reward_normaliser", self.reward_normaliser)
+        self._committed_at = 0  # train_iter when the normalisers last folded in collected data
         self.optimizer = LazyOptimizer(torch.optim.Adam, self.model, lr=learn.learning_rate, eps=1e-5,
                                        fused=fused_adam(self.device))
         self.register_state("optimizer", self.optimizer)
@@ -199,16 +207,21 @@ class PPOPolicy(Policy):
         return obs if self.obs_normaliser is None else self.obs_normaliser(obs)
 
     def _acting_extras(self) -> Any:
-        """The observation statistics acting uses, frozen with each published version. Publishing after an update
-        first folds the observations collected since the last fold into them, so a rollout is acted on, valued
-        and learned from with one set of statistics (the first ratio of every update is exactly 1)."""
-        normaliser = self.obs_normaliser
-        if normaliser is None:
+        """The observation and reward statistics acting uses, frozen with each published version. Publishing after
+        an update first folds the data collected since the last fold into them, so a rollout is acted on, valued,
+        scaled and learned from with one set of statistics (the first ratio of every update is exactly 1)."""
+        obs_norm, reward_norm = self.obs_normaliser, self.reward_normaliser
+        if obs_norm is None and reward_norm is None:
             return None
         if self.train_iter != self._committed_at:
-            normaliser.commit()
+            for normaliser in (obs_norm, reward_norm):
+                if normaliser is not None:
+                    normaliser.commit()
             self._committed_at = self.train_iter
-        return normaliser.frozen(self.device)
+        frozen = obs_norm.frozen(self.device) if obs_norm is not None else FrozenNormaliser(None, None, None)
+        if reward_norm is not None:
+            frozen.reward_scale, frozen.reward_clip = reward_norm.scale(), reward_norm.clip
+        return frozen
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a checkpoint; observations it holds as gathered stay uncommitted until the next update."""
@@ -269,6 +282,14 @@ class PPOPolicy(Policy):
         else:
             params = acting.model.actor(obs)  # the critic is not needed to act
         return {"action": self.action_dist.mode(params)}
+
+    def _scale_reward(self, acting: Acting, reward: np.ndarray, done: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """With ``model.reward_norm``: gather the envs' discounted returns through ``reward [T, N]`` and scale the
+        rewards by the statistics published with ``acting``'s version."""
+        if self.reward_normaliser is None:
+            return reward
+        self.reward_normaliser.observe(reward, done, valid)  # gathered for the fold at the next publish
+        return acting.extras.scale_reward(reward)
 
     def _value(self, acting: Acting, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
         """The critic's values of ``obs`` (after the recurrent state ``hidden``)."""

@@ -86,9 +86,10 @@ class TanhActorCriticPolicy(QActorCriticPolicy):
         obs_shape = cls._required(model_cfg, "obs_shape", "obs_shape=3 for Pendulum")
         action_dim = cls._required(model_cfg, "action_shape", "action_shape=1 for Pendulum")
         hidden = model_cfg.hidden_sizes
-        actor = TanhGaussianActor(obs_shape, action_dim, hidden_sizes=hidden,
-                                  log_std_bounds=model_cfg.log_std_bounds)
-        critic = EnsembleQ(obs_shape, action_dim, hidden_sizes=hidden, ensemble_size=model_cfg.critic_num)
+        actor = TanhGaussianActor(obs_shape, action_dim, hidden_sizes=hidden, log_std_bounds=model_cfg.log_std_bounds,
+                                  encoder_kind=model_cfg.encoder)
+        critic = EnsembleQ(obs_shape, action_dim, hidden_sizes=hidden, ensemble_size=model_cfg.critic_num,
+                           encoder_kind=model_cfg.encoder)
         return SACModel(actor, critic)
 
     # --- acting ----------------------------------------------------------------------------------

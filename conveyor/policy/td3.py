@@ -71,8 +71,10 @@ class TD3Policy(QActorCriticPolicy):
         obs_shape = cls._required(model_cfg, "obs_shape", "obs_shape=3 for Pendulum")
         action_dim = cls._required(model_cfg, "action_shape", "action_shape=1 for Pendulum")
         hidden = model_cfg.hidden_sizes
-        return SACModel(DeterministicActor(obs_shape, action_dim, hidden_sizes=hidden),
-                        EnsembleQ(obs_shape, action_dim, hidden_sizes=hidden, ensemble_size=model_cfg.critic_num))
+        kind = model_cfg.encoder
+        return SACModel(DeterministicActor(obs_shape, action_dim, hidden_sizes=hidden, encoder_kind=kind),
+                        EnsembleQ(obs_shape, action_dim, hidden_sizes=hidden, ensemble_size=model_cfg.critic_num,
+                                  encoder_kind=kind))
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
                  device: str | torch.device | None = None, seed: int | None = None) -> None:

@@ -32,6 +32,7 @@ class Viewed(Protocol):
     def _forward_collect(self, acting: Acting, obs: Any, **kwargs: Any) -> dict: ...
     def _forward_eval(self, acting: Acting, obs: Any) -> dict: ...
     def _value(self, acting: Acting, obs: Any, **kwargs: Any) -> Any: ...
+    def _scale_reward(self, acting: Acting, reward: Any, done: Any, valid: Any) -> Any: ...
     def _obs_to_tensor(self, obs: Any) -> Any: ...
     def _batch_to_tensor(self, batch: Any) -> Any: ...
     def _reset(self, memory: dict, env_ids: Sequence[int] | None) -> None: ...
@@ -167,6 +168,19 @@ class ActorCriticCollectMode(CollectMode):
             with torch.no_grad():
                 return policy._value(Acting(version, self._memory), policy._obs_to_tensor(obs),
                                      **{k: policy._obs_to_tensor(v) for k, v in state.items()})
+        finally:
+            weights.unpin(version)
+
+    def scale_reward(self, reward: np.ndarray, done: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """Time-major rewards ``[T, N]`` (numpy) as advantage estimators read them, by the newest published
+        version: scaled when the policy normalises rewards, else as they are. ``done [T, N]`` ends an episode
+        after its step; ``valid`` marks the steps that count (default all)."""
+        policy, weights = self._policy, self._policy._weights
+        if valid is None:
+            valid = np.ones(np.shape(reward), bool)
+        version = weights.pin()
+        try:
+            return policy._scale_reward(Acting(version, self._memory), reward, done, valid)
         finally:
             weights.unpin(version)
 

@@ -30,8 +30,7 @@ _SPARE_COPIES = 2  # unpinned old versions kept for reuse, so publishing copies 
 _OWN_EXTRAS = object()  # publish's default: take the extras from the weights' owner
 
 WIRE_TYPES: List[Tuple[type, str, Callable[[Any], Any], Callable[[Any], Any]]] = [
-    (FrozenNormaliser, "conveyor.FrozenNormaliser", lambda n: {"mean": n.mean, "inv_std": n.inv_std, "clip": n.clip},
-     lambda d: FrozenNormaliser(**d)),
+    (FrozenNormaliser, "conveyor.FrozenNormaliser", FrozenNormaliser.wire, lambda d: FrozenNormaliser(**d)),
 ]
 """``(type, name, to_wire, from_wire)`` of the types a version's extras hold, for a codec that sends versions."""
 
