@@ -45,6 +45,15 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def _same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per leading index, whether ``a`` and ``b`` hold the same bytes (compared 8 at a time where they divide)."""
+    rows = a.reshape(len(a), -1).view(np.uint8)
+    other = b.reshape(len(b), -1).view(np.uint8)
+    if rows.shape[1] % 8 == 0:
+        rows, other = rows.view(np.uint64), other.view(np.uint64)
+    return (rows == other).all(axis=1)
+
+
 class FramePool:
     """Unique frames of one shape and dtype in reference-counted slots, shared by content.
 
@@ -78,27 +87,27 @@ class FramePool:
     def add(self, frames: np.ndarray) -> np.ndarray:
         """Slot ids (int64) of ``frames`` ``[M, *frame_shape]``, storing those not alive yet; each id is referenced."""
         frames = np.ascontiguousarray(frames)
-        ids = np.empty(len(frames), dtype=np.int64)
-        fresh = np.zeros(len(frames), dtype=bool)
-        index = self._index
-        for i, frame in enumerate(frames):
-            key = hash(frame.tobytes())
+        view = memoryview(frames.tobytes())  # slices of bytes hash in place: one copy per call, none per frame
+        size = frames.nbytes // max(1, len(frames))
+        index, ids, fresh = self._index, [], []
+        for i in range(len(frames)):
+            key = hash(view[i * size:(i + 1) * size])
             slot = index.get(key)
             if slot is None:
                 slot = index[key] = self._alloc()
-                self._keys[slot] = key
-                fresh[i] = True
-            ids[i] = slot
-        self._put(ids[fresh], frames[fresh])
-        shared = np.flatnonzero(~fresh)
-        if len(shared):  # equal hashes; make sure the bytes are equal too
-            same = (self.take(ids[shared]) == frames[shared]).reshape(len(shared), -1).all(axis=1)
-            for i in shared[~same]:  # a hash collision: keep this frame apart, unindexed
-                ids[i] = self._alloc()
-                self._put(ids[i:i + 1], frames[i:i + 1])
-        slots, counts = np.unique(ids, return_counts=True)
+                self._keys[slot] = key  # not cached above: _alloc may grow the arrays
+                fresh.append(i)
+            ids.append(slot)
+        out = np.array(ids, dtype=np.int64)
+        if fresh:
+            self._put(out[fresh], frames[fresh])
+        if len(fresh) < len(frames):  # equal hashes; make sure the bytes are equal too
+            for i in np.flatnonzero(~_same_rows(self.take(out), frames)).tolist():  # a collision: keep it apart
+                out[i] = self._alloc()
+                self._put(out[i:i + 1], frames[i:i + 1])
+        slots, counts = np.unique(out, return_counts=True)
         self._refs[slots] += counts
-        return ids
+        return out
 
     def release(self, ids: np.ndarray) -> None:
         """Drop one reference per id; a slot left unreferenced is forgotten and reused by later frames."""
