@@ -7,8 +7,9 @@ Trains the pipeline of cartpole/ppo. Hyperparameters: CleanRL's ``ppo_continuous
 settings of Schulman et al. 2017, arXiv:1707.06347, and of RL Zoo's ``ppo.yml`` normalised envs): a 64-64 tanh
 actor and critic, a state-independent Gaussian, 2048 steps of 1 env per rollout, 10 epochs of minibatches of
 64, Adam 3e-4 annealed linearly to 0 over 1M env steps (``policy.learn.lr_anneal_steps``: set it to your
-budget), gamma 0.99, GAE lambda 0.95, clip 0.2, no entropy bonus, value loss 0.5, gradient norm 0.5, and
-observations normalised by running statistics (clipped at 10).
+budget), gamma 0.99, GAE lambda 0.95, clip 0.2, no entropy bonus, value loss 0.5, gradient norm 0.5,
+observations normalised by running statistics (clipped at 10) and rewards scaled by the running std of the
+discounted return (clipped at 10), as CleanRL's NormalizeObservation / NormalizeReward and SB3's VecNormalize.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ main_config = EasyDict(dict(
     policy=dict(
         discount_factor=0.99,
         gae_lambda=0.95,
-        model=dict(action_space="gaussian", hidden_sizes=[64, 64], activation="tanh", obs_norm=True),
+        model=dict(action_space="gaussian", hidden_sizes=[64, 64], activation="tanh", obs_norm=True,
+                   reward_norm=True),
         learn=dict(epoch_per_collect=10, batch_size=64, learning_rate=3e-4, lr_anneal_steps=1_000_000,
                    clip_ratio=0.2, entropy_coef=0.0, value_coef=0.5, grad_clip=0.5),
         collect=dict(n_sample=2048),
