@@ -45,13 +45,13 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per leading index, whether ``a`` and ``b`` hold the same bytes (compared 8 at a time where they divide)."""
-    rows = a.reshape(len(a), -1).view(np.uint8)
-    other = b.reshape(len(b), -1).view(np.uint8)
-    if rows.shape[1] % 8 == 0:
-        rows, other = rows.view(np.uint64), other.view(np.uint64)
-    return (rows == other).all(axis=1)
+def _same_frames(a: np.ndarray, b: np.ndarray, lead: int) -> np.ndarray:
+    """Whether ``a`` and ``b`` hold the same bytes, per index of their ``lead`` leading dims (the rest is a frame,
+    contiguous); compared 8 bytes at a time where a frame's size allows."""
+    a, b = (x.reshape(*x.shape[:lead], -1).view(np.uint8) for x in (a, b))
+    if a.shape[-1] % 8 == 0:
+        a, b = a.view(np.uint64), b.view(np.uint64)
+    return (a == b).all(axis=-1)
 
 
 class FramePool:
@@ -102,12 +102,16 @@ class FramePool:
         if fresh:
             self._put(out[fresh], frames[fresh])
         if len(fresh) < len(frames):  # equal hashes; make sure the bytes are equal too
-            for i in np.flatnonzero(~_same_rows(self.take(out), frames)).tolist():  # a collision: keep it apart
+            for i in np.flatnonzero(~_same_frames(self.take(out), frames, 1)).tolist():  # a collision: keep apart
                 out[i] = self._alloc()
                 self._put(out[i:i + 1], frames[i:i + 1])
-        slots, counts = np.unique(out, return_counts=True)
-        self._refs[slots] += counts
+        self.share(out)
         return out
+
+    def share(self, ids: np.ndarray) -> None:
+        """Add one reference per id to frames already alive."""
+        slots, counts = np.unique(ids, return_counts=True)
+        self._refs[slots] += counts
 
     def release(self, ids: np.ndarray) -> None:
         """Drop one reference per id; a slot left unreferenced is forgotten and reused by later frames."""
@@ -178,6 +182,24 @@ class FramePool:
             self._index.setdefault(key, slot)
 
 
+def _stack_ids(pool: FramePool, stacks: np.ndarray, before: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """The frame ids ``[n, k]`` of ``stacks`` ``[n, k, *frame]``, added to ``pool``. With ``before`` (the obs stacks of
+    the same rows and their ids, for next_obs), frames equal to the obs frame one place later (a 1-step transition's
+    ``next_obs[:-1] == obs[1:]``) are compared and shared instead of hashed."""
+    stacks = np.ascontiguousarray(stacks)
+    n, k = stacks.shape[:2]
+    if before is None:
+        return pool.add(stacks.reshape(n * k, *stacks.shape[2:])).reshape(n, k)
+    obs, obs_ids = np.ascontiguousarray(before[0]), before[1]
+    new = np.ones((n, k), dtype=bool)
+    new[:, :-1] = ~_same_frames(stacks[:, :-1], obs[:, 1:], 2)
+    out = np.empty((n, k), dtype=np.int64)
+    out[:, :-1] = obs_ids[:, 1:]
+    out[new] = pool.add(stacks[new])
+    pool.share(out[~new])
+    return out
+
+
 class FrameStorage(RingStorage):
     """A :class:`RingStorage` whose frame-stack leaves of ``obs`` / ``next_obs`` hold ids into :class:`FramePool`s.
 
@@ -189,6 +211,7 @@ class FrameStorage(RingStorage):
         super().__init__(capacity)
         self.frame_stack = check_frame_stack(frame_stack, "FrameStorage")
         self._frames: dict[int, FramePool] = {}  # leaf position -> the pool its frames are in
+        self._follows: dict[int, int] = {}  # a next_obs leaf's position -> its obs leaf's (same pool and stack size)
         self._pending: set[KeyPath] = set()  # the frame leaves being allocated
         self._filled = 0  # ring rows written so far: their ids hold references
 
@@ -211,6 +234,13 @@ class FrameStorage(RingStorage):
                 frame_bytes = dtype.itemsize * int(np.prod(shape[1:]))
                 chunk = min(max(16, self.capacity // 2), max(1, _CHUNK_BYTES // max(1, frame_bytes)))
                 self._frames[i] = pools.setdefault((shape[1:], dtype.str), FramePool(shape[1:], dtype, chunk))
+        position = {path: i for i, path in enumerate(self.paths)}
+        self._follows = {}
+        for i in self._frames:
+            obs = position.get(("obs",) + self.paths[i][1:])
+            if self.paths[i][0] == "next_obs" and obs in self._frames and self.specs[obs] == self.specs[i] \
+                    and self.specs[i][0][0] > 1:
+                self._follows[i] = obs
         self._filled = 0
 
     def _choose(self, shapes: dict[KeyPath, tuple], where: str) -> list[KeyPath]:
@@ -237,7 +267,7 @@ class FrameStorage(RingStorage):
 
     def reset(self) -> None:
         super().reset()
-        self._frames, self._filled = {}, 0
+        self._frames, self._follows, self._filled = {}, {}, 0
 
     def layout(self) -> str:
         frames = [dotted(self.paths[i]) for i in self._frames]
@@ -254,9 +284,11 @@ class FrameStorage(RingStorage):
         if n <= 0:
             return
         rows = list(values)
-        for i, pool in self._frames.items():  # add first: a frame the overwritten rows share stays alive
-            stack = values[i][begin:]
-            rows[i] = pool.add(stack.reshape(-1, *stack.shape[2:])).reshape(n, stack.shape[1])
+        order = [i for i in self._frames if i not in self._follows] + list(self._follows)  # obs before next_obs
+        for i in order:  # add first: a frame the overwritten rows share stays alive
+            before = self._follows.get(i)
+            rows[i] = _stack_ids(self._frames[i], values[i][begin:],
+                                 None if before is None else (values[before][begin:], rows[before]))
         slots = (start + np.arange(n)) % self.capacity
         overwritten = slots[slots < self._filled]
         old = {i: self.arrays[i][overwritten] for i in self._frames}

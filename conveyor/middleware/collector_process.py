@@ -318,7 +318,9 @@ class ProcessCollector:
     the middleware to run there in order (a collector first), the policy replica they act with, and what
     releases their envs; :func:`collection_builder` makes one. Before a call, the newest version of ``policy`` (the learner's)
     is copied into shared memory (``policy.acting_state(out=...)``) and the child's replica, when the
-    number changed, acts on it under the same number, so collected rows record the version that produced them. Episode events
+    number changed, acts on it under the same number, so collected rows record the version that produced them. What the
+    chain writes comes back pickled, its numpy arrays of 64 KB or more (image batches) through a shared-memory block
+    reused from call to call (see the module docstring). Episode events
     of the child are emitted here. A child that dies ends the run with an error saying how it ended;
     ``close()`` (or leaving a ``with`` block) stops it. ``state_dict()`` / ``load_state_dict()`` gather
     the chain's (env states, current observations, carried n-step rows) and the replica's collect state

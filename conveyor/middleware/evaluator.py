@@ -77,7 +77,8 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
         obs = ts.obs
     mean, std = float(np.mean(returns)), float(np.std(returns))
     return {"returns": returns, "lengths": lengths, "mean": mean, "std": std, "crashes": crashes, "dropped": dropped,
-            "summary": f"{mean:.1f} +- {std:.1f} over {len(returns)} episodes (seed {seed})"}
+            "summary": f"{mean:.1f} +- {std:.1f} over {len(returns)} episodes "
+                       f"({'unseeded' if seed is None else f'seed {seed}'})"}
 
 
 @declares(reads=("train_iter", "env_step", "last_eval_iter"), optional=("env_step",),
