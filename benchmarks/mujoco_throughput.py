@@ -1,0 +1,158 @@
+"""Env steps/s of SAC training on HalfCheetah-v5, Conveyor against Stable-Baselines3, same settings, same run.
+
+Ours is the ``mujoco/sac`` zoo entry (before it exists: ``pendulum/sac``'s pipeline with the HalfCheetah env) as
+``conveyor train`` runs it, in one process, with evaluation off; SB3's ``SAC("MlpPolicy")`` gets the same
+network (actor and critics ``hidden_sizes``), batch, learning rate, discount, Polyak rate, replay size,
+random warm-up (``learning_starts``) and replay ratio (``train_freq`` = our ``n_sample`` env steps,
+``gradient_steps`` = our ``update_per_collect``), on one env, CPU. The figure is env steps/s while training:
+from the first 100 gradient steps after the warm-up to the end (ours from the wall times of the run's
+TensorBoard points, SB3's from a callback). Each measurement runs in a fresh interpreter (torch threads as each
+framework sets them: ours one intra-op thread, SB3 torch's default), alternating ours and SB3's; the median of
+each side counts. SB3 is pip-installed into this interpreter when missing.
+
+    python benchmarks/mujoco_throughput.py                    # 1000 random + 3000 training steps, 3 rounds
+    python benchmarks/mujoco_throughput.py --quick            # a short smoke run of ours only (no SB3)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+from _peers import alternate, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events
+
+ENV_ID = "HalfCheetah-v5"
+MEASURE_FROM = 100  # gradient steps after the warm-up before the clock starts (first logger point)
+
+
+def our_config(warmup: int, steps: int) -> Tuple[str, Any, Any]:
+    """The entry's config for this benchmark: HalfCheetah, one collector env, evaluation off, warm-up ``warmup``."""
+    from conveyor.zoo import entries, load_entry
+
+    name = "mujoco/sac" if "mujoco/sac" in entries() else "pendulum/sac"
+    entry = load_entry(name)
+    cfg = copy.deepcopy(entry.main_config)
+    cfg.exp_name = "mujoco_throughput"
+    cfg.env.update(env_id=ENV_ID, collector_env_num=1, evaluator_env_num=1, n_evaluator_episode=1, stop_value=None)
+    policy = cfg.policy
+    if name == "pendulum/sac":  # the issue's settings: 256x256, batch 256, one gradient step per env step
+        policy.model.hidden_sizes = [256, 256]
+        policy.learn.update(batch_size=256, learning_rate=3e-4, update_per_collect=1)
+        policy.collect.n_sample = 1
+    policy.learn.learning_starts = warmup
+    policy.collect.random_collect_size = warmup
+    policy.other.replay_buffer.size = warmup + steps
+    policy.setdefault("eval", {}).setdefault("evaluator", {})
+    policy.eval.evaluator.eval_freq = 10**9  # no evaluation: SB3 runs none either
+    policy.eval.evaluator.pop("eval_env_step_freq", None)
+    return name, entry, cfg
+
+
+def ours(warmup: int, steps: int, seed: int) -> Dict[str, Any]:
+    """Train the entry for ``warmup + steps`` env steps; env steps/s between the logger's first point after
+    ``MEASURE_FROM`` gradient steps and its last."""
+    name, entry, cfg = our_config(warmup, steps)
+    cfg.seed = seed
+    with scratch_dir():
+        start = time.perf_counter()
+        ctx = entry.main(cfg, max_env_step=warmup + steps, progress=False)
+        wall = time.perf_counter() - start
+        points = tensorboard_events(Path("runs") / cfg.exp_name / "tb", "charts/env_steps_per_s")
+    timed = [(step, t) for step, _, t in points if step > warmup]  # every MEASURE_FROM gradient steps
+    if len(timed) >= 2:
+        (s0, t0), (s1, t1) = timed[0], timed[-1]
+        rate, window = (s1 - s0) / (t1 - t0), [s0, s1]
+    else:  # too short for two logger points: the whole run, warm-up and start-up included
+        rate, window = ctx.env_step / wall, [0, ctx.env_step]
+    return {"side": "ours", "entry": name, "steps_per_s": rate, "window": window, "train_iter": ctx.train_iter,
+            "wall_s": wall}
+
+
+def sb3(warmup: int, steps: int, seed: int, threads: int = 0) -> Dict[str, Any]:
+    """SB3's SAC with our config's settings; env steps/s from ``MEASURE_FROM`` gradient steps after the warm-up
+    to the end. ``threads``: torch intra-op threads (0: torch's default, what SB3 runs with)."""
+    import gymnasium as gym
+    import torch
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    if threads:
+        torch.set_num_threads(threads)
+    _, _, cfg = our_config(warmup, steps)
+    learn, collect = cfg.policy.learn, cfg.policy.collect
+    begin = warmup + MEASURE_FROM * collect.n_sample // learn.update_per_collect
+    marks: Dict[str, float] = {}
+
+    class Clock(BaseCallback):
+        def _on_step(self) -> bool:
+            if self.num_timesteps == begin:
+                marks["begin"] = time.perf_counter()
+            return True
+
+    model = SAC("MlpPolicy", gym.make(ENV_ID), learning_rate=learn.learning_rate, buffer_size=warmup + steps,
+                learning_starts=warmup, batch_size=learn.batch_size, tau=learn.target_theta,
+                gamma=cfg.policy.discount_factor, train_freq=collect.n_sample,
+                gradient_steps=learn.update_per_collect,
+                policy_kwargs=dict(net_arch=list(cfg.policy.model.hidden_sizes)), seed=seed, device="cpu")
+    start = time.perf_counter()
+    model.learn(total_timesteps=warmup + steps, callback=Clock())
+    end = time.perf_counter()
+    return {"side": "sb3", "steps_per_s": (warmup + steps - begin) / (end - marks["begin"]),
+            "window": [begin, warmup + steps], "torch_threads": torch.get_num_threads(), "wall_s": end - start}
+
+
+SIDES = {"ours": "Conveyor {entry}", "sb3": "SB3 SAC, torch's default threads",
+         "sb3_1t": "SB3 SAC, 1 thread (as ours)"}
+
+
+def measure(side: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """One measurement of ``side`` in this process."""
+    if side == "ours":
+        return ours(args.warmup, args.steps, args.seed)
+    return sb3(args.warmup, args.steps, args.seed, threads=1 if side == "sb3_1t" else 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one short run of ours in this process, no SB3 (a smoke "
+                                                             "test)")
+    parser.add_argument("--warmup", type=int, default=1000, help="random env steps before training")
+    parser.add_argument("--steps", type=int, default=3000, help="training env steps after the warm-up")
+    parser.add_argument("--rounds", type=int, default=2, help="measurements per side, alternating")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-sb3", action="store_true", help="measure ours only")
+    parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        print(json.dumps(measure(args.worker, args)))
+        return
+    if args.quick:
+        args.warmup, args.steps, args.rounds, args.no_sb3 = 300, 300, 1, True
+    sides = ["ours"] if args.no_sb3 else list(SIDES)
+    if not args.no_sb3:
+        ensure_package("stable-baselines3", "stable_baselines3")
+    worker_args = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
+    results = alternate(sides, args.rounds, lambda side: measure(side, args) if args.quick
+                        else run_worker(__file__, ["--worker", side, *worker_args]))
+    entry = results["ours"][0]["entry"]
+    print(f"SAC on {ENV_ID}, 1 env, CPU: {args.warmup} random env steps, then {args.steps} training env steps; "
+          f"env steps/s while training, {args.rounds} rounds alternating")
+    median = print_sides(results, {side: label.format(entry=entry) for side, label in SIDES.items()})
+    ratio = median["ours"] / median["sb3"] if "sb3" in median else None
+    ratio_1t = median["ours"] / median["sb3_1t"] if "sb3_1t" in median else None
+    if ratio is not None:
+        print(f"sac_vs_sb3 {ratio:.2f} (bar: >= 1.5); against SB3 on one thread {ratio_1t:.2f}")
+    summary = {"sac_vs_sb3": None if ratio is None else round(ratio, 3),
+               "sac_vs_sb3_one_thread": None if ratio_1t is None else round(ratio_1t, 3),
+               "entry": entry, "env_id": ENV_ID, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+               **{f"{side}_steps_per_s": [round(r["steps_per_s"], 1) for r in runs] for side, runs in results.items()},
+               "sb3_torch_threads": results["sb3"][0]["torch_threads"] if "sb3" in results else None}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
