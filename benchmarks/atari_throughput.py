@@ -24,6 +24,7 @@ Where the time goes (env / inference / update / handover) is printed from our ru
 (``time/..._ms`` in its TensorBoard log) and the bare env loops, and from SB3's rollout and update phases.
 
     python benchmarks/atari_throughput.py                   # 15 rollouts per PPO run, 2 rounds
+    python benchmarks/atari_throughput.py --rollouts 8 --rounds 1   # what docs/benchmarks.md reports
     python benchmarks/atari_throughput.py --quick           # a smoke run: tiny PPO, short loops, no SB3
 """
 from __future__ import annotations
@@ -68,9 +69,9 @@ def ppo_config(quick: bool) -> Tuple[str, Any, Any]:
         cfg.policy.model.update(obs_shape=[4, 84, 84], action_shape=4)  # Breakout's, preprocessed
     cfg.exp_name = "atari_throughput"
     # The untrained policy may never press FIRE, so the opening evaluation's game is capped (training
-    # episodes, one life each, are far shorter); no evaluation after it.
+    # episodes, one life each, end far sooner); no evaluation after it.
     cfg.env.update(env_id=ENV_ID, collector_env_num=ENVS, evaluator_env_num=1, n_evaluator_episode=1,
-                   stop_value=None, manager="envpool", num_workers=THREADS, max_episode_steps=2000)
+                   stop_value=None, manager="envpool", num_workers=THREADS, max_episode_steps=100 if quick else 500)
     cfg.policy.setdefault("eval", {}).setdefault("evaluator", {})
     cfg.policy.eval.evaluator.eval_freq = 10**9
     if quick:
