@@ -45,6 +45,15 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def _same_frames(a: np.ndarray, b: np.ndarray, lead: int) -> np.ndarray:
+    """Whether ``a`` and ``b`` hold the same bytes, per index of their ``lead`` leading dims (the rest is a frame,
+    contiguous); compared 8 bytes at a time where a frame's size allows."""
+    a, b = (x.reshape(*x.shape[:lead], -1).view(np.uint8) for x in (a, b))
+    if a.shape[-1] % 8 == 0:
+        a, b = a.view(np.uint64), b.view(np.uint64)
+    return (a == b).all(axis=-1)
+
+
 class FramePool:
     """Unique frames of one shape and dtype in reference-counted slots, shared by content.
 
@@ -78,27 +87,31 @@ class FramePool:
     def add(self, frames: np.ndarray) -> np.ndarray:
         """Slot ids (int64) of ``frames`` ``[M, *frame_shape]``, storing those not alive yet; each id is referenced."""
         frames = np.ascontiguousarray(frames)
-        ids = np.empty(len(frames), dtype=np.int64)
-        fresh = np.zeros(len(frames), dtype=bool)
-        index = self._index
-        for i, frame in enumerate(frames):
-            key = hash(frame.tobytes())
+        view = memoryview(frames.tobytes())  # slices of bytes hash in place: one copy per call, none per frame
+        size = frames.nbytes // max(1, len(frames))
+        index, ids, fresh = self._index, [], []
+        for i in range(len(frames)):
+            key = hash(view[i * size:(i + 1) * size])
             slot = index.get(key)
             if slot is None:
                 slot = index[key] = self._alloc()
-                self._keys[slot] = key
-                fresh[i] = True
-            ids[i] = slot
-        self._put(ids[fresh], frames[fresh])
-        shared = np.flatnonzero(~fresh)
-        if len(shared):  # equal hashes; make sure the bytes are equal too
-            same = (self.take(ids[shared]) == frames[shared]).reshape(len(shared), -1).all(axis=1)
-            for i in shared[~same]:  # a hash collision: keep this frame apart, unindexed
-                ids[i] = self._alloc()
-                self._put(ids[i:i + 1], frames[i:i + 1])
+                self._keys[slot] = key  # not cached above: _alloc may grow the arrays
+                fresh.append(i)
+            ids.append(slot)
+        out = np.array(ids, dtype=np.int64)
+        if fresh:
+            self._put(out[fresh], frames[fresh])
+        if len(fresh) < len(frames):  # equal hashes; make sure the bytes are equal too
+            for i in np.flatnonzero(~_same_frames(self.take(out), frames, 1)).tolist():  # a collision: keep apart
+                out[i] = self._alloc()
+                self._put(out[i:i + 1], frames[i:i + 1])
+        self.share(out)
+        return out
+
+    def share(self, ids: np.ndarray) -> None:
+        """Add one reference per id to frames already alive."""
         slots, counts = np.unique(ids, return_counts=True)
         self._refs[slots] += counts
-        return ids
 
     def release(self, ids: np.ndarray) -> None:
         """Drop one reference per id; a slot left unreferenced is forgotten and reused by later frames."""
@@ -169,6 +182,24 @@ class FramePool:
             self._index.setdefault(key, slot)
 
 
+def _stack_ids(pool: FramePool, stacks: np.ndarray, before: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """The frame ids ``[n, k]`` of ``stacks`` ``[n, k, *frame]``, added to ``pool``. With ``before`` (the obs stacks of
+    the same rows and their ids, for next_obs), frames equal to the obs frame one place later (a 1-step transition's
+    ``next_obs[:-1] == obs[1:]``) are compared and shared instead of hashed."""
+    stacks = np.ascontiguousarray(stacks)
+    n, k = stacks.shape[:2]
+    if before is None:
+        return pool.add(stacks.reshape(n * k, *stacks.shape[2:])).reshape(n, k)
+    obs, obs_ids = np.ascontiguousarray(before[0]), before[1]
+    new = np.ones((n, k), dtype=bool)
+    new[:, :-1] = ~_same_frames(stacks[:, :-1], obs[:, 1:], 2)
+    out = np.empty((n, k), dtype=np.int64)
+    out[:, :-1] = obs_ids[:, 1:]
+    out[new] = pool.add(stacks[new])
+    pool.share(out[~new])
+    return out
+
+
 class FrameStorage(RingStorage):
     """A :class:`RingStorage` whose frame-stack leaves of ``obs`` / ``next_obs`` hold ids into :class:`FramePool`s.
 
@@ -180,6 +211,7 @@ class FrameStorage(RingStorage):
         super().__init__(capacity)
         self.frame_stack = check_frame_stack(frame_stack, "FrameStorage")
         self._frames: dict[int, FramePool] = {}  # leaf position -> the pool its frames are in
+        self._follows: dict[int, int] = {}  # a next_obs leaf's position -> its obs leaf's (same pool and stack size)
         self._pending: set[KeyPath] = set()  # the frame leaves being allocated
         self._filled = 0  # ring rows written so far: their ids hold references
 
@@ -202,6 +234,13 @@ class FrameStorage(RingStorage):
                 frame_bytes = dtype.itemsize * int(np.prod(shape[1:]))
                 chunk = min(max(16, self.capacity // 2), max(1, _CHUNK_BYTES // max(1, frame_bytes)))
                 self._frames[i] = pools.setdefault((shape[1:], dtype.str), FramePool(shape[1:], dtype, chunk))
+        position = {path: i for i, path in enumerate(self.paths)}
+        self._follows = {}
+        for i in self._frames:
+            obs = position.get(("obs",) + self.paths[i][1:])
+            if self.paths[i][0] == "next_obs" and obs in self._frames and self.specs[obs] == self.specs[i] \
+                    and self.specs[i][0][0] > 1:
+                self._follows[i] = obs
         self._filled = 0
 
     def _choose(self, shapes: dict[KeyPath, tuple], where: str) -> list[KeyPath]:
@@ -228,7 +267,7 @@ class FrameStorage(RingStorage):
 
     def reset(self) -> None:
         super().reset()
-        self._frames, self._filled = {}, 0
+        self._frames, self._follows, self._filled = {}, {}, 0
 
     def layout(self) -> str:
         frames = [dotted(self.paths[i]) for i in self._frames]
@@ -245,9 +284,11 @@ class FrameStorage(RingStorage):
         if n <= 0:
             return
         rows = list(values)
-        for i, pool in self._frames.items():  # add first: a frame the overwritten rows share stays alive
-            stack = values[i][begin:]
-            rows[i] = pool.add(stack.reshape(-1, *stack.shape[2:])).reshape(n, stack.shape[1])
+        order = [i for i in self._frames if i not in self._follows] + list(self._follows)  # obs before next_obs
+        for i in order:  # add first: a frame the overwritten rows share stays alive
+            before = self._follows.get(i)
+            rows[i] = _stack_ids(self._frames[i], values[i][begin:],
+                                 None if before is None else (values[before][begin:], rows[before]))
         slots = (start + np.arange(n)) % self.capacity
         overwritten = slots[slots < self._filled]
         old = {i: self.arrays[i][overwritten] for i in self._frames}

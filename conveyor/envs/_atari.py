@@ -40,6 +40,8 @@ ATARI_SCHEMA: dict[str, Option] = {
                                               "action (0.25 as the v5 envs)", type=float, check=_probability),
     "terminal_on_life_loss": Option(True, "collector envs end a training episode when a life is lost (the game "
                                           "goes on); evaluation always plays full games", type=bool),
+    "fire_reset": Option(False, "press FIRE when a game starts and after each lost life, in games that have it "
+                                "(SB3's and CleanRL's FireResetEnv, envpool's use_fire_reset)", type=bool),
     "clip_reward": Option(True, "collector envs clip rewards to their sign; evaluation and logged returns "
                                 "are unclipped", type=bool),
 }
@@ -94,10 +96,12 @@ class AtariGame(gym.Wrapper):
     the env's RNG travel with the wrapper (ale-py pickles an env by building a fresh one from its arguments).
     """
 
-    def __init__(self, env: gym.Env, terminal_on_life_loss: bool = False, clip_reward: bool = False) -> None:
+    def __init__(self, env: gym.Env, terminal_on_life_loss: bool = False, clip_reward: bool = False,
+                 fire_reset: bool = False) -> None:
         super().__init__(env)
         self.terminal_on_life_loss = terminal_on_life_loss
         self.clip_reward = clip_reward
+        self.fire_reset = fire_reset and self.unwrapped.get_action_meanings()[1:2] == ["FIRE"]
         self._game_return = 0.0
         self._game_length = 0
         self._lives = 0
@@ -107,13 +111,26 @@ class AtariGame(gym.Wrapper):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict]:
         if self._in_game and seed is None and options is None:
             self._in_game = False
-            return self._last_obs, {"lives": self._lives}
-        self._in_game = False
-        obs, info = self.env.reset(seed=seed, options=options)
-        self._game_return, self._game_length = 0.0, 0
-        self._lives = self.unwrapped.ale.lives()
+            obs, info = self._last_obs, {"lives": self._lives}
+        else:
+            self._in_game = False
+            obs, info = self.env.reset(seed=seed, options=options)
+            self._game_return, self._game_length = 0.0, 0
+            self._lives = self.unwrapped.ale.lives()
+        if self.fire_reset:
+            obs = self._fire(obs)
         self._last_obs = obs
         return obs, info
+
+    def _fire(self, obs: Any) -> Any:
+        """Press FIRE, which some games (Breakout) need to go on; its reward counts, its step is no agent step."""
+        obs, reward, terminated, truncated, _ = self.env.step(1)
+        self._game_return += float(reward)
+        if terminated or truncated:  # the game ended within those frames: start another one as it is
+            obs, _ = self.env.reset()
+            self._game_return, self._game_length = 0.0, 0
+        self._lives = self.unwrapped.ale.lives()
+        return obs
 
     def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
         obs, reward, terminated, truncated, info = self.env.step(action)
@@ -157,6 +174,7 @@ class AtariFactory:
     repeat_action_probability: float = 0.25
     terminal_on_life_loss: bool = False
     clip_reward: bool = False
+    fire_reset: bool = False
     max_episode_steps: int | None = None
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -171,7 +189,7 @@ class AtariFactory:
         return cls(env_cfg["env_id"], atari["frame_skip"], atari["screen_size"], atari["frame_stack"],
                    atari["noop_max"], atari["repeat_action_probability"],
                    collector and atari["terminal_on_life_loss"], collector and atari["clip_reward"],
-                   env_cfg["max_episode_steps"], dict(env_cfg["env_kwargs"]))
+                   atari["fire_reset"], env_cfg["max_episode_steps"], dict(env_cfg["env_kwargs"]))
 
     def __call__(self) -> gym.Env:
         register_atari(self.env_id)
@@ -182,5 +200,5 @@ class AtariFactory:
                                               screen_size=self.screen_size)
         if self.max_episode_steps is not None:  # in agent steps, not emulator frames
             env = gym.wrappers.TimeLimit(env, self.max_episode_steps)
-        env = AtariGame(env, self.terminal_on_life_loss, self.clip_reward)
+        env = AtariGame(env, self.terminal_on_life_loss, self.clip_reward, self.fire_reset)
         return gym.wrappers.FrameStackObservation(env, self.frame_stack)

@@ -213,6 +213,7 @@ class EnvManager(abc.ABC):
         self._needs_reset = True
         self._closed = False
         self._last_obs: Any = None
+        self._unpicklable: list[int] = []
         self.stats = EnvManagerStats()
 
     @property
@@ -257,9 +258,10 @@ class EnvManager(abc.ABC):
             raise RuntimeError(f"{type(self).__name__}.state_dict() called before reset(): nothing to save yet")
         per_env = self._env_states()
         failed = [i for i, blob in enumerate(per_env["envs"]) if blob is None]
-        if failed:
+        if failed and failed != self._unpicklable:  # once per manager, not at every checkpoint
             log.warning("envs %s (%s) do not pickle: a resume will reseed them from the run seed and env step",
                         failed, self.env_id)
+        self._unpicklable = failed
         rng = getattr(self.action_space, "np_random", None)
         return {"env_num": self._env_num, "per_env": per_env, "obs": self._last_obs, "t": self._step_count(),
                 "seed": self._current_seed(), "stats": dataclasses.asdict(self.stats),

@@ -44,7 +44,7 @@ def envpool_atari_kwargs(atari: Mapping[str, Any], collector: bool) -> dict[str,
             "stack_num": atari["frame_stack"], "noop_max": atari["noop_max"],
             "repeat_action_probability": atari["repeat_action_probability"],
             "episodic_life": collector and atari["terminal_on_life_loss"],
-            "reward_clip": collector and atari["clip_reward"], "use_fire_reset": False}
+            "reward_clip": collector and atari["clip_reward"], "use_fire_reset": atari["fire_reset"]}
 
 
 class EnvpoolEnvManager(EnvManager):

@@ -133,3 +133,13 @@ def test_atari_options_are_checked_with_their_full_key():
         make_env_manager({**BREAKOUT, "atari": {"frameskip": 4}}, "collector")
     with pytest.raises(ConfigError, match="env.atari.frame_skip"):
         make_env_manager({**BREAKOUT, "env_kwargs": {"frameskip": 2}}, "collector")
+
+
+@pytest.mark.parametrize("fire_reset", [False, True])
+def test_fire_reset_launches_breakouts_ball_at_the_start_and_after_each_lost_life(managers, fire_reset):
+    cfg = {**BREAKOUT, "atari": {"fire_reset": fire_reset, "terminal_on_life_loss": True}}
+    envs = make_env_manager(cfg, "collector", seed=0)
+    managers.track(envs)
+    envs.reset()
+    ends = sum(int(envs.step(np.zeros(1, int)).done[0]) for _ in range(100))  # NOOP only: the agent never fires
+    assert ends >= 3 if fire_reset else ends == 0

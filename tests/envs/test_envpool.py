@@ -28,7 +28,7 @@ def test_an_ended_episode_gives_its_final_obs_as_next_obs_and_the_new_episodes_f
                         reward_clip=True, repeat_action_probability=0.25, use_fire_reset=False)
     assert (envs.reset() == pool.reset()[0]).all()
     ends = 0
-    for action in _random_actions(300):
+    for action in _random_actions(200):
         ts = envs.step(action)
         final, reward, terminated, _, _ = pool.step(action)
         assert (ts.next_obs == final).all() and ts.reward[0] == reward[0] and ts.terminated[0] == terminated[0]
