@@ -43,6 +43,7 @@ def alternate(sides: Sequence[str], rounds: int, measure: Callable[[str], Dict])
     for i in range(rounds):
         for side in (sides if i % 2 == 0 else list(sides)[::-1]):
             results[side].append(measure(side))
+            print(f"  {side}: {json.dumps(results[side][-1])}", file=sys.stderr, flush=True)  # progress
     return results
 
 

@@ -284,7 +284,7 @@ def main() -> None:
         return
     if args.quick:  # in this process, ours only: a smoke test of every part
         args.rollouts, args.rounds, args.loop_steps, args.loop_rounds, args.no_sb3 = 2, 1, 256, 1, True
-    sides = ["ours", "ours_async"] + ([] if args.no_sb3 else ["sb3", "sb3_1t"])
+    sides = ["ours"] + ([] if args.no_sb3 else ["sb3_1t"]) + ["ours_async"] + ([] if args.no_sb3 else ["sb3"])
     if not args.no_sb3:
         ensure_package("stable-baselines3", "stable_baselines3")
     common = ["--rollouts", str(args.rollouts), "--loop-steps", str(args.loop_steps)]
@@ -316,6 +316,10 @@ def report(args: argparse.Namespace, ppo: Dict[str, List[Dict]], loops: Dict[str
         else:
             print(f"  {side:<12}rollout (env + inference) {last['rollout_ms']:.0f}, update {last['update_ms']:.0f}")
     best = {name: max(r["steps_per_s"] for r in runs) for name, runs in loops.items()}
+    rollout = ppo_config(args.quick)[2].policy.collect.n_sample
+    env_ms = 1000 * rollout / best["envpool loop"]
+    print(f"  of a rollout of {rollout} agent steps, envpool stepping alone (its bare loop) takes {env_ms:.0f} ms: "
+          f"the rest of StepCollector's time is acting (CNN inference) and batching")
     print(f"\ncollection, random actions, {ENVS if not args.quick else 2} envs, best of {args.loop_rounds} rounds of "
           f"{args.loop_steps} agent steps")
     for name, runs in loops.items():
@@ -331,7 +335,7 @@ def report(args: argparse.Namespace, ppo: Dict[str, List[Dict]], loops: Dict[str
     summary = {"ppo_vs_sb3": None if ratio is None else round(ratio, 3),
                "ppo_vs_sb3_one_thread": None if ratio_1t is None else round(ratio_1t, 3),
                "collector_vs_envpool": round(vs_envpool, 3), "collector_vs_gym_vector": round(vs_gym, 3),
-               "entry": entry, "rollouts": args.rollouts, "rounds": args.rounds,
+               "entry": entry, "rollouts": args.rollouts, "rounds": args.rounds, "env_ms_per_rollout": round(env_ms),
                **{f"ppo_{side}_steps_per_s": [round(r["steps_per_s"], 1) for r in runs] for side, runs in ppo.items()},
                "ppo_stages_ms": {side: runs[-1].get("stages_ms") or {k: runs[-1][k] for k in ("rollout_ms", "update_ms")}
                                  for side, runs in ppo.items()},

@@ -7,10 +7,12 @@ random warm-up (``learning_starts``) and replay ratio (``train_freq`` = our ``n_
 ``gradient_steps`` = our ``update_per_collect``), on one env, CPU. The figure is env steps/s while training:
 from the first 100 gradient steps after the warm-up to the end (ours from the wall times of the run's
 TensorBoard points, SB3's from a callback). Each measurement runs in a fresh interpreter (torch threads as each
-framework sets them: ours one intra-op thread, SB3 torch's default), alternating ours and SB3's; the median of
-each side counts. SB3 is pip-installed into this interpreter when missing.
+framework sets them: ours one intra-op thread, SB3 torch's default; SB3 on one thread too), alternating ours and
+SB3's; the median of each side counts. Then one gradient step of each (sample and update) is timed in one process,
+one thread, in alternating blocks: the share of the update in an env step. SB3 is pip-installed into this
+interpreter when missing.
 
-    python benchmarks/mujoco_throughput.py                    # 1000 random + 3000 training steps, 3 rounds
+    python benchmarks/mujoco_throughput.py                    # 1000 random + 3000 training steps, 2 rounds
     python benchmarks/mujoco_throughput.py --quick            # a short smoke run of ours only (no SB3)
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
+import statistics
 from typing import Any, Dict, Tuple
 
 from _peers import alternate, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events
@@ -105,12 +108,63 @@ def sb3(warmup: int, steps: int, seed: int, threads: int = 0) -> Dict[str, Any]:
             "window": [begin, warmup + steps], "torch_threads": torch.get_num_threads(), "wall_s": end - start}
 
 
+def learn_steps(rounds: int = 6, block: int = 20) -> Dict[str, Any]:
+    """Where the time goes: one gradient step of ours (buffer sample + ``learn_mode.forward``) and of SB3
+    (``SAC.train(gradient_steps=1)``, its sample included) on the same settings, both on one torch thread in
+    this process, in alternating blocks of ``block`` steps; the medians of ``rounds`` blocks, in ms."""
+    import gymnasium as gym
+    import numpy as np
+    import torch
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.logger import configure
+
+    from conveyor.config import compile_config
+    from conveyor.data import DequeBuffer
+    from conveyor.data.batch import to_tensor
+    from conveyor.policy import SACPolicy
+
+    torch.set_num_threads(1)
+    _, _, cfg = our_config(1000, 1000)
+    cfg = compile_config(cfg, policy=SACPolicy)
+    learn = cfg.policy.learn
+    policy = SACPolicy(cfg.policy, seed=0)
+    env = gym.make(ENV_ID)
+    model = SAC("MlpPolicy", env, learning_rate=learn.learning_rate, buffer_size=2000, batch_size=learn.batch_size,
+                policy_kwargs=dict(net_arch=list(cfg.policy.model.hidden_sizes)), seed=0, device="cpu")
+    model.set_logger(configure(None, [""]))
+    rng = np.random.default_rng(0)
+    n, obs_dim, act_dim = 1000, env.observation_space.shape[0], env.action_space.shape[0]
+    rows = {"obs": rng.standard_normal((n, obs_dim), np.float32), "next_obs": rng.standard_normal((n, obs_dim),
+                                                                                                  np.float32),
+            "action": rng.uniform(-1, 1, (n, act_dim)).astype(np.float32),
+            "reward": rng.standard_normal(n).astype(np.float32), "terminated": np.zeros(n, bool),
+            "truncated": np.zeros(n, bool)}
+    buffer = DequeBuffer(n, seed=0)
+    buffer.extend(to_tensor(rows))
+    for i in range(n):
+        model.replay_buffer.add(rows["obs"][i:i + 1], rows["next_obs"][i:i + 1], rows["action"][i:i + 1],
+                                rows["reward"][i:i + 1], np.zeros(1), [{}])
+    steps = {"ours": lambda: policy.learn_mode.forward(buffer.sample(learn.batch_size)),
+             "sb3": lambda: model.train(gradient_steps=1, batch_size=learn.batch_size)}
+    times: Dict[str, list] = {side: [] for side in steps}
+    for _ in range(rounds):
+        for side, step in steps.items():
+            step()
+            start = time.perf_counter()
+            for _ in range(block):
+                step()
+            times[side].append(1000 * (time.perf_counter() - start) / block)
+    return {"side": "learn_step", **{f"{side}_ms": round(statistics.median(t), 2) for side, t in times.items()}}
+
+
 SIDES = {"ours": "Conveyor {entry}", "sb3": "SB3 SAC, torch's default threads",
          "sb3_1t": "SB3 SAC, 1 thread (as ours)"}
 
 
 def measure(side: str, args: argparse.Namespace) -> Dict[str, Any]:
     """One measurement of ``side`` in this process."""
+    if side == "learn_step":
+        return learn_steps()
     if side == "ours":
         return ours(args.warmup, args.steps, args.seed)
     return sb3(args.warmup, args.steps, args.seed, threads=1 if side == "sb3_1t" else 0)
@@ -125,7 +179,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="measurements per side, alternating")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sb3", action="store_true", help="measure ours only")
-    parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=sorted(SIDES) + ["learn_step"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         print(json.dumps(measure(args.worker, args)))
@@ -144,13 +198,21 @@ def main() -> None:
     median = print_sides(results, {side: label.format(entry=entry) for side, label in SIDES.items()})
     ratio = median["ours"] / median["sb3"] if "sb3" in median else None
     ratio_1t = median["ours"] / median["sb3_1t"] if "sb3_1t" in median else None
+    learn = None
     if ratio is not None:
         print(f"sac_vs_sb3 {ratio:.2f} (bar: >= 1.5); against SB3 on one thread {ratio_1t:.2f}")
+        learn = run_worker(__file__, ["--worker", "learn_step"])
+        per_step = 1000 / median["ours"]  # ms per env step while training, one gradient step each
+        print(f"where the time goes: one gradient step (sample + update, 1 thread, alternating blocks in one process) "
+              f"ours {learn['ours_ms']:.1f} ms, SB3 {learn['sb3_ms']:.1f} ms ({learn['sb3_ms'] / learn['ours_ms']:.2f}x); "
+              f"ours takes {per_step:.1f} ms per training env step, so the rest (env, acting, pipeline) is about "
+              f"{max(0.0, per_step - learn['ours_ms']):.1f} ms")
     summary = {"sac_vs_sb3": None if ratio is None else round(ratio, 3),
                "sac_vs_sb3_one_thread": None if ratio_1t is None else round(ratio_1t, 3),
                "entry": entry, "env_id": ENV_ID, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
                **{f"{side}_steps_per_s": [round(r["steps_per_s"], 1) for r in runs] for side, runs in results.items()},
-               "sb3_torch_threads": results["sb3"][0]["torch_threads"] if "sb3" in results else None}
+               "sb3_torch_threads": results["sb3"][0]["torch_threads"] if "sb3" in results else None,
+               "learn_step_ms": None if learn is None else {k: learn[k] for k in ("ours_ms", "sb3_ms")}}
     print(json.dumps(summary))
 
 
