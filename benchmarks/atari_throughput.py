@@ -5,8 +5,8 @@ interpreter where torch or envs could differ:
 
 - ``ppo_vs_sb3``: agent steps/s while training PPO, CleanRL's Atari settings (Nature CNN shared by actor and
   critic, 8 envs x 128 steps, 4 epochs of 256-transition minibatches, clip 0.1, entropy 0.01), CPU. Ours is
-  the ``atari/ppo`` zoo entry (before it exists: cartpole/ppo's pipeline with that config) as ``conveyor
-  train`` runs it, sync and ``--async``, with ``env.manager`` envpool; evaluation is off after its opening
+  the ``atari/ppo`` zoo entry as ``conveyor train`` runs it, sync and ``--async``, with ``env.manager``
+  envpool (2 threads); evaluation is off after its opening
   round, which the clock excludes (its timed window runs from the end of the first rollout's update to the end
   of the last, from the wall times of the run's TensorBoard points). SB3's ``PPO("CnnPolicy")`` gets the same
   hyperparameters on ``make_atari_env`` + ``VecFrameStack(4)`` (ALE v5, frame skip 4 by its wrapper, sticky
@@ -44,29 +44,17 @@ ENV_ID = "ALE/Breakout-v5"
 ENVS = 8
 THREADS = 2  # envpool threads, as the issue's bare-envpool figure
 
-PPO_SETTINGS = dict(  # CleanRL ppo_atari.py / RL Zoo atari ppo
-    discount_factor=0.99, gae_lambda=0.95,
-    model=dict(encoder="nature", share_encoder=True),
-    learn=dict(epoch_per_collect=4, batch_size=256, learning_rate=2.5e-4, lr_anneal_steps=10_000_000,
-               clip_ratio=0.1, entropy_coef=0.01, value_coef=0.5, grad_clip=0.5),
-    collect=dict(n_sample=ENVS * 128),
-)
 
 
 # --- PPO training --------------------------------------------------------------------------------------
 def ppo_config(quick: bool) -> Tuple[str, Any, Any]:
-    """``(entry name, entry module, config)``: atari/ppo (or cartpole/ppo's pipeline with CleanRL's Atari
-    settings) on 8 envpool envs, evaluation reduced to one short opening round; ``quick``: a tiny rollout."""
-    from conveyor.zoo import entries, load_entry
+    """``(entry name, entry module, config)``: atari/ppo on 8 envpool envs (2 threads), evaluation reduced to one
+    short opening round; ``quick``: a tiny rollout."""
+    from conveyor.zoo import load_entry
 
-    name = "atari/ppo" if "atari/ppo" in entries() else "cartpole/ppo"
+    name = "atari/ppo"
     entry = load_entry(name)
     cfg = copy.deepcopy(entry.main_config)
-    if name == "cartpole/ppo":
-        cfg.policy = _merged(cfg.policy, PPO_SETTINGS)
-        cfg.policy.model.pop("hidden_sizes", None)
-        cfg.policy.learn.pop("target_kl", None)
-        cfg.policy.model.update(obs_shape=[4, 84, 84], action_shape=4)  # Breakout's, preprocessed
     cfg.exp_name = "atari_throughput"
     # The untrained policy may never press FIRE, so the opening evaluation's game is capped (training
     # episodes, one life each, end far sooner); no evaluation after it.
@@ -79,13 +67,6 @@ def ppo_config(quick: bool) -> Tuple[str, Any, Any]:
         cfg.policy.collect.n_sample = 64
         cfg.policy.learn.update(epoch_per_collect=1, batch_size=64)
     return name, entry, cfg
-
-
-def _merged(base: Any, extra: dict) -> Any:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        out[key] = _merged(out.get(key, {}), value) if isinstance(value, dict) else value
-    return out
 
 
 def ours_ppo(rollouts: int, quick: bool, async_mode: bool) -> Dict[str, Any]:
@@ -181,7 +162,7 @@ def env_config(manager: str, quick: bool) -> Any:
 
     return compile_config(EasyDict(dict(
         env=dict(env_id=ENV_ID, collector_env_num=2 if quick else ENVS, manager=manager, num_workers=THREADS),
-        policy=_merged(PPO_SETTINGS, dict(collect=dict(n_sample=(2 if quick else ENVS) * 128))),
+        policy=dict(model=dict(encoder="nature"), collect=dict(n_sample=(2 if quick else ENVS) * 128)),
     )), policy=PPOPolicy)
 
 
@@ -277,14 +258,17 @@ def main() -> None:
     parser.add_argument("--loop-steps", type=int, default=12_000, help="agent steps per collector/env loop round")
     parser.add_argument("--loop-rounds", type=int, default=3)
     parser.add_argument("--no-sb3", action="store_true", help="leave SB3 out (ppo_vs_sb3 is then null)")
+    parser.add_argument("--parts", default="ppo,loops",
+                        help="what to measure: 'ppo' (PPO training), 'loops' (collectors against bare env loops) or both")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args)))
         return
-    if args.quick:  # in this process, ours only: a smoke test of every part
+    if args.quick:  # in this process, ours in sync mode only: a smoke test of each part
         args.rollouts, args.rounds, args.loop_steps, args.loop_rounds, args.no_sb3 = 2, 1, 256, 1, True
-    sides = ["ours"] + ([] if args.no_sb3 else ["sb3_1t"]) + ["ours_async"] + ([] if args.no_sb3 else ["sb3"])
+    sides = ["ours"] + ([] if args.no_sb3 else ["sb3_1t"]) + ([] if args.quick else ["ours_async"]) \
+        + ([] if args.no_sb3 else ["sb3"])
     if not args.no_sb3:
         ensure_package("stable-baselines3", "stable_baselines3")
     common = ["--rollouts", str(args.rollouts), "--loop-steps", str(args.loop_steps)]
@@ -292,55 +276,69 @@ def main() -> None:
     def measure(side: str) -> Dict[str, Any]:
         return worker(side, args) if args.quick else run_worker(__file__, ["--worker", side, *common], timeout=3600)
 
-    ppo = alternate(sides, args.rounds, measure)
-    loops = alternate(list(LOOPS), args.loop_rounds, measure)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"ppo", "loops"}:
+        parser.error(f"--parts {args.parts!r}: give 'ppo', 'loops' or 'ppo,loops'")
+    ppo = alternate(sides, args.rounds, measure) if "ppo" in parts else {}
+    loops = alternate(list(LOOPS), args.loop_rounds, measure) if "loops" in parts else {}
     report(args, ppo, loops)
 
 
 def report(args: argparse.Namespace, ppo: Dict[str, List[Dict]], loops: Dict[str, List[Dict]]) -> None:
+    summary: Dict[str, Any] = {"ppo_vs_sb3": None, "ppo_vs_sb3_one_thread": None, "collector_vs_envpool": None,
+                               "collector_vs_gym_vector": None, "rollouts": args.rollouts, "rounds": args.rounds}
+    if ppo:
+        summary.update(report_ppo(args, ppo))
+    if loops:
+        summary.update(report_loops(args, loops))
+    print(json.dumps(summary))
+
+
+def report_ppo(args: argparse.Namespace, ppo: Dict[str, List[Dict]]) -> Dict[str, Any]:
     entry = ppo["ours"][0]["entry"]
     print(f"PPO on {ENV_ID}, Nature CNN, CPU: {args.rollouts} rollouts of 8 x 128 agent steps, 4 epochs, batch 256; "
           f"agent steps/s while training, {args.rounds} rounds alternating")
     median = print_sides(ppo, {side: label.format(entry=entry) for side, label in PPO_SIDES.items()})
-    best_ours = max(median["ours"], median["ours_async"])
+    best_ours = max(median["ours"], median.get("ours_async", 0.0))
     ratio = best_ours / median["sb3"] if "sb3" in median else None
     ratio_1t = best_ours / median["sb3_1t"] if "sb3_1t" in median else None
     if ratio is not None:
         print(f"ppo_vs_sb3 {ratio:.2f} (bar on CPU: >= 1.3; best of ours sync/async against SB3 as it runs); "
               f"against SB3 on one thread {ratio_1t:.2f}")
-    print("\nwhere the time goes, per iteration (one rollout and its update), ms:")
+    print("\nwhere the time goes, mean ms per iteration (one rollout and its update):")
     for side, runs in ppo.items():
         last = runs[-1]
         if "stages_ms" in last:
             print(f"  {side:<12}" + ", ".join(f"{k} {v:.0f}" for k, v in last["stages_ms"].items()))
         else:
             print(f"  {side:<12}rollout (env + inference) {last['rollout_ms']:.0f}, update {last['update_ms']:.0f}")
+    return {"ppo_vs_sb3": None if ratio is None else round(ratio, 3),
+            "ppo_vs_sb3_one_thread": None if ratio_1t is None else round(ratio_1t, 3), "entry": entry,
+            **{f"ppo_{side}_steps_per_s": [round(r["steps_per_s"], 1) for r in runs] for side, runs in ppo.items()},
+            "ppo_stages_ms": {side: runs[-1].get("stages_ms") or {k: runs[-1][k] for k in ("rollout_ms", "update_ms")}
+                              for side, runs in ppo.items()}}
+
+
+def report_loops(args: argparse.Namespace, loops: Dict[str, List[Dict]]) -> Dict[str, Any]:
     best = {name: max(r["steps_per_s"] for r in runs) for name, runs in loops.items()}
-    rollout = ppo_config(args.quick)[2].policy.collect.n_sample
-    env_ms = 1000 * rollout / best["envpool loop"]
-    print(f"  of a rollout of {rollout} agent steps, envpool stepping alone (its bare loop) takes {env_ms:.0f} ms: "
-          f"the rest of StepCollector's time is acting (CNN inference) and batching")
-    print(f"\ncollection, random actions, {ENVS if not args.quick else 2} envs, best of {args.loop_rounds} rounds of "
+    print(f"\ncollection, random actions, {2 if args.quick else ENVS} envs, best of {args.loop_rounds} rounds of "
           f"{args.loop_steps} agent steps")
     for name, runs in loops.items():
         each = ", ".join(f"{r['steps_per_s']:,.0f}" for r in runs)
         print(f"  {name:<24}{best[name]:>9,.0f} steps/s   ({each})")
+    rollout = ppo_config(args.quick)[2].policy.collect.n_sample
+    env_ms = 1000 * rollout / best["envpool loop"]
+    print(f"of a PPO rollout of {rollout} agent steps, envpool stepping alone (its bare loop) takes {env_ms:.0f} ms: "
+          f"the rest of StepCollector's time is acting (CNN inference) and batching")
     vs_envpool = best["collector envpool"] / best["envpool loop"]
-    ours_gym = max(best["collector sync"], best["collector subprocess"])
-    theirs_gym = max(best["gym SyncVectorEnv"], best["gym AsyncVectorEnv"])
-    vs_gym = ours_gym / theirs_gym
+    vs_gym = max(best["collector sync"], best["collector subprocess"]) / max(best["gym SyncVectorEnv"],
+                                                                            best["gym AsyncVectorEnv"])
     print(f"collector_vs_envpool {vs_envpool:.2f} (bar >= 0.85); collector_vs_gym_vector {vs_gym:.2f} (bar >= 0.9; "
           f"sync/sync {best['collector sync'] / best['gym SyncVectorEnv']:.2f}, subprocess/async "
           f"{best['collector subprocess'] / best['gym AsyncVectorEnv']:.2f})")
-    summary = {"ppo_vs_sb3": None if ratio is None else round(ratio, 3),
-               "ppo_vs_sb3_one_thread": None if ratio_1t is None else round(ratio_1t, 3),
-               "collector_vs_envpool": round(vs_envpool, 3), "collector_vs_gym_vector": round(vs_gym, 3),
-               "entry": entry, "rollouts": args.rollouts, "rounds": args.rounds, "env_ms_per_rollout": round(env_ms),
-               **{f"ppo_{side}_steps_per_s": [round(r["steps_per_s"], 1) for r in runs] for side, runs in ppo.items()},
-               "ppo_stages_ms": {side: runs[-1].get("stages_ms") or {k: runs[-1][k] for k in ("rollout_ms", "update_ms")}
-                                 for side, runs in ppo.items()},
-               "loops_steps_per_s": {name: [round(r["steps_per_s"]) for r in runs] for name, runs in loops.items()}}
-    print(json.dumps(summary))
+    return {"collector_vs_envpool": round(vs_envpool, 3), "collector_vs_gym_vector": round(vs_gym, 3),
+            "env_ms_per_rollout": round(env_ms),
+            "loops_steps_per_s": {name: [round(r["steps_per_s"]) for r in runs] for name, runs in loops.items()}}
 
 
 if __name__ == "__main__":
