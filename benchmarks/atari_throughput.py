@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-from _peers import alternate, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events, tensorboard_scalars
+from _peers import (alternate, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events,
+                    tensorboard_scalars)
 
 ENV_ID = "ALE/Breakout-v5"
 ENVS = 8
 THREADS = 2  # envpool threads, as the bare-envpool figure
-
 
 
 # --- PPO training --------------------------------------------------------------------------------------
@@ -259,7 +259,8 @@ def main() -> None:
     parser.add_argument("--loop-rounds", type=int, default=3)
     parser.add_argument("--no-sb3", action="store_true", help="leave SB3 out (ppo_vs_sb3 is then null)")
     parser.add_argument("--parts", default="ppo,loops",
-                        help="what to measure: 'ppo' (PPO training), 'loops' (collectors against bare env loops) or both")
+                        help="what to measure: 'ppo' (PPO training), 'loops' (collectors against bare env loops), "
+                             "or both")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:

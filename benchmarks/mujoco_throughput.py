@@ -200,7 +200,8 @@ def main() -> None:
         learn = run_worker(__file__, ["--worker", "learn_step"])
         per_step = 1000 / median["ours"]  # ms per env step while training, one gradient step each
         print(f"where the time goes: one gradient step (sample + update, 1 thread, alternating blocks in one process) "
-              f"ours {learn['ours_ms']:.1f} ms, SB3 {learn['sb3_ms']:.1f} ms ({learn['sb3_ms'] / learn['ours_ms']:.2f}x); "
+              f"ours {learn['ours_ms']:.1f} ms, SB3 {learn['sb3_ms']:.1f} ms "
+              f"({learn['sb3_ms'] / learn['ours_ms']:.2f}x); "
               f"ours takes {per_step:.1f} ms per training env step, so the rest (env, acting, pipeline) is about "
               f"{max(0.0, per_step - learn['ours_ms']):.1f} ms")
     summary = {"sac_vs_sb3": None if ratio is None else round(ratio, 3),
