@@ -3,24 +3,29 @@
 Each seed trains the entry from scratch for ``--max-env-step`` env steps (no early stop), evaluating the
 deterministic policy on ``--eval-episodes`` episodes every ``--eval-every`` env steps and once more at
 the end of the budget. The returns are read back from the run's TensorBoard log (``eval/return``), drawn
-into a PNG (mean over seeds, each seed faint) and written as JSON beside it.
+into a PNG (mean over seeds, each seed faint) and written as JSON beside it. Beside the evaluations,
+``final_train_returns`` gives per seed the mean return of the last 20 training episodes (full games on Atari:
+the collectors' ``EPISODE_EVENT``). ``--set KEY=VALUE`` changes the entry's config as ``conveyor train --set``.
 
     python benchmarks/learning_curve.py lunarlander_continuous/sac --seeds 3 --max-env-step 100000
     python benchmarks/learning_curve.py pendulum/sac --quick        # 1 seed, 4000 env steps, no figure
+    python benchmarks/learning_curve.py pendulum/sac --set env.env_id=HalfCheetah-v5 --max-env-step 100000
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
-import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
+from _peers import tensorboard_events
+from conveyor.config import apply_overrides
+from conveyor.engine import task
+from conveyor.middleware import EPISODE_EVENT
 from conveyor.zoo import load_entry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,25 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def read_scalars(logdir: Path, tag: str) -> List[Tuple[int, float]]:
     """``(step, value)`` of every ``tag`` scalar in the TensorBoard event files under ``logdir``, by step."""
-    from tensorboardX.proto import event_pb2
-
-    points = []
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        offset = 0
-        while offset + 12 <= len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
-            (length,) = struct.unpack_from("<Q", data, offset)
-            payload = data[offset + 12: offset + 12 + length]
-            offset += 12 + length + 4
-            event = event_pb2.Event.FromString(payload)
-            for value in event.summary.value:
-                if value.tag == tag:
-                    points.append((int(event.step), float(value.simple_value)))
-    return sorted(points)
+    return [(step, value) for step, value, _ in tensorboard_events(logdir, tag)]
 
 
-def run_seed(entry, seed: int, max_env_step: int, eval_every: int, n_episode: int) -> Dict:
-    cfg = copy.deepcopy(entry.main_config)
+TRAIN_EPISODES = 20
+"""Training episodes ``final_train_returns`` averages, per seed (the last ones of the budget)."""
+
+
+def run_seed(entry, seed: int, max_env_step: int, eval_every: int, n_episode: int,
+             overrides: Sequence[str] = ()) -> Dict:
+    cfg = apply_overrides(entry.main_config, overrides)  # typed like `conveyor train --set`; main() validates
     cfg.seed = seed
     cfg.exp_name = f"curve_seed{seed}"
     cfg.env.stop_value = None  # spend the whole budget
@@ -54,13 +50,17 @@ def run_seed(entry, seed: int, max_env_step: int, eval_every: int, n_episode: in
     cfg.policy.setdefault("eval", {}).setdefault("evaluator", {})
     cfg.policy.eval.evaluator.eval_freq = 10**9  # evaluate by env steps only
     cfg.policy.eval.evaluator.eval_env_step_freq = eval_every
+    train_returns: List[float] = []  # every finished training episode (a full game on Atari), in order
+    task.on(EPISODE_EVENT, lambda env_index, ret, length: train_returns.append(ret))  # dropped when the run ends
     start = time.perf_counter()
     # One env step past the budget: the iteration that starts at the budget evaluates before it stops.
     ctx = entry.main(cfg, max_env_step=max_env_step + 1, progress=False)
     wall = time.perf_counter() - start
     points = read_scalars(Path("runs") / cfg.exp_name / "tb", "eval/return")
+    last = train_returns[-TRAIN_EPISODES:]
     return {"seed": seed, "env_steps": [s for s, _ in points], "returns": [r for _, r in points],
-            "final_return": points[-1][1], "wall_s": round(wall, 1), "train_iter": ctx.train_iter}
+            "final_return": points[-1][1], "final_train_return": statistics.fmean(last) if last else None,
+            "train_episodes": len(train_returns), "wall_s": round(wall, 1), "train_iter": ctx.train_iter}
 
 
 def plot(entry_name: str, runs: List[Dict], max_env_step: int, n_episode: int, out: Path,
@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None,
                         help="PNG path (default docs/<env>_<algo>_curve.png; the JSON goes beside it)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value as `conveyor train --set` does (repeatable)")
     parser.add_argument("--quick", action="store_true", help="1 seed, 4000 env steps, no figure written")
     args = parser.parse_args()
     entry = load_entry(args.entry)
@@ -116,7 +118,7 @@ def main() -> None:
         os.chdir(workdir)  # runs/ of each seed lands in a scratch folder
         try:
             for seed in range(args.first_seed, args.first_seed + seeds):
-                runs.append(run_seed(entry, seed, budget, eval_every, args.eval_episodes))
+                runs.append(run_seed(entry, seed, budget, eval_every, args.eval_episodes, args.overrides))
         finally:
             os.chdir(cwd)
 
@@ -127,16 +129,18 @@ def main() -> None:
         print(f"{step:>9}" + "".join(f"{r['returns'][i]:>10.1f}" if i < len(r["returns"]) else f"{'':>10}"
                                      for r in runs))
     finals = [r["final_return"] for r in runs]
-    summary = {"entry": args.entry, "seeds": seeds, "max_env_step": budget, "eval_every": eval_every,
-               "eval_episodes": args.eval_episodes, "final_returns": [round(f, 1) for f in finals],
-               "mean_final_return": round(statistics.fmean(finals), 1),
+    train_finals = [None if r["final_train_return"] is None else round(r["final_train_return"], 1) for r in runs]
+    summary = {"entry": args.entry, "overrides": args.overrides, "seeds": seeds, "max_env_step": budget,
+               "eval_every": eval_every, "eval_episodes": args.eval_episodes,
+               "final_returns": [round(f, 1) for f in finals], "mean_final_return": round(statistics.fmean(finals), 1),
+               "final_train_returns": train_finals, "train_episodes": [r["train_episodes"] for r in runs],
                "wall_s": [r["wall_s"] for r in runs], "figure": None}
     if not args.quick:
         plot(args.entry, runs, budget, args.eval_episodes, out, entry.main_config.env.get("stop_value"))
         out.with_suffix(".json").write_text(json.dumps({**summary, "runs": runs}, indent=1) + "\n")
         summary["figure"] = str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out)
-    print(f"final returns {summary['final_returns']}, mean {summary['mean_final_return']}; "
-          f"wall {summary['wall_s']} s")
+    print(f"final returns {summary['final_returns']}, mean {summary['mean_final_return']}; mean of the last "
+          f"{TRAIN_EPISODES} training episodes {train_finals}; wall {summary['wall_s']} s")
     print(json.dumps(summary))
 
 

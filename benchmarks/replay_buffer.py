@@ -11,6 +11,14 @@ timed in alternation (the machines are shared). Prints a table, then one JSON li
 (us per call) and speedups (baseline time / ours).
 
     python benchmarks/replay_buffer.py [--quick]
+
+With ``--atari`` it measures memory instead: it fills a frame-deduplicated buffer (``frame_stack="auto"``) of
+``--size`` Atari-shaped transitions (default 1M; obs / next_obs uint8 4x84x84 stacks from 8 envs stepped in
+lock-step, 4 steps per ``extend``, episodes of log-normal length, median 400 agent steps, each starting from a
+repeated reset frame), then prints the process's resident memory (VmRSS / VmHWM) and, computed, what the naive
+layout would need; the JSON line has ``atari_1m_rss_gb`` when ``--size`` is 1M (else a projection to 1M).
+
+    python benchmarks/replay_buffer.py --atari [--size N]
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import argparse
 import json
 import random
 import sys
+import time
 import timeit
 import warnings
 from collections.abc import Callable
@@ -134,15 +143,117 @@ def measure(prioritized: bool, capacity: int, repeat: int, scale: float) -> dict
     return results
 
 
+FRAME_STACK, SCREEN = 4, 84
+ATARI_ENVS, ATARI_STEPS = 8, 4
+
+
+def memory_gb() -> dict[str, float]:
+    """This process's resident memory now (VmRSS) and at its peak (VmHWM), in GB (1e9 bytes)."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status if line.startswith(("VmRSS", "VmHWM"))}
+    return {"rss_gb": fields["VmRSS"] / 1e9, "hwm_gb": fields["VmHWM"] / 1e9}
+
+
+class AtariStream:
+    """Atari-shaped transitions from ``n`` envs in lock-step: every frame unique (a random image from a palette with
+    a frame counter stamped in), obs / next_obs the last 4 frames, a new episode's stack its reset frame 4 times."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.palette = self.rng.integers(0, 256, (256, SCREEN, SCREEN), dtype=np.uint8)
+        self.counter = 0
+        self.n = n
+        self.stacks = np.repeat(self.frames(n)[:, None], FRAME_STACK, axis=1)
+        self.left = self.lengths(n)
+
+    def frames(self, m: int) -> np.ndarray:
+        out = self.palette[self.rng.integers(0, len(self.palette), m)]
+        out.reshape(m, -1)[:, :8].view(np.int64)[:, 0] = np.arange(self.counter, self.counter + m)
+        self.counter += m
+        return out
+
+    def lengths(self, m: int) -> np.ndarray:
+        return np.maximum(30, self.rng.lognormal(np.log(400), 0.8, m)).astype(np.int64)
+
+    def collect(self, steps: int) -> dict[str, np.ndarray]:
+        """``steps`` lock-steps of every env as one flat time-major batch of ``steps * n`` transitions."""
+        rows: dict[str, list] = {k: [] for k in ("obs", "next_obs", "action", "reward", "terminated", "truncated")}
+        for _ in range(steps):
+            nxt = np.concatenate([self.stacks[:, 1:], self.frames(self.n)[:, None]], axis=1)
+            self.left -= 1
+            ended = self.left == 0
+            for key, value in (("obs", self.stacks), ("next_obs", nxt), ("action", self.rng.integers(0, 4, self.n)),
+                               ("reward", np.zeros(self.n, np.float32)), ("terminated", ended),
+                               ("truncated", np.zeros(self.n, bool))):
+                rows[key].append(value)
+            self.stacks = nxt
+            if ended.any():
+                count = int(ended.sum())
+                self.stacks = nxt.copy()  # nxt is the ended transitions' next_obs: keep it
+                self.stacks[ended] = np.repeat(self.frames(count)[:, None], FRAME_STACK, axis=1)
+                self.left[ended] = self.lengths(count)
+        return {key: np.concatenate(value) for key, value in rows.items()}
+
+
+def atari_memory(size: int) -> dict[str, float]:
+    """Fill a frame-deduplicated buffer of ``size`` Atari transitions; its memory, against the naive layout's."""
+    before = memory_gb()["rss_gb"]
+    buffer = DequeBuffer(size, frame_stack="auto", seed=0)
+    stream = AtariStream(ATARI_ENVS)
+    start = time.perf_counter()
+    while len(buffer) < size:
+        buffer.extend(stream.collect(ATARI_STEPS))
+    fill_s = time.perf_counter() - start
+    after = memory_gb()
+    sample_ms = min(timeit.repeat(lambda: buffer.sample(32), number=20, repeat=3)) / 20 * 1e3
+    frame_bytes = SCREEN * SCREEN
+    stack_bytes = FRAME_STACK * frame_bytes
+    naive_gb = size * (2 * stack_bytes + 8 + 4 + 1 + 1) / 1e9  # obs + next_obs stacks, action, reward, flags
+    figures = {
+        "size": size,
+        "frames_stored": buffer.frame_count,
+        "frames_per_transition": round(buffer.frame_count / size, 4),
+        "frame_data_gb": round(buffer.frame_count * frame_bytes / 1e9, 3),
+        "rss_before_gb": round(before, 3),
+        "rss_gb": round(after["rss_gb"], 3),
+        "hwm_gb": round(after["hwm_gb"], 3),
+        "buffer_gb": round(after["rss_gb"] - before, 3),
+        "naive_gb": round(naive_gb, 3),
+        "fill_s": round(fill_s, 1),
+        "fill_transitions_per_s": round(size / fill_s),
+        "sample32_ms": round(sample_ms, 3),
+    }
+    print(f"Atari replay: {size} transitions of uint8 {FRAME_STACK}x{SCREEN}x{SCREEN} obs + next_obs, "
+          f"{ATARI_ENVS} envs interleaved, frame_stack='auto'")
+    for key, value in figures.items():
+        print(f"  {key:26s} {value}")
+    print(f"  naive layout (computed, not allocated): {naive_gb:.1f} GB; this buffer: {figures['buffer_gb']:.2f} GB "
+          f"({naive_gb / max(figures['buffer_gb'], 1e-9):.1f}x less)")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller buffer and fewer repeats (a few seconds)")
+    parser.add_argument("--atari", action="store_true", help="measure the memory of an Atari replay buffer instead")
+    parser.add_argument("--size", type=int, default=None,
+                        help="with --atari: transitions to fill (default 1,000,000; 20,000 with --quick)")
     args = parser.parse_args()
+    if args.atari:
+        size = args.size or (20_000 if args.quick else 1_000_000)
+        figures: dict[str, float] = atari_memory(size)
+        if size == 1_000_000:
+            figures["atari_1m_rss_gb"] = figures["rss_gb"]
+        else:  # the buffer's part grows with its size; the interpreter's does not
+            figures["atari_1m_rss_gb_projected"] = round(
+                figures["rss_before_gb"] + figures["buffer_gb"] * 1_000_000 / size, 3)
+        print(json.dumps(figures))
+        return
     capacity, repeat, scale = (10_000, 5, 0.25) if args.quick else (100_000, 9, 1.0)
     random.seed(0)
     np.random.seed(0)
 
-    figures: dict[str, float] = {"capacity": capacity}
+    figures = {"capacity": capacity}
     print(f"replay buffer: {capacity} CartPole-sized transitions, best of {repeat}; "
           f"baseline = list of dicts + per-sample stacking")
     print(f"{'operation':32s} {'conveyor us':>12s} {'baseline us':>12s} {'speedup':>9s}")

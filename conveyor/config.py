@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Type
 import gymnasium as gym
 from easydict import EasyDict
 
-from conveyor.envs import ENV_SCHEMA, check_env_id
+from conveyor.envs import ENV_SCHEMA, check_env_id, env_factory
 from conveyor.schema import ConfigError, Option, validate
 
 __all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError", "apply_overrides", "load_config_file",
@@ -60,9 +60,10 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
                    infer_shapes: bool = True) -> EasyDict:
     """Validate ``cfg`` against the top-level, env and policy schemas and return it with every default.
 
-    ``policy`` is the policy class (e.g. ``DQNPolicy``). With ``infer_shapes`` one env is built (and
-    closed) to read its spaces: the policy's ``check_config`` checks the config against them and across
-    keys, a ``policy.model`` ``obs_shape`` / ``action_shape`` left unset is read from them, and so are
+    ``policy`` is the policy class (e.g. ``DQNPolicy``). With ``infer_shapes`` one env is built as the
+    collector's are (:func:`~conveyor.envs.env_factory`: an Atari id preprocessed) and closed, to read its
+    spaces: the policy's ``check_config`` checks the config against them and across keys, a
+    ``policy.model`` ``obs_shape`` / ``action_shape`` left unset is read from them, and so are
     ``action_low`` / ``action_high`` of a Box action space where the policy's model schema declares them;
     the values read are validated like the user's. The input is not modified.
     """
@@ -76,7 +77,7 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
     check_env_id(compiled.env.env_id)
     if not infer_shapes or policy is None:
         return compiled
-    env = gym.make(compiled.env.env_id, **compiled.env.env_kwargs)
+    env = env_factory(compiled.env)()
     try:
         observation_space, action_space = env.observation_space, env.action_space
     finally:

@@ -8,7 +8,7 @@ from typing import Any, List, Tuple
 import gymnasium as gym
 import numpy as np
 
-from conveyor.envs import EnvFactory, SyncEnvManager
+from conveyor.envs import SyncEnvManager, env_factory
 from conveyor.middleware import evaluate
 
 __all__ = ["record_episode"]
@@ -47,7 +47,8 @@ def record_episode(cfg: Any, policy: Any, out: Path, seed: int) -> Tuple[float, 
     except ImportError:
         raise ImportError("--record needs imageio: pip install imageio (and imageio-ffmpeg for .mp4)") from None
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # rgb_array frames need no window (pygame's envs)
-    make = EnvFactory(cfg.env.env_id, dict(cfg.env.env_kwargs, render_mode="rgb_array"), cfg.env.max_episode_steps)
+    # As the evaluator builds it (an Atari id preprocessed, whole games), rendering rgb_array frames.
+    make = env_factory({**cfg.env, "env_kwargs": dict(cfg.env.env_kwargs, render_mode="rgb_array")}, "evaluator")
     frames: List[np.ndarray] = []
     fps: List[int] = []
     try:

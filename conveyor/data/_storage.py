@@ -38,6 +38,17 @@ def _is_branch(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) > 0 and not np.isscalar(value[0])
 
 
+def unflatten(paths: list[KeyPath], values: list[Any]) -> dict:
+    """The nested dict whose leaves at ``paths`` are ``values`` (the inverse of :func:`flatten`)."""
+    out: dict = {}
+    for path, value in zip(paths, values):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
 def flatten(data: Any, where: str) -> dict[KeyPath, Any]:
     """The leaves of a nested dict / ttorch tree, keyed by path."""
     if not isinstance(data, (dict, TreeValue, Mapping)):
@@ -90,6 +101,7 @@ class RingStorage:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.paths: list[KeyPath] = []
+        self.specs: list[tuple[tuple[int, ...], np.dtype]] = []  # each leaf's per-transition shape and dtype
         self.arrays: list[np.ndarray] = []
         self._path_set: frozenset[KeyPath] = frozenset()
 
@@ -106,16 +118,36 @@ class RingStorage:
                                 f"the buffer stores numbers and bools only")
         self.paths = list(leaves)
         self._path_set = frozenset(self.paths)
-        self.arrays = [np.zeros((self.capacity, *(a.shape[1:] if batched else a.shape)), dtype=a.dtype)
-                       for a in leaves.values()]
+        self.specs = [(tuple(a.shape[1:] if batched else a.shape), a.dtype) for a in leaves.values()]
+        self.arrays = [self._new_array(path, shape, dtype) for path, (shape, dtype) in zip(self.paths, self.specs)]
+
+    def _new_array(self, path: KeyPath, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The ring array of one leaf (a subclass may store something else per row, e.g. frame ids)."""
+        return np.zeros((self.capacity, *shape), dtype=dtype)
 
     def reset(self) -> None:
         """Forget the layout and free the arrays."""
-        self.paths, self.arrays, self._path_set = [], [], frozenset()
+        self.paths, self.specs, self.arrays, self._path_set = [], [], [], frozenset()
 
     def layout(self) -> str:
         """The stored leaves with their per-transition shapes and dtypes, for error messages."""
-        return ", ".join(f"{dotted(p)}: {a.dtype}{list(a.shape[1:])}" for p, a in zip(self.paths, self.arrays))
+        return ", ".join(f"{dotted(p)}: {dtype}{list(shape)}" for p, (shape, dtype) in zip(self.paths, self.specs))
+
+    def state(self, length: int) -> dict:
+        """Copies of the first ``length`` rows as a nested dict under ``"storage"`` (None before the first data)."""
+        if not self.allocated:
+            return {"storage": None}
+        return {"storage": unflatten(self.paths, [a[:length].copy() for a in self.arrays])}
+
+    def load(self, state: dict, where: str) -> None:
+        """Refill a reset storage from :meth:`state`: rows from slot 0 on."""
+        if state.get("frames") is not None:
+            raise ValueError(f"{where}: the state was saved by a buffer with frame_stack (deduplicated frames); "
+                             f"build this one with the same frame_stack to load it")
+        if state["storage"] is not None:
+            arrays = {p: np.asarray(a) for p, a in flatten(state["storage"], where).items()}
+            self.allocate(arrays, batched=True, where=where)
+            self.write_rows(0, list(arrays.values()), begin=0)
 
     def match(self, flat: dict[KeyPath, Any], batched: bool, where: str) -> list[np.ndarray]:
         """The leaves of ``flat`` in storage order as arrays, checked against the stored layout."""
@@ -128,22 +160,22 @@ class RingStorage:
                 + f". Every transition must have the keys of the first one ({self.layout()}); "
                 f"clear() the buffer to store a new layout")
         out = []
-        for path, stored in zip(self.paths, self.arrays):
+        for path, (stored_shape, stored_dtype) in zip(self.paths, self.specs):
             value = flat[path]
             array = to_array(value)
             if batched and array.ndim == 0:
                 raise ValueError(f"{where}: key '{dotted(path)}' is a scalar; extend() takes a batch with "
                                  f"a leading dim on every leaf (use push() for one transition)")
             shape = array.shape[1:] if batched else array.shape
-            if shape != stored.shape[1:]:
+            if shape != stored_shape:
                 hint = ""
-                if batched and array.ndim == stored.ndim + 1:
+                if batched and array.ndim == len(stored_shape) + 2:
                     hint = "; extend() takes one leading batch dim: merge [T, N, ...] with flatten_batch(batch, 2)"
                 raise ValueError(
                     f"{where}: key '{dotted(path)}' has shape {tuple(array.shape)}, but the buffer stores "
-                    f"{tuple(stored.shape[1:])} per transition (the shape of the first data){hint}")
-            if array.dtype != stored.dtype:
-                array = self._cast(value, array, stored.dtype, path, where)
+                    f"{stored_shape} per transition (the shape of the first data){hint}")
+            if array.dtype != stored_dtype:
+                array = self._cast(value, array, stored_dtype, path, where)
             out.append(array)
         if batched and len({len(a) for a in out}) > 1:
             lengths = ", ".join(f"{dotted(p)}: {len(a)}" for p, a in zip(self.paths, out))

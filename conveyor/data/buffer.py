@@ -19,9 +19,10 @@ import numpy as np
 import torch
 import treetensor.torch as ttorch
 
-from conveyor.data._storage import KeyPath, RingStorage, flatten, to_array
+from conveyor.data._storage import RingStorage, flatten, to_array, unflatten
 from conveyor.data._sumtree import SumMinTree
 from conveyor.data.batch import tree_of_tensors
+from conveyor.data.frames import FrameStack, FrameStorage, check_frame_stack
 
 __all__ = ["DequeBuffer"]
 
@@ -32,16 +33,6 @@ def _check_unit(name: str, value: Any, meaning: str) -> float:
     if not isinstance(value, Real) or isinstance(value, bool) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"DequeBuffer {name} must be a number in [0, 1] ({meaning}), got {value!r}")
     return float(value)
-
-
-def _unflatten(paths: list[KeyPath], values: list[Any]) -> dict:
-    out: dict = {}
-    for path, value in zip(paths, values):
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -64,13 +55,15 @@ class DequeBuffer:
     ``prioritized=True``, ``sample`` draws proportionally to ``(priority + eps) ** alpha`` and adds
     importance-sampling ``weight``s; feed new priorities back with ``update_priority``; their exponent ``beta``
     rises linearly to ``beta_end`` over the first ``beta_anneal_steps`` transitions added, when given. ``seed``
-    makes sampling reproducible. Thread-safe: every operation holds the buffer's lock, so in an async
+    makes sampling reproducible. ``frame_stack`` (``"auto"``, an int ``k``, None: see :mod:`conveyor.data.frames`)
+    stores every frame of image-stack observations ``[k, H, W]`` once and stacks them again at sampling, which
+    returns exactly what was written in ~1/(2k) of the memory. Thread-safe: every operation holds the buffer's lock, so in an async
     pipeline the pusher of one iteration and the learner of another can share it.
     """
 
     def __init__(self, size: int, *, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
                  eps: float = 1e-6, seed: int | None = None, beta_end: float | None = None,
-                 beta_anneal_steps: int | None = None) -> None:
+                 beta_anneal_steps: int | None = None, frame_stack: FrameStack = None) -> None:
         if not isinstance(size, Integral) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"DequeBuffer size must be a positive int (the most transitions kept), got {size!r}")
         if not isinstance(eps, Real) or isinstance(eps, bool) or not 0.0 <= float(eps) < math.inf:
@@ -92,7 +85,9 @@ class DequeBuffer:
         self._added: int = 0  # transitions ever added: the beta schedule's clock
         self._eps: float = float(eps)
         self._rng: np.random.Generator = np.random.default_rng(None if seed is None else int(seed))
-        self._storage: RingStorage = RingStorage(self._size)
+        self._frame_stack: FrameStack = check_frame_stack(frame_stack, "DequeBuffer")
+        self._storage: RingStorage = RingStorage(self._size) if frame_stack is None else \
+            FrameStorage(self._size, frame_stack)
         self._tree: SumMinTree | None = SumMinTree(self._size) if self._prioritized else None
         self._ptr: int = 0  # the slot the next transition goes to
         self._len: int = 0
@@ -108,6 +103,16 @@ class DequeBuffer:
     def prioritized(self) -> bool:
         """Whether sampling follows priorities (and ``sample`` adds ``weight``)."""
         return self._prioritized
+
+    @property
+    def frame_stack(self) -> FrameStack:
+        """How image stacks are stored: ``"auto"``, an int ``k`` (each frame once, stacked at sampling) or None."""
+        return self._frame_stack
+
+    @property
+    def frame_count(self) -> int:
+        """Frames held (each once) for the observations stored as frames; 0 when none are."""
+        return sum(pool.live for pool in getattr(self._storage, "pools", []))
 
     @property
     def alpha(self) -> float:
@@ -136,7 +141,8 @@ class DequeBuffer:
         return self._len
 
     def __repr__(self) -> str:
-        return f"DequeBuffer(size={self._size}, len={self._len}, prioritized={self._prioritized})"
+        frames = "" if self._frame_stack is None else f", frame_stack={self._frame_stack!r}"
+        return f"DequeBuffer(size={self._size}, len={self._len}, prioritized={self._prioritized}{frames})"
 
     @_locked
     def push(self, transition: Any) -> None:
@@ -188,7 +194,7 @@ class DequeBuffer:
             slots = self._tree.find((np.arange(n) + self._rng.random(n)) / n)
             weight = (self._tree.min / self._tree.leaves[slots]) ** self.beta
             extra["weight"] = torch.from_numpy(weight.astype(np.float32))
-        batch = _unflatten(self._storage.paths, self._storage.gather(slots))
+        batch = unflatten(self._storage.paths, self._storage.gather(slots))
         batch["index"] = torch.from_numpy(slots)
         batch.update(extra)
         return tree_of_tensors(batch)
@@ -234,7 +240,6 @@ class DequeBuffer:
     @_locked
     def state_dict(self) -> dict:
         """A picklable snapshot (numpy copies, counters, priorities, RNG state) for checkpoints."""
-        storage = _unflatten(self._storage.paths, [a[:self._len].copy() for a in self._storage.arrays])
         return {
             "version": _STATE_VERSION,
             "size": self._size,
@@ -245,7 +250,7 @@ class DequeBuffer:
             "ptr": self._ptr,
             "len": self._len,
             "max_priority": self._max_priority,
-            "storage": storage if self._storage.allocated else None,
+            **self._storage.state(self._len),
             "tree": self._tree.state_dict() if self._tree is not None else None,
             "rng": self._rng.bit_generator.state,
             "beta_schedule": {"end": self._beta_end, "steps": self._beta_steps, "added": self._added},
@@ -264,11 +269,7 @@ class DequeBuffer:
                 f"prioritized={state['prioritized']}), this buffer is DequeBuffer(size={self._size}, "
                 f"prioritized={self._prioritized}); build the buffer with the same size and prioritized to load it")
         self.clear()
-        if state["storage"] is not None:
-            flat = flatten(state["storage"], where)
-            arrays = {p: np.asarray(a) for p, a in flat.items()}
-            self._storage.allocate(arrays, batched=True, where=where)
-            self._storage.write_rows(0, list(arrays.values()), begin=0)
+        self._storage.load(state, where)
         if self._tree is not None:
             self._tree.load_state_dict(state["tree"])
         self._alpha, self._beta, self._eps = state["alpha"], state["beta"], state["eps"]

@@ -1,17 +1,23 @@
-"""Gymnasium env managers: step N envs in lock step, in this process or in worker processes.
+"""Gymnasium env managers: step N envs in lock step, in this process, in worker processes or in envpool.
 
 Build one from config with :func:`make_env_manager` (options in :data:`ENV_SCHEMA`), or from your own
 env factories: ``SyncEnvManager([lambda: gym.make("CartPole-v1")] * 8)``. Every manager follows the
 protocol in docs/design.md: ``reset(seed) -> obs``, ``step(action) -> Timestep``, ``close()``.
-Smoke-test a new env with :func:`check_env`.
+Smoke-test a new env with :func:`check_env`. ``ALE/<Game>-v5`` ids get the Atari preprocessing of
+:class:`AtariFactory` (options ``cfg.env.atari``, :data:`ATARI_SCHEMA`).
 """
+from conveyor.envs._atari import ATARI_SCHEMA, AtariFactory, AtariGame
 from conveyor.envs._check import EnvCheckError, check_env
-from conveyor.envs._config import ENV_SCHEMA, EnvFactory, check_env_id, make_env_manager
-from conveyor.envs._core import EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Restored, Timestep
+from conveyor.envs._config import ENV_SCHEMA, EnvFactory, check_env_id, env_factory, make_env_manager
+from conveyor.envs._core import GAME_INFO, EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Restored, Timestep
+from conveyor.envs._envpool import EnvpoolEnvManager
 from conveyor.envs._subprocess import SubprocessEnvManager, default_num_workers
 from conveyor.envs._sync import SyncEnvManager
 
 __all__ = [
+    "ATARI_SCHEMA",
+    "AtariFactory",
+    "AtariGame",
     "ENV_SCHEMA",
     "EnvCheckError",
     "EnvCrashedError",
@@ -19,6 +25,8 @@ __all__ = [
     "EnvFn",
     "EnvManager",
     "EnvManagerStats",
+    "EnvpoolEnvManager",
+    "GAME_INFO",
     "Restored",
     "SubprocessEnvManager",
     "SyncEnvManager",
@@ -26,5 +34,6 @@ __all__ = [
     "check_env",
     "check_env_id",
     "default_num_workers",
+    "env_factory",
     "make_env_manager",
 ]

@@ -7,12 +7,14 @@ from typing import Any, Literal, Mapping
 
 import gymnasium as gym
 
+from conveyor.envs._atari import ATARI_OPTION, AtariFactory, atari_options, is_atari_id, register_atari, require_extra
 from conveyor.envs._core import EnvManager
+from conveyor.envs._envpool import EnvpoolEnvManager, envpool_atari_kwargs, envpool_task_id
 from conveyor.envs._subprocess import SubprocessEnvManager
 from conveyor.envs._sync import SyncEnvManager
 from conveyor.schema import ConfigError, Option, closest, non_negative, positive, validate
 
-__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_id", "make_env_manager"]
+__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_id", "env_factory", "make_env_manager"]
 
 ENV_SCHEMA: dict[str, Option] = {
     "env_id": Option("CartPole-v1", "Gymnasium env id passed to gymnasium.make ('module:Id' imports module first)",
@@ -28,10 +30,11 @@ ENV_SCHEMA: dict[str, Option] = {
                                       "so it overlaps the learner), 'thread' (this process, sharing its GIL: "
                                       "slower than sync on the zoo's entries), or 'auto' (now 'process')",
                               choices=("auto", "process", "thread")),
-    "manager": Option("sync", "'sync' steps envs in this process (cheap envs); 'subprocess' in worker processes",
-                      choices=("sync", "subprocess")),
-    "num_workers": Option(None, "worker processes for manager='subprocess' (None: min(env num, CPUs))", type=int,
-                          check=positive),
+    "manager": Option("sync", "'sync' steps envs in this process (cheap envs); 'subprocess' in worker processes; "
+                              "'envpool' in envpool's C++ thread pool (its Atari and MuJoCo envs)",
+                      choices=("sync", "subprocess", "envpool")),
+    "num_workers": Option(None, "worker processes for manager='subprocess' (None: min(env num, CPUs)), threads for "
+                                "'envpool' (None: envpool's default)", type=int, check=positive),
     "start_method": Option(None, "multiprocessing start method for workers (None: the platform default)",
                            choices=(None, "fork", "forkserver", "spawn")),
     "step_timeout": Option(None, "seconds a worker may take for one step before it is killed and replaced "
@@ -40,6 +43,7 @@ ENV_SCHEMA: dict[str, Option] = {
                         type=int, check=non_negative),
     "max_episode_steps": Option(None, "truncate episodes after this many steps (None: the env's own limit)",
                                 type=int, check=positive),
+    "atari": ATARI_OPTION,
 }
 """The options of ``cfg.env``, read by :func:`make_env_manager` (and by collectors/evaluators for the counts)."""
 
@@ -70,6 +74,8 @@ def check_env_id(env_id: str) -> None:
     if not isinstance(env_id, str) or not env_id:
         raise ConfigError(f"config key 'env.env_id' must be a Gymnasium env id such as 'CartPole-v1', got {env_id!r}")
     name = env_id
+    if is_atari_id(env_id):
+        register_atari(env_id)
     if ":" in env_id:
         module, name = env_id.split(":", 1)
         try:
@@ -85,6 +91,9 @@ def check_env_id(env_id: str) -> None:
                                                        f"the spelling"
         raise ConfigError(f"config key 'env.env_id' is {env_id!r}, which is not a registered Gymnasium env: "
                           f"{fix}") from None
+    entry_point = gym.spec(name).entry_point
+    if isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco"):
+        require_extra("mujoco", "mujoco", why=f"env.env_id {env_id!r}")
 
 
 def _closest_env_id(env_id: str) -> str | None:
@@ -105,6 +114,16 @@ def _closest_env_id(env_id: str) -> str | None:
     return versions[found][max(numbered)] if numbered else versions[found][None]
 
 
+def env_factory(env_cfg: Mapping[str, Any], role: Role = "collector") -> EnvFactory | AtariFactory:
+    """The picklable factory of one env as ``cfg.env`` asks for it: :class:`AtariFactory` for ``ALE/`` ids
+    (life loss and reward clipping only for the collector's envs), :class:`EnvFactory` otherwise. Build one
+    env with it to read the spaces a manager will have."""
+    cfg = validate(env_cfg, ENV_SCHEMA, "env")
+    if is_atari_id(cfg.env_id):
+        return AtariFactory.from_config(cfg, collector=role == "collector")
+    return EnvFactory(cfg.env_id, dict(cfg.env_kwargs), cfg.max_episode_steps)
+
+
 def make_env_manager(env_cfg: Mapping[str, Any], role: Role, seed: int | None = None) -> EnvManager:
     """Build the manager ``cfg.env`` asks for, with ``collector_env_num`` or ``evaluator_env_num`` envs.
 
@@ -114,11 +133,25 @@ def make_env_manager(env_cfg: Mapping[str, Any], role: Role, seed: int | None = 
     cfg = validate(env_cfg, ENV_SCHEMA, "env")
     if role not in ("collector", "evaluator"):
         raise ValueError(f"role must be 'collector' or 'evaluator', got {role!r}")
-    check_env_id(cfg.env_id)
     env_num = cfg.collector_env_num if role == "collector" else cfg.evaluator_env_num
-    env_fns = [EnvFactory(cfg.env_id, dict(cfg.env_kwargs), cfg.max_episode_steps)] * env_num
+    if cfg.manager == "envpool":
+        return _envpool_manager(cfg, role, env_num, seed)
+    check_env_id(cfg.env_id)
+    env_fns = [env_factory(cfg, role)] * env_num
     if cfg.manager == "sync":
         return SyncEnvManager(env_fns, seed=seed, max_retry=cfg.max_retry, env_id=cfg.env_id)
     num_workers = None if cfg.num_workers is None else min(cfg.num_workers, env_num)
     return SubprocessEnvManager(env_fns, num_workers=num_workers, seed=seed, max_retry=cfg.max_retry,
                                 start_method=cfg.start_method, step_timeout=cfg.step_timeout, env_id=cfg.env_id)
+
+
+def _envpool_manager(cfg: Mapping[str, Any], role: Role, env_num: int, seed: int | None) -> EnvpoolEnvManager:
+    """``manager: envpool``: the env id mapped to envpool's, Atari preprocessing from ``cfg.env.atari``;
+    ``env_kwargs`` go to ``envpool.make``."""
+    task_id = envpool_task_id(cfg.env_id)
+    kwargs = dict(cfg.env_kwargs)
+    if is_atari_id(cfg.env_id):
+        kwargs.update(envpool_atari_kwargs(atari_options(cfg.atari), collector=role == "collector"))
+    if cfg.max_episode_steps is not None:
+        kwargs["max_episode_steps"] = cfg.max_episode_steps
+    return EnvpoolEnvManager(task_id, env_num, seed=seed, num_threads=cfg.num_workers, env_id=cfg.env_id, **kwargs)

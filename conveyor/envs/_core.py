@@ -18,11 +18,16 @@ import numpy as np
 
 from conveyor.envs._spaces import SpaceLayout
 
-__all__ = ["Timestep", "EnvManagerStats", "EnvCrashedError", "EnvManager", "EnvFn", "Restored"]
+__all__ = ["GAME_INFO", "Timestep", "EnvManagerStats", "EnvCrashedError", "EnvManager", "EnvFn", "Restored"]
 
 EnvFn = Callable[[], gym.Env]
 
 log = logging.getLogger("conveyor.envs")
+
+GAME_INFO = "game"
+"""The info key by which an env whose episodes are parts of a game (Atari with life loss) reports the game at each
+episode end: ``{"over": bool, "r": unclipped game return, "l": agent steps}``. Managers then put
+``info["episode"]`` only at game over, holding the game's figures, and drop this key."""
 
 @dataclass(slots=True)
 class Timestep:
@@ -33,7 +38,9 @@ class Timestep:
     an episode ended, so truncated episodes can bootstrap). Where ``crashed`` is set the env raised, was
     rebuilt and its partial episode is dropped: that row is no transition. ``info[i]`` is env ``i``'s
     own info dict; at an episode's end it also holds ``"episode": {"r": return, "l": length}`` and
-    ``"reset_info"``; on a crash it holds ``"error"``.
+    ``"reset_info"``; on a crash it holds ``"error"``. For envs that report games (:data:`GAME_INFO`, e.g.
+    Atari ending training episodes on a life loss) ``"episode"`` comes only at game over, with the whole
+    game's unclipped return and length.
     """
 
     obs: Any
@@ -57,7 +64,7 @@ class EnvManagerStats:
     env_steps: int = 0
     """Env transitions stepped (``env_num`` per ``step``, crashed ones included)."""
     episodes: int = 0
-    """Episodes that ended normally (terminated or truncated)."""
+    """Episodes that ended normally (terminated or truncated); whole games for envs that report games."""
     crashes: int = 0
     """Env failures: each exception from an env (or its rebuild) and each env of a worker process that died."""
     dropped_episodes: int = 0
@@ -206,6 +213,7 @@ class EnvManager(abc.ABC):
         self._needs_reset = True
         self._closed = False
         self._last_obs: Any = None
+        self._unpicklable: list[int] = []
         self.stats = EnvManagerStats()
 
     @property
@@ -250,9 +258,10 @@ class EnvManager(abc.ABC):
             raise RuntimeError(f"{type(self).__name__}.state_dict() called before reset(): nothing to save yet")
         per_env = self._env_states()
         failed = [i for i, blob in enumerate(per_env["envs"]) if blob is None]
-        if failed:
+        if failed and failed != self._unpicklable:  # once per manager, not at every checkpoint
             log.warning("envs %s (%s) do not pickle: a resume will reseed them from the run seed and env step",
                         failed, self.env_id)
+        self._unpicklable = failed
         rng = getattr(self.action_space, "np_random", None)
         return {"env_num": self._env_num, "per_env": per_env, "obs": self._last_obs, "t": self._step_count(),
                 "seed": self._current_seed(), "stats": dataclasses.asdict(self.stats),

@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import gymnasium as gym
 import numpy as np
 
-from conveyor.envs._core import (EnvCrashedError, EnvFn, EnvManagerStats, FailureStreaks, _build_failed, _error_text,
-                                 _factory_name, _gave_up, pickle_env, seed_for_rebuild)
+from conveyor.envs._core import (GAME_INFO, EnvCrashedError, EnvFn, EnvManagerStats, FailureStreaks, _build_failed,
+                                 _error_text, _factory_name, _gave_up, pickle_env, seed_for_rebuild)
 from conveyor.envs._spaces import SpaceLayout
 
 _RESEED = 2
@@ -187,11 +187,17 @@ class _EnvGroup:
         return infos, bool(first_obs)
 
     def _end_episode(self, j: int, env: gym.Env, info: dict, first_obs: list[tuple[int, Any]]) -> dict:
+        """Record the episode (or the game, see :data:`~conveyor.envs._core.GAME_INFO`) and reset the env."""
         info = dict(info)
-        info["episode"] = {"r": float(self._returns[j]), "l": self._lengths[j]}
+        game = info.pop(GAME_INFO, None)
+        if game is None:
+            info["episode"] = {"r": float(self._returns[j]), "l": self._lengths[j]}
+        elif game["over"]:
+            info["episode"] = {"r": float(game["r"]), "l": int(game["l"])}
+        if "episode" in info:
+            self.stats.episodes += 1
         self._returns[j] = 0.0
         self._lengths[j] = 0
-        self.stats.episodes += 1
         try:
             o, info["reset_info"] = env.reset()
         except Exception as exc:

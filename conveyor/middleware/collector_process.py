@@ -7,9 +7,16 @@ learner thread running small networks at the same time slow each other down inst
 advantage estimator) in a child process, with a replica of the policy that acts on the learner's
 published versions: the parent only sends a request, waits on a pipe with the GIL released, and puts the
 answer into the context.
+
+What the chain collects comes back pickled, except its large numpy arrays (image observations: a PPO Atari
+rollout of 8 envs x 128 steps is 29 MB): the child writes those into one shared-memory block that the parent
+made (and remakes larger when a reply needs more), and the pickle holds only their places; the parent copies
+them out before the next call reuses the block. The first call, and one that outgrows the block, pickles
+everything and tells the parent the size it needs.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -19,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
+import numpy as np
 import torch
 import treetensor.torch as ttorch
 
@@ -35,6 +43,8 @@ Builder = Callable[[], Tuple[Chain, Any, Callable[[], None]]]
 
 _OUTPUTS = ("trajectories", "trajectory_end_idx", "episodes", "train_data")
 _ALIGN = 64
+_SHARED_MIN_BYTES = 1 << 16  # numpy arrays from this size on come back through shared memory
+_BLOCK_ROUND = 1 << 20  # output blocks are made in whole MiB, a quarter larger than asked, so they rarely grow
 _CLOSE_TIMEOUT_S = 5.0
 
 
@@ -62,6 +72,7 @@ def _serve(conn: Connection, blob: bytes, weights_name: str, layout: List[Tuple[
     chain: Chain = []
     close: Optional[Callable[[], None]] = None
     weights = _SharedWeights(layout, weights_name)
+    out = _OutputBlock()
     acting_version: Optional[int] = None
     try:
         chain, policy, close = cloudpickle.loads(blob)()
@@ -73,7 +84,8 @@ def _serve(conn: Connection, blob: bytes, weights_name: str, layout: List[Tuple[
                 return
             try:
                 if command == "collect":
-                    env_step, collect_kwargs, (version, extras) = arg
+                    env_step, collect_kwargs, (version, extras), block_name = arg
+                    out.attach(block_name)
                     if version != acting_version:
                         policy.load_acting_state({"version": version, "tensors": weights.tensors, "extras": extras})
                         acting_version = version
@@ -84,9 +96,10 @@ def _serve(conn: Connection, blob: bytes, weights_name: str, layout: List[Tuple[
                         pass
                     counters = {"env_step": ctx.env_step - env_step, "env_episode": ctx.env_episode}
                     outputs = {name: _portable(getattr(ctx, name)) for name in _OUTPUTS}
-                    reply: Any = (counters, outputs, list(events))
-                elif command == "state_dict":
-                    reply = {"chain": [mw.state_dict() if _stateful(mw) else None for mw in chain],
+                    conn.send_bytes(out.dump(("ok", (counters, outputs, list(events)))))
+                    continue
+                if command == "state_dict":
+                    reply: Any = {"chain": [mw.state_dict() if _stateful(mw) else None for mw in chain],
                              "collect": policy.collect_mode.state_dict() if _stateful(policy.collect_mode) else None}
                 elif command == "load_state_dict":
                     for mw, state in zip(chain, arg["chain"], strict=True):
@@ -109,6 +122,7 @@ def _serve(conn: Connection, blob: bytes, weights_name: str, layout: List[Tuple[
         if close is not None:
             close()
         weights.close(unlink=False)
+        out.attach(None)
         conn.close()
 
 
@@ -127,6 +141,84 @@ def _restore(value: Any) -> Any:
     if isinstance(value, list):
         return [_restore(v) for v in value]
     return to_tensor(value) if isinstance(value, dict) else value
+
+
+class _OutputBlock:
+    """One side's view of the shared block that large output arrays travel in (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.shm: Any = None
+
+    def attach(self, name: Optional[str]) -> None:
+        """The child: map the block ``name`` (None: unmap), letting go of the one it had."""
+        if self.shm is not None and self.shm.name != name:
+            release_shared_block(self.shm, unlink=False)
+            self.shm = None
+        if name is not None and self.shm is None:
+            self.shm = attach_shared_block(name)
+
+    def dump(self, message: Any) -> bytes:
+        """The child: ``message`` pickled, its large arrays written into the block if they fit it (else everything
+        pickled, as ``("grow", (bytes needed, message))``)."""
+        buffer = io.BytesIO()
+        pickler = _BlockPickler(buffer)
+        pickler.dump(message)
+        if not pickler.arrays:
+            return buffer.getvalue()
+        if self.shm is None or self.shm.size < pickler.size:
+            return pickle.dumps(("grow", (pickler.size, message)))
+        for offset, array in pickler.arrays:
+            np.copyto(np.ndarray(array.shape, array.dtype, buffer=self.shm.buf, offset=offset), array)
+        return buffer.getvalue()
+
+    def load(self, data: bytes) -> Any:
+        """The parent: a reply unpickled, its arrays copied out of the block (the next call overwrites it)."""
+        return _BlockUnpickler(io.BytesIO(data), self.shm).load()
+
+    def grow(self, size: int) -> None:
+        """The parent: replace the block by one of at least ``size`` bytes; the child maps it on the next call."""
+        self.close()
+        self.shm = create_shared_block(-(-size * 5 // 4 // _BLOCK_ROUND) * _BLOCK_ROUND)
+
+    def close(self) -> None:
+        """The parent: free the block."""
+        if self.shm is not None:
+            release_shared_block(self.shm, unlink=True)
+            self.shm = None
+
+
+class _BlockPickler(pickle.Pickler):
+    """Pickles large plain numpy arrays as their place in the output block: ``(offset, shape, dtype)``."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.arrays: List[Tuple[int, np.ndarray]] = []
+        self.size = 0
+        self._placed: Dict[int, tuple] = {}  # id(array) -> its place: an array met twice is written once
+
+    def persistent_id(self, obj: Any) -> Optional[tuple]:
+        if type(obj) is not np.ndarray or obj.nbytes < _SHARED_MIN_BYTES or obj.dtype.fields is not None \
+                or obj.dtype.hasobject:
+            return None
+        place = self._placed.get(id(obj))
+        if place is None:
+            place = self._placed[id(obj)] = (self.size, obj.shape, obj.dtype.str)
+            self.arrays.append((self.size, obj))
+            self.size += -(-obj.nbytes // _ALIGN) * _ALIGN
+        return place
+
+
+class _BlockUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, shm: Any) -> None:
+        super().__init__(file)
+        self.shm = shm
+        self._loaded: Dict[int, np.ndarray] = {}
+
+    def persistent_load(self, pid: tuple) -> np.ndarray:
+        offset, shape, dtype = pid
+        if offset not in self._loaded:
+            self._loaded[offset] = np.ndarray(shape, np.dtype(dtype), buffer=self.shm.buf, offset=offset).copy()
+        return self._loaded[offset]
 
 
 class _SharedWeights:
@@ -202,6 +294,7 @@ class _Child:
 
     def __init__(self, weights: _SharedWeights) -> None:
         self.weights = weights
+        self.outputs = _OutputBlock()
         self.child: Optional[Child] = None
         self.pinned: Optional[int] = None  # the id of the thread it split CPUs with, until closed
 
@@ -210,6 +303,7 @@ class _Child:
         if self.child is not None:
             self.child.stop(_CLOSE_TIMEOUT_S)
         self.weights.close(unlink=True)
+        self.outputs.close()
         if self.pinned is not None:
             tid, self.pinned = self.pinned, None
             _unsplit(tid)
@@ -224,7 +318,9 @@ class ProcessCollector:
     the middleware to run there in order (a collector first), the policy replica they act with, and what
     releases their envs; :func:`collection_builder` makes one. Before a call, the newest version of ``policy`` (the learner's)
     is copied into shared memory (``policy.acting_state(out=...)``) and the child's replica, when the
-    number changed, acts on it under the same number, so collected rows record the version that produced them. Episode events
+    number changed, acts on it under the same number, so collected rows record the version that produced them. What the
+    chain writes comes back pickled, its numpy arrays of 64 KB or more (image batches) through a shared-memory block
+    reused from call to call (see the module docstring). Episode events
     of the child are emitted here. A child that dies ends the run with an error saying how it ended;
     ``close()`` (or leaving a ``with`` block) stops it. ``state_dict()`` / ``load_state_dict()`` gather
     the chain's (env states, current observations, carried n-step rows) and the replica's collect state
@@ -278,7 +374,10 @@ class ProcessCollector:
             acting = self._policy.acting_state(out=self._child.weights.tensors)
             version = (acting["version"], acting["extras"])
             self._sent = acting["version"]
-        counters, outputs, events = self._request(("collect", (ctx.env_step, dict(ctx.collect_kwargs), version)))
+        outputs_block = self._child.outputs
+        block_name = None if outputs_block.shm is None else outputs_block.shm.name
+        counters, outputs, events = self._request(("collect", (ctx.env_step, dict(ctx.collect_kwargs), version,
+                                                               block_name)))
         for name, value in outputs.items():
             setattr(ctx, name, _restore(value))
         for name, delta in counters.items():
@@ -317,9 +416,12 @@ class ProcessCollector:
         try:
             if message is not None and not child.send_bytes(pickle.dumps(message)):
                 raise child.lost()
-            status, reply = pickle.loads(child.recv_bytes())
+            status, reply = self._child.outputs.load(child.recv_bytes())
         except ChildLost as lost:
             raise RuntimeError(f"{lost}: its envs and episodes in progress are lost; see its output above") from None
         if status == "error":
             raise unpack_exception(reply)
+        if status == "grow":  # its arrays did not fit the output block: they came pickled, the next call has room
+            size, (status, reply) = reply
+            self._child.outputs.grow(size)
         return reply

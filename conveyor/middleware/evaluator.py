@@ -33,8 +33,10 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
     one more for the first ``n_episode % N``), so short episodes do not crowd out long ones. An episode
     whose env crashes is not counted and is run again; after ``max_crashes`` crashes (default
     ``n_episode``) the next one raises :class:`EvaluationError`. Returns ``returns`` and ``lengths``
-    (lists), ``mean`` and ``std`` of the returns, ``crashes`` (env crashes seen) and ``dropped``
-    (episodes lost to them).
+    (lists), ``mean`` and ``std`` of the returns, ``crashes`` (env crashes seen), ``dropped``
+    (episodes lost to them) and ``summary``, the score as the evaluation protocol reports it:
+    ``"12.3 +- 4.5 over 10 episodes (seed 7)"`` (env ``i`` is seeded ``seed + i``; Atari episodes are
+    whole unclipped games).
     """
     limit = n_episode if max_crashes is None else max_crashes
     if not isinstance(limit, int) or limit < 0:
@@ -73,8 +75,10 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
             if hasattr(policy, "reset"):
                 policy.reset(ids.tolist())
         obs = ts.obs
-    return {"returns": returns, "lengths": lengths, "mean": float(np.mean(returns)), "std": float(np.std(returns)),
-            "crashes": crashes, "dropped": dropped}
+    mean, std = float(np.mean(returns)), float(np.std(returns))
+    return {"returns": returns, "lengths": lengths, "mean": mean, "std": std, "crashes": crashes, "dropped": dropped,
+            "summary": f"{mean:.1f} +- {std:.1f} over {len(returns)} episodes "
+                       f"({'unseeded' if seed is None else f'seed {seed}'})"}
 
 
 @declares(reads=("train_iter", "env_step", "last_eval_iter"), optional=("env_step",),
@@ -92,7 +96,7 @@ class InteractionEvaluator:
     envs with ``seed + 100000 + 1000 k`` (never training seeds); the count survives a resume.
 
     Reads ctx: ``train_iter``, ``env_step`` (when the context has it), ``last_eval_iter``.
-    Writes ctx: ``eval_value`` (mean return), ``eval_output`` (``returns, lengths, mean, std, env_step,
+    Writes ctx: ``eval_value`` (mean return), ``eval_output`` (``returns, lengths, mean, std, summary, env_step,
     train_iter, weight_version, crashes, dropped, snapshot, seed, stop_value_reached``), ``last_eval_iter``,
     ``last_eval_value``.
     """

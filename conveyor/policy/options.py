@@ -69,7 +69,17 @@ def replay_buffer_schema(size: int) -> dict:
         "beta_anneal_steps": Option(100_000, "Transitions added to the buffer (env steps) over which beta rises "
                                              "linearly to beta_end; the schedule is saved with the buffer (None: beta "
                                              "stays fixed).", type=int, check=_optional_positive),
+        "frame_stack": Option("auto", "Store each image frame once and stack at sampling (same samples, ~1/8 of the "
+                                      "memory for 4-frame Atari stacks): 'auto' does it for uint8 observations "
+                                      "[k, H, W] with k > 1, an int k forces it for [k, H, W] observations, None "
+                                      "stores every array as given.", type=(str, int, type(None)),
+                              check=_frame_stack_check),
     }
+
+
+def _frame_stack_check(value: Any) -> str | None:
+    ok = value is None or value == "auto" or (isinstance(value, int) and value >= 1)
+    return None if ok else "must be 'auto', an int >= 1 (frames per observation) or None"
 
 
 def offline_schema(max_train_iter: int) -> dict:

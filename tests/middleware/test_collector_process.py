@@ -2,9 +2,11 @@
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 
+from conveyor.data import to_tensor
 from conveyor.engine import OnlineRLContext, task
 from conveyor.envs import make_env_manager
 from conveyor.middleware import EPISODE_EVENT, StepCollector, nstep_reward_enhancer
@@ -267,3 +269,93 @@ def test_split_cpus_gives_this_thread_one_cpu_and_the_child_the_others_until_clo
         assert os.sched_getaffinity(0) == pinned  # still split: the second is open
         second(ctx)
     assert ctx.episodes == [sorted(allowed - pinned)] and os.sched_getaffinity(0) == allowed
+
+
+IMAGE_STEPS, IMAGE_ENVS = 8, 4  # obs of 8 x 4 x 4x84x84 uint8 = 903 KB a call: past the shared-memory threshold
+
+
+def image_batch(seed, steps):
+    rng = np.random.default_rng(seed)
+    return {"obs": rng.integers(0, 256, (steps, IMAGE_ENVS, 4, 84, 84), dtype=np.uint8),
+            "reward": rng.standard_normal((steps, IMAGE_ENVS)).astype(np.float32),
+            "terminated": rng.random((steps, IMAGE_ENVS)) < 0.1}
+
+
+def image_rollouts(cfg, double_from=None):
+    """A child chain writing a different image batch (and an image episode) each call; from call ``double_from``
+    on, batches twice as long."""
+    def build():
+        calls = []
+
+        def rollout(ctx):
+            calls.append(None)
+            steps = IMAGE_STEPS * (2 if double_from is not None and len(calls) >= double_from else 1)
+            ctx.trajectories = to_tensor(image_batch(len(calls), steps))
+            ctx.episodes = [to_tensor(image_batch(1000 + len(calls), 3))]
+            ctx.env_step += steps * IMAGE_ENVS
+        return [rollout], DQNPolicy(cfg.policy), lambda: None
+    return build
+
+
+def shm_mapped(pid="self"):
+    """The shared-memory files process ``pid`` maps (and has not seen unlinked)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[-1] for line in maps if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
+
+
+def assert_equal_batch(tree, expected):
+    for key, value in expected.items():
+        assert np.array_equal(tree[key].numpy(), value), key
+
+
+def test_image_batches_come_back_exactly_through_one_shared_block_reused_by_every_call(cfg, process_collector):
+    remote = process_collector(image_rollouts(cfg))
+    before = shm_mapped()
+    got, mapped = [], []
+    for _ in range(4):
+        ctx = greedy_ctx()
+        remote(ctx)
+        got.append(ctx)
+        mapped.append(shm_mapped())
+    for call, ctx in enumerate(got, 1):  # copied out: later calls, writing the same block, changed nothing here
+        assert_equal_batch(ctx.trajectories, image_batch(call, IMAGE_STEPS))
+        assert_equal_batch(ctx.episodes[0], image_batch(1000 + call, 3))
+        assert ctx.trajectories.obs.dtype == torch.uint8
+    assert len(mapped[0] - before) == 1 and mapped[0] == mapped[1] == mapped[2] == mapped[3]
+    assert (mapped[0] - before) <= shm_mapped(remote.pid)  # the child writes into the same block
+
+
+def test_a_batch_outgrowing_the_block_comes_back_exactly_and_the_old_block_is_freed(cfg, process_collector):
+    remote = process_collector(image_rollouts(cfg, double_from=3))
+    before = shm_mapped()
+    blocks = []
+    for call in range(1, 6):
+        ctx = greedy_ctx()
+        remote(ctx)
+        assert_equal_batch(ctx.trajectories, image_batch(call, IMAGE_STEPS * (2 if call >= 3 else 1)))
+        blocks.append(shm_mapped() - before)
+    assert all(len(b) == 1 for b in blocks) and blocks[1] != blocks[2] and blocks[2] == blocks[4]
+    assert not os.path.exists(f"/dev/shm/{next(iter(blocks[1])).rsplit('/', 1)[-1]}")
+
+
+def test_small_batches_make_no_shared_block(process_collector):
+    remote = process_collector()
+    before = shm_mapped()
+    remote(greedy_ctx())
+    assert shm_mapped() == before
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["closed", "child-killed"])
+def test_no_shared_memory_is_left_after_close(cfg, kill):
+    before = shm_mapped()
+    remote = ProcessCollector(image_rollouts(cfg), DQNPolicy(cfg.policy))
+    try:
+        for _ in range(2):
+            remote(greedy_ctx())
+        made = shm_mapped() - before
+        if kill:
+            os.kill(remote.pid, signal.SIGKILL)
+    finally:
+        remote.close()
+    assert len(made) == 2  # the weights and the output block
+    assert not any(os.path.exists(path) for path in made)

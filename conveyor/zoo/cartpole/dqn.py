@@ -46,10 +46,13 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in DQNPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train DQN on CartPole; returns the final context. ``options``: those of
-    :class:`~conveyor.zoo.run.Run` (``seed``, ``exp_name``, ``max_env_step``, ``resume``, ``async_mode``...)."""
-    with Run(main, main_config, DQNPolicy, cfg, **options) as run:
+def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
+         **options: Any) -> OnlineRLContext:
+    """Train DQN on CartPole (atari/dqn trains this pipeline on its ``defaults``); returns the final context.
+    ``options``: those of :class:`~conveyor.zoo.run.Run` (``seed``, ``exp_name``, ``max_env_step``, ``resume``,
+    ``async_mode``...)."""
+    defaults = main_config if defaults is None else defaults
+    with Run(main, defaults, DQNPolicy, cfg, **options) as run:
         cfg, policy = run.cfg, run.policy
         buffer = run.buffer()
         task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)

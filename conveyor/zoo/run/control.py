@@ -117,7 +117,7 @@ def log_evaluations() -> None:
     """Inside ``task.start``: log each evaluation (the progress lines of the run's log file) and the run's end."""
     def on_eval(result: Dict[str, Any]) -> None:
         log.info("evaluation at train_iter %s, env_step %s: mean return %s", result.get("train_iter"),
-                 result.get("env_step"), result.get("mean"))
+                 result.get("env_step"), result.get("summary", result.get("mean")))
 
     task.on(EVAL_EVENT, on_eval)
     task.on(FINISH_EVENT, lambda error: log.info("run ended at %s%s", counters(task.ctx),

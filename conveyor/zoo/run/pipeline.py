@@ -182,7 +182,8 @@ class Run:
         """The replay buffer ``policy.other.replay_buffer`` describes, seeded with the run, saved in checkpoints."""
         replay = self.cfg.policy.other.replay_buffer
         buffer = DequeBuffer(replay.size, prioritized=replay.prioritized, alpha=replay.alpha, beta=replay.beta,
-                             beta_end=replay.beta_end, beta_anneal_steps=replay.beta_anneal_steps, seed=self.cfg.seed)
+                             beta_end=replay.beta_end, beta_anneal_steps=replay.beta_anneal_steps, seed=self.cfg.seed,
+                             frame_stack=replay.get("frame_stack", "auto"))
         return self.save_state("buffer", buffer)
 
     def save_state(self, name: str, obj: Any) -> Any:

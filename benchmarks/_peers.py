@@ -1,0 +1,96 @@
+"""What the side-by-side benchmarks share: installing a peer framework into the running interpreter, running
+one measurement in a fresh interpreter, and reading the TensorBoard log of a Conveyor run.
+
+Peers (Stable-Baselines3) are installed by the benchmark that compares against them, never copied into the
+project, and imported only inside the measurement that uses them.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+import statistics
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
+
+
+def ensure_package(requirement: str, module: str) -> None:
+    """Import ``module`` or pip-install ``requirement`` into this interpreter first, saying so."""
+    if importlib.util.find_spec(module) is not None:
+        return
+    print(f"{module} is missing: installing it with `{sys.executable} -m pip install {requirement}`", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", requirement], check=True)
+    importlib.invalidate_caches()
+
+
+def run_worker(script: str, args: Sequence[str], timeout: float = 1800) -> Dict:
+    """Run ``script --worker ...`` in a fresh interpreter (its own threads, imports and allocator) and return the
+    JSON object it prints as its last line."""
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def alternate(sides: Sequence[str], rounds: int, measure: Callable[[str], Dict]) -> Dict[str, List[Dict]]:
+    """``measure(side)`` for every side, ``rounds`` times, the order reversed every other round (the machine's
+    load drifts: both sides should see it alike)."""
+    results: Dict[str, List[Dict]] = {side: [] for side in sides}
+    for i in range(rounds):
+        for side in (sides if i % 2 == 0 else list(sides)[::-1]):
+            results[side].append(measure(side))
+            print(f"  {side}: {json.dumps(results[side][-1])}", file=sys.stderr, flush=True)  # progress
+    return results
+
+
+def print_sides(results: Mapping[str, List[Dict]], labels: Mapping[str, str], unit: str = "steps/s") -> Dict[str, Any]:
+    """A table of each side's median ``steps_per_s`` and its rounds; returns the medians by side."""
+    median = {side: statistics.median(r["steps_per_s"] for r in runs) for side, runs in results.items()}
+    width = max(len(labels[side]) for side in results) + 2
+    print(f"{'side':<{width}}{'median ' + unit:>18}   rounds")
+    for side, runs in results.items():
+        print(f"{labels[side]:<{width}}{median[side]:>18.1f}   " + ", ".join(f"{r['steps_per_s']:.1f}" for r in runs))
+    return median
+
+
+@contextlib.contextmanager
+def scratch_dir() -> Iterator[Path]:
+    """Work in a fresh temporary folder (a run's ``runs/`` lands there), then go back and remove it."""
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as workdir:
+        os.chdir(workdir)
+        try:
+            yield Path(workdir)
+        finally:
+            os.chdir(cwd)
+
+
+def tensorboard_scalars(logdir: Path) -> Dict[str, List[Tuple[int, float, float]]]:
+    """Every scalar in the TensorBoard event files under ``logdir``: ``{tag: [(step, value, wall_time), ...]}``
+    by step (TFRecord framing read directly: u64 length, u32 crc, payload, u32 crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: Dict[str, List[Tuple[int, float, float]]] = {}
+    for path in sorted(Path(logdir).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset + 12 <= len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            payload = data[offset + 12: offset + 12 + length]
+            offset += 12 + length + 4
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((int(event.step), float(value.simple_value),
+                                                          float(event.wall_time)))
+    return {tag: sorted(points) for tag, points in scalars.items()}
+
+
+def tensorboard_events(logdir: Path, tag: str) -> List[Tuple[int, float, float]]:
+    """``(step, value, wall_time)`` of every ``tag`` scalar under ``logdir``, by step."""
+    return tensorboard_scalars(logdir).get(tag, [])
