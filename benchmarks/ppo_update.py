@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import importlib.util
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any, Callable
 
@@ -28,6 +25,7 @@ import numpy as np
 import torch
 from easydict import EasyDict
 
+from _peers import ensure_package
 from conveyor.engine import OnlineRLContext
 from conveyor.middleware import multistep_trainer
 from conveyor.policy import PPOPolicy
@@ -107,13 +105,6 @@ class SB3:
         self.model.train()
 
 
-def ensure_sb3() -> None:
-    """Install Stable-Baselines3 (the peer measured against) into this interpreter if it is not there."""
-    if importlib.util.find_spec("stable_baselines3") is None:
-        print("installing stable-baselines3 (the peer this benchmark measures against)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "stable-baselines3"], check=True)
-
-
 def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -135,7 +126,7 @@ def main() -> None:
     torch.manual_seed(0)
     contenders = {"conveyor": Ours(data)}
     if not args.ours_only:
-        ensure_sb3()
+        ensure_package("stable-baselines3", "stable_baselines3")
         contenders["sb3"] = SB3(data)
 
     def run(name: str) -> float:
