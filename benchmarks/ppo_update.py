@@ -7,11 +7,11 @@ steps), and CleanRL's Atari PPO hyperparameters (lr 2.5e-4, clip 0.1, entropy 0.
 ``PPO.train()`` over its rollout buffer (flattened afresh each round, as after a real rollout). The two run
 in this process, alternately; the figure is their ratio. Threads: by default each as it runs out of the box
 (ours on one intra-op thread, as every zoo run sets; Stable-Baselines3 on torch's default, every core);
-``--threads N`` gives both N. Needs ``pip install stable-baselines3``.
+``--threads N`` gives both N. Stable-Baselines3 is pip-installed into this interpreter when missing.
 
     python benchmarks/ppo_update.py                # 5 rounds each
     python benchmarks/ppo_update.py --threads 1    # both on one thread
-    python benchmarks/ppo_update.py --quick        # 2 rounds each
+    python benchmarks/ppo_update.py --quick        # 2 rounds each of 1 epoch (4 gradient steps)
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from easydict import EasyDict
 
+from _peers import ensure_package
 from conveyor.engine import OnlineRLContext
 from conveyor.middleware import multistep_trainer
 from conveyor.policy import PPOPolicy
@@ -113,16 +114,19 @@ def timed(fn: Callable[[], Any]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each, alternately")
-    parser.add_argument("--quick", action="store_true", help="2 rounds each")
+    parser.add_argument("--quick", action="store_true", help="2 rounds each of 1 epoch")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads of both (default: each its own)")
     parser.add_argument("--ours-only", action="store_true", help="time ours alone (for profiling)")
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
+    if args.quick:
+        HYPER["epochs"] = 1
     threads = {"conveyor": args.threads or 1, "sb3": args.threads or torch.get_num_threads()}
     data = rollout()
     torch.manual_seed(0)
     contenders = {"conveyor": Ours(data)}
     if not args.ours_only:
+        ensure_package("stable-baselines3", "stable_baselines3")
         contenders["sb3"] = SB3(data)
 
     def run(name: str) -> float:

@@ -140,6 +140,14 @@ class AtariGame(gym.Wrapper):
         life_lost = lives < self._lives
         self._lives = lives
         game_over = terminated or truncated
+        if self.fire_reset and life_lost and not game_over and not self.terminal_on_life_loss:
+            # The game goes on across lives (evaluation): press FIRE as a reset after a lost life would, within
+            # this agent step; if the game ends during it, this step ends it.
+            obs, fire_reward, terminated, truncated, info = self.env.step(1)
+            reward = float(reward) + float(fire_reward)
+            self._game_return += float(fire_reward)
+            self._lives = self.unwrapped.ale.lives()
+            game_over = terminated or truncated
         if self.terminal_on_life_loss and life_lost and not game_over:
             self._in_game, self._last_obs, terminated = True, obs, True
         if terminated or truncated:

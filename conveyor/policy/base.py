@@ -308,7 +308,7 @@ class Policy(abc.ABC):
         """A batch (ttorch tree, or dict of numpy arrays) as a tree of tensors on ``self.device``."""
         if not isinstance(batch, ttorch.Tensor):
             return to_tensor(batch, self._input_device)
-        return batch if self._input_device is None else batch.to(self._input_device)
+        return batch if self._input_device is None else to_tensor(batch, self._input_device)  # pinned to CUDA
 
     def _bootstrap_discount(self, batch: ttorch.Tensor) -> torch.Tensor | float:
         """The factor on each transition's bootstrap value: the batch's ``discount`` (``gamma**k`` after the

@@ -143,3 +143,17 @@ def test_fire_reset_launches_breakouts_ball_at_the_start_and_after_each_lost_lif
     envs.reset()
     ends = sum(int(envs.step(np.zeros(1, int)).done[0]) for _ in range(100))  # NOOP only: the agent never fires
     assert ends >= 3 if fire_reset else ends == 0
+
+
+def test_fire_reset_relaunches_the_ball_after_a_lost_life_in_whole_games(managers):
+    """Evaluator envs play whole games: FIRE after each lost life too, so a NOOP-only agent loses all its lives."""
+    cfg = {**BREAKOUT, "atari": {"fire_reset": True}, "max_episode_steps": 3000}
+    envs = make_env_manager(cfg, "evaluator", seed=0)
+    managers.track(envs)
+    envs.reset()
+    for step in range(3000):
+        ts = envs.step(np.zeros(1, int))
+        if ts.done[0]:
+            break
+    assert ts.terminated[0] and not ts.truncated[0], "the game should end by losing every life, not by the limit"
+    assert ts.info[0]["episode"]["l"] == step + 1
