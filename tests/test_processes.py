@@ -170,3 +170,22 @@ def test_a_zygote_forks_children_and_reports_their_exit_codes():
         stop(forked, 1.0)
         zygote.close(WAIT)
     assert zygote.proc.returncode == 0
+
+
+def crash_in_native_code(conn):
+    """A zygote child's entry that dereferences a null pointer (as a bug in a C extension would)."""
+    import ctypes
+    conn.send("crashing")
+    ctypes.string_at(0)
+
+
+def test_a_zygote_child_that_crashes_in_native_code_prints_where_before_it_dies(capfd):
+    zygote = Zygote(["json"], WAIT, "tests.test_processes:crash_in_native_code")
+    try:
+        child, conn = zygote.fork("crasher")
+        assert conn.recv() == "crashing"
+        assert child.wait(WAIT) == -signal.SIGSEGV
+    finally:
+        zygote.close(WAIT)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err and "crash_in_native_code" in err

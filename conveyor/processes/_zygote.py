@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import importlib
 import logging
 import os
@@ -212,6 +213,9 @@ def zygote_main() -> None:
     # child forked from here, which inherits this, gets a SIGTERM sent before its handler is in.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # A child that dies in native code (SIGSEGV, SIGABRT...) prints the Python stack of each thread to the
+    # stderr it shares with the parent before it goes: the launcher reports the signal, this says where.
+    faulthandler.enable(all_threads=True)
     conn = mp_connection.Connection(fd)
     data, entry, modules = conn.recv()
     _importing_main = True
