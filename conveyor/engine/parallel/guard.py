@@ -4,15 +4,18 @@
   IPsec and DTLS keep one), so an authentic message delivered twice is refused the second time.
 - :class:`RateLimitedLog`: logs a kind of event at most once per period and counts the rest, so a flood
   of bad messages neither fills the log nor costs more than a counter each.
+- :func:`close_socket`: closes a pynng socket and keeps the object alive a while after, so a pipe callback
+  nng runs late never reads a collected socket.
 - :class:`PipeGuard`: bounds the connections an inbox holds, and those not authenticated yet (each of
   which can hold one partial message of up to nng's receive limit), closing the rest.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Deque, Dict, List, Tuple
 
 __all__ = ["PipeGuard", "RateLimitedLog", "ReplayWindow"]
 
@@ -125,6 +128,27 @@ class PipeGuard:
             pipe.close()
         except Exception:  # already closed by its peer: nothing left to refuse
             pass
+
+
+_KEEP_CLOSED_S = 60.0
+_closed: Deque[Tuple[float, Any]] = collections.deque()
+_closed_lock = threading.Lock()
+
+
+def close_socket(sock: Any) -> None:
+    """Close a pynng socket, holding the Python object for ``_KEEP_CLOSED_S`` after.
+
+    pynng passes each pipe callback a cffi handle to its Socket; nng may run a pipe-removal callback on its
+    own thread after ``nng_close`` returns, and had the garbage collector freed the Socket by then the
+    callback would read freed memory (our suspect for a learner SIGSEGV seen once in CI after a peer was
+    killed). A minute is far longer than any callback in flight; the list holds one entry per closing.
+    """
+    sock.close()
+    now = time.monotonic()
+    with _closed_lock:
+        _closed.append((now, sock))
+        while _closed and now - _closed[0][0] > _KEEP_CLOSED_S:
+            _closed.popleft()
 
 
 def _remote(pipe: Any) -> str:

@@ -31,7 +31,7 @@ import pynng
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import (HELLO, AuthError, Frame, MalformedFrame, OversizeError, ReplayError,
                                             open_frame)
-from conveyor.engine.parallel.guard import PipeGuard, RateLimitedLog, _remote
+from conveyor.engine.parallel.guard import PipeGuard, RateLimitedLog, _remote, close_socket
 
 __all__ = ["CONTROL_TOPIC", "Inbox"]
 
@@ -221,7 +221,7 @@ class Inbox:
         with self._lock:
             self._closing = True
             self._has_room.notify_all()
-        self._sock.close()
+        close_socket(self._sock)
         for thread in self.threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=5)
@@ -229,7 +229,7 @@ class Inbox:
         self.close_socket()
 
     def close_socket(self) -> None:
-        self._sock.close()
+        close_socket(self._sock)
         path = getattr(self, "_ipc_path", None)
         if path and os.path.exists(path):
             try:

@@ -35,7 +35,7 @@ import pynng
 
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import Frame, pack
-from conveyor.engine.parallel.guard import RateLimitedLog, ReplayWindow
+from conveyor.engine.parallel.guard import RateLimitedLog, ReplayWindow, close_socket
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
 
 __all__ = ["Link", "Membership", "Peer", "is_local_address"]
@@ -271,7 +271,7 @@ class Membership:
                         if address == url and inc != link.peer_inc]
                 targets.append((link, [link.peer_inc] if link.peer_inc is not None else [], incs))
         for link in stale:
-            link.sock.close()  # outside the lock: nng runs the link's callbacks, which take it, before returning
+            close_socket(link.sock)  # outside the lock: nng runs the link's callbacks, which take it, before returning
         for link, proven, others in targets:
             for to in proven + others or [None]:
                 ok = self._router._send(link, self._state(), to, block=False, count=False)
@@ -324,7 +324,7 @@ class Membership:
                 del self.links[peer.address]
             callbacks = list(self.lost_callbacks)
         if link is not None and link.learned:
-            link.sock.close()
+            close_socket(link.sock)
         self._log.logger.log(logging.INFO if why == "it closed" else logging.WARNING, "router %s: peer %s lost (%s)",
                              node_id, peer.node_id, why)
         for fn in callbacks:

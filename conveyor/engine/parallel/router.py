@@ -57,7 +57,7 @@ import pynng
 
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import HELLO, Frame, generate_secret, new_incarnation, pack, sign
-from conveyor.engine.parallel.guard import RateLimitedLog
+from conveyor.engine.parallel.guard import RateLimitedLog, close_socket
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, Inbox
 from conveyor.engine.parallel.membership import Link, Membership, is_local_address
 
@@ -366,4 +366,4 @@ class Router:
         if self._control is not threading.current_thread():
             self._control.join(timeout=5)
         for link in links:
-            link.sock.close()
+            close_socket(link.sock)

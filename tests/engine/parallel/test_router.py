@@ -1,5 +1,6 @@
 """The router: topic delivery to subscribers only, authentication, sequence counting, membership, binding."""
 import errno
+import gc
 import logging
 import os
 import queue
@@ -8,12 +9,15 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
+import pynng
 import pytest
 
 from conveyor.engine import Task
 from conveyor.engine.parallel import generate_secret
+from conveyor.engine.parallel.guard import close_socket
 from conveyor.engine.parallel.router import Router
 from tests.engine.parallel._groups import kill_group
 from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, eventually, raw_sender
@@ -186,6 +190,19 @@ def test_close_leaves_no_thread_and_no_ipc_file(tmp_path):
     a.close()
     assert set(threading.enumerate()) == before
     assert list(tmp_path.iterdir()) == [] and not own_dir.exists()
+
+
+def test_a_closed_socket_outlives_its_last_reference_so_a_late_pipe_callback_finds_it(tmp_path):
+    listener = pynng.Pull0(listen=f"ipc://{tmp_path}/l.ipc")
+    dialer = pynng.Push0(dial=f"ipc://{tmp_path}/l.ipc")
+    dialer.add_post_pipe_remove_cb(lambda pipe: None)  # a pipe callback: nng holds a handle to the Socket
+    refs = [weakref.ref(listener), weakref.ref(dialer)]
+    close_socket(listener)
+    close_socket(dialer)
+    del listener, dialer
+    gc.collect()
+    assert all(ref() is not None for ref in refs)  # held a while by close_socket, not collected
+
 
 
 def test_task_events_cross_nodes_through_an_attached_router(make_router):
