@@ -244,6 +244,14 @@ class Policy(abc.ABC):
         if env_ids is None:
             memory.clear()
 
+    def _collect_state(self) -> dict[str, Any]:
+        """What collecting keeps outside a view's ``memory`` and must survive a resume where a replica collects
+        (a collector process saves it with ``collect_mode.state_dict()``); none by default."""
+        return {}
+
+    def _load_collect_state(self, state: Mapping[str, Any]) -> None:
+        """Go on collecting from :meth:`_collect_state`."""
+
     def _acting_extras(self) -> Any:
         """What acting reads besides the model's weights, taken when a version is published (under the learn
         lock) and handed to the acting hooks as ``acting.extras``; it must never change afterwards."""

@@ -234,7 +234,11 @@ class RewardNormaliser:
         with self._lock:
             self.stats.load_state_dict(state_dict["stats"])
             self.pending.load_state_dict(state_dict["pending"])
-            returns = state_dict["returns"]
+        self.load_returns(state_dict["returns"])
+
+    def load_returns(self, returns: np.ndarray | None) -> None:
+        """Set each env's discounted return so far (``state_dict()["returns"]``), e.g. a collector replica's."""
+        with self._lock:
             self.returns = None if returns is None else np.array(returns, np.float64)
 
     def __repr__(self) -> str:

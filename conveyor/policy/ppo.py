@@ -300,6 +300,16 @@ class PPOPolicy(Policy):
             return reward, None
         return acting.extras.scale_reward(reward), self.reward_normaliser.discount(reward, done)
 
+    def _collect_state(self) -> dict[str, Any]:
+        """With ``model.reward_norm``: each env's discounted return so far (where a replica collects, only it has them)."""
+        if self.reward_normaliser is None:
+            return {}
+        return {"discounted_returns": self.reward_normaliser.state_dict()["returns"]}
+
+    def _load_collect_state(self, state: Mapping[str, Any]) -> None:
+        if self.reward_normaliser is not None and "discounted_returns" in state:
+            self.reward_normaliser.load_returns(state["discounted_returns"])
+
     def _gather(self, batch: Any) -> None:
         """Take a round's ``discounted_return`` into the reward statistics, and the observations a replica collected
         (``obs_gathered`` False) into the observation statistics, real steps only (by ``mask``), to be folded in at

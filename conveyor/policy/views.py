@@ -156,14 +156,17 @@ class CollectMode(_ActingView):
     def state_dict(self) -> dict[str, Any]:
         """What collecting carries from one call to the next: the per-env state (``memory``: a recurrent policy's
         hidden state) and the exploration generator (``rng``). A replica that acts elsewhere (a collector
-        process) is checkpointed with it; the learner's own policy saves its ``rng`` in :meth:`Policy.state_dict`."""
-        return {"memory": copy.deepcopy(self._memory), "rng": copy.deepcopy(self._policy.rng.bit_generator.state)}
+        process) is checkpointed with it; the learner's own policy saves its ``rng`` in :meth:`Policy.state_dict`.
+        ``policy``: what else the policy carries between calls (PPO's running discounted returns for ``reward_norm``)."""
+        return {"memory": copy.deepcopy(self._memory), "rng": copy.deepcopy(self._policy.rng.bit_generator.state),
+                "policy": copy.deepcopy(self._policy._collect_state())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go on collecting from :meth:`state_dict`."""
         self._memory.clear()
         self._memory.update(copy.deepcopy(dict(state["memory"])))
         self._policy.rng.bit_generator.state = dict(state["rng"])
+        self._policy._load_collect_state(state.get("policy", {}))  # absent from checkpoints saved before it was kept
 
 
 class ActorCriticCollectMode(CollectMode):

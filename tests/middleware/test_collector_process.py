@@ -9,7 +9,7 @@ import torch
 from conveyor.data import to_tensor
 from conveyor.engine import OnlineRLContext, task
 from conveyor.envs import make_env_manager
-from conveyor.middleware import EPISODE_EVENT, StepCollector, nstep_reward_enhancer
+from conveyor.middleware import EPISODE_EVENT, StepCollector, gae_estimator, nstep_reward_enhancer
 from conveyor.middleware.collector_process import ProcessCollector, collection_builder
 from conveyor.policy import DQNPolicy
 
@@ -142,17 +142,28 @@ def test_its_state_resumes_the_child_chain_where_it_stopped(cfg, policy, process
         assert torch.equal(a.trajectories[key], b.trajectories[key]), key
 
 
-def recurrent_ppo(cfg):
-    """A GRU PPO config and learner policy on the fixture's CartPole envs."""
+def ppo(cfg, **model):
+    """A PPO config (with ``model`` options) and learner policy on the fixture's CartPole envs."""
     from easydict import EasyDict
 
     from conveyor.config import compile_config
     from conveyor.policy import PPOPolicy
+    learn = dict(batch_size=8, sequence_length=4) if model.get("rnn") else dict(batch_size=8)
     ppo_cfg = compile_config(EasyDict(dict(
         exp_name="test", seed=0, env=dict(cfg.env),
-        policy=dict(model=dict(hidden_sizes=[8], rnn="gru", rnn_hidden_size=8), collect=dict(n_sample=8),
-                    learn=dict(batch_size=8, sequence_length=4)))), policy=PPOPolicy)
+        policy=dict(model=dict(hidden_sizes=[8], **model), collect=dict(n_sample=8), learn=learn))), policy=PPOPolicy)
     return ppo_cfg, PPOPolicy, PPOPolicy(ppo_cfg.policy, seed=0)
+
+
+def collect_then_gae(cfg, policy, env):
+    return [StepCollector(cfg, policy.collect_mode, env), gae_estimator(cfg, policy.collect_mode)]
+
+
+CARRIED = {  # what a replica carries between calls: its exploration rng, a GRU's hidden state, PPO's running returns
+    "dqn_exploring": lambda cfg, policy: (cfg, DQNPolicy, policy, one_collector),
+    "recurrent_ppo": lambda cfg, policy: (*ppo(cfg, rnn="gru", rnn_hidden_size=8), one_collector),
+    "reward_norm_ppo": lambda cfg, policy: (*ppo(cfg, reward_norm=True), collect_then_gae),
+}
 
 
 @pytest.fixture
@@ -166,11 +177,10 @@ def one_torch_thread():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("make", ["dqn_exploring", "recurrent_ppo"])
-def test_its_state_carries_the_replicas_exploration_rng_and_recurrent_state(request, cfg, policy, make,
-                                                                             one_torch_thread):
-    collect_cfg, policy_cls, learner = (cfg, DQNPolicy, policy) if make == "dqn_exploring" else recurrent_ppo(cfg)
-    build = collection_builder(collect_cfg, policy_cls, one_collector)
+@pytest.mark.parametrize("make", sorted(CARRIED))
+def test_its_state_carries_what_the_replica_carries_between_calls(request, cfg, policy, make, one_torch_thread):
+    collect_cfg, policy_cls, learner, chain = CARRIED[make](cfg, policy)
+    build = collection_builder(collect_cfg, policy_cls, chain)
 
     def collector():
         made = ProcessCollector(build, learner)
@@ -192,6 +202,11 @@ def test_its_state_carries_the_replicas_exploration_rng_and_recurrent_state(requ
     second(b)
     for key in a.trajectories.keys():
         assert torch.equal(a.trajectories[key], b.trajectories[key]), key
+    if make == "reward_norm_ppo":  # the running returns went on from the first's, not from zero as a fresh one's
+        assert torch.equal(a.train_data.discounted_return, b.train_data.discounted_return)
+        fresh, c = collector(), exploring()
+        fresh(c)
+        assert not torch.equal(a.train_data.discounted_return, c.train_data.discounted_return)
 
 
 def test_the_child_never_finalizes_garbage_it_inherited(cfg, policy, process_collector, tmp_path):
