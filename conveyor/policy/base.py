@@ -68,7 +68,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any: ...
 
 
-class _GeneratorState:
+class GeneratorState:
     """Checkpoints a numpy ``Generator`` so exploration continues exactly after a resume."""
 
     def __init__(self, rng: np.random.Generator) -> None:
@@ -111,7 +111,7 @@ class Policy(abc.ABC):
         # Held by a learning step and by checkpointing, so an async pipeline never saves a half-applied update.
         self._learn_lock = threading.RLock()
         self.register_state("model", self.model)
-        self.register_state("rng", _GeneratorState(self.rng))
+        self.register_state("rng", GeneratorState(self.rng))
         self._weights = VersionedWeights(self.model, self._learn_lock, self._acting_extras)
         self._replica = False  # acts on versions another policy published (load_acting_state), never learns
         self._base_lrs: dict[str, list[float]] = {}

@@ -16,7 +16,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Acting, Policy
+from conveyor.policy.base import Acting, GeneratorState, Policy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, fused_adam, make_target
 from conveyor.policy.options import nstep_option, replay_buffer_schema
 from conveyor.policy.model import QNetwork
@@ -68,6 +68,11 @@ class DQNPolicy(Policy):
                 "n_sample": Option(32, "Transitions collected per collection round (over all envs).",
                                    check=schema.positive),
             },
+            "eval": {
+                "eps": Option(0.0, "Exploration rate of evaluation episodes (0: greedy). Atari entries use 0.05, as "
+                                   "Mnih et al. 2015 did, so a deterministic policy cannot loop until the time limit.",
+                              type=float, check=schema.unit_interval),
+            },
             "other": {
                 "eps": {
                     "kind": Option("exp", "Shape of the exploration schedule over env steps (the pipeline's eps "
@@ -113,22 +118,24 @@ class DQNPolicy(Policy):
         self.register_state("optimizer", self.optimizer)
         self._parameters = list(self.model.parameters())
         self._loss_fn: Callable[..., torch.Tensor] = F.huber_loss if learn.loss == "huber" else F.mse_loss
+        self.eval_rng: np.random.Generator | None = None  # evaluation's own draws: collecting's stream is untouched
+        if self.cfg.eval.eps > 0:
+            self.eval_rng = self.rng.spawn(1)[0]
+            self.register_state("eval_rng", GeneratorState(self.eval_rng))
 
     # --- acting ----------------------------------------------------------------------------------
     def _forward_collect(self, acting: Acting, obs: Any, *, eps: float) -> dict[str, Any]:
         """Eps-greedy actions: each env independently acts uniformly at random with probability ``eps``."""
         if not 0.0 <= eps <= 1.0:
             raise ValueError(f"DQNPolicy.collect_mode.forward: eps must be in [0, 1], got {eps!r}")
-        q = acting.model(obs)
-        greedy = q.argmax(-1).cpu().numpy()
-        # One draw per env decides whether it explores, a second which uniform action it takes.
-        u = self.rng.random((2, *greedy.shape))
-        random_action = (u[1] * q.shape[-1]).astype(greedy.dtype)
-        return {"action": np.where(u[0] < eps, random_action, greedy)}
+        return {"action": _eps_greedy(acting.model(obs), eps, self.rng)}
 
     def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
-        """Greedy actions."""
-        return {"action": acting.model(obs).argmax(-1).cpu().numpy()}
+        """Greedy actions, or eps-greedy with ``eval.eps`` (drawn from :attr:`eval_rng`)."""
+        q = acting.model(obs)
+        if self.eval_rng is None:
+            return {"action": q.argmax(-1).cpu().numpy()}
+        return {"action": _eps_greedy(q, self.cfg.eval.eps, self.eval_rng)}
 
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
@@ -180,3 +187,11 @@ class DQNPolicy(Policy):
         elif self.train_iter % self.cfg.learn.target_update_freq == 0:
             self._target_sync.hard()
 
+
+def _eps_greedy(q: torch.Tensor, eps: float, rng: np.random.Generator) -> np.ndarray:
+    """The argmax of each row of ``q``, replaced by a uniform action with probability ``eps``: one draw per env
+    decides whether it explores, a second which action it takes."""
+    greedy = q.argmax(-1).cpu().numpy()
+    u = rng.random((2, *greedy.shape))
+    random_action = (u[1] * q.shape[-1]).astype(greedy.dtype)
+    return np.where(u[0] < eps, random_action, greedy)

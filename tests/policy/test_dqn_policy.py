@@ -207,6 +207,20 @@ def test_eval_mode_acts_greedily():
         np.testing.assert_array_equal(policy.eval_mode.forward(np.array([0, 1, 2, 1]))["action"], [1, 0, 2, 0])
 
 
+
+def test_eval_eps_explores_from_its_own_generator_and_resumes_exactly():
+    policy = DQNPolicy({"eval": {"eps": 0.5}}, model=TableQ([[1.0, 0.0, 0.0, 0.0]]), seed=0)
+    greedy_twin = _greedy_zero_policy(seed=0)
+    obs = np.zeros(1000, dtype=np.int64)
+    state = policy.state_dict()
+    explored = policy.eval_mode.forward(obs)["action"]
+    assert 300 < np.count_nonzero(explored) < 450  # 0.5 * 3/4 of the envs take another action than 0
+    np.testing.assert_array_equal(policy.collect_mode.forward(obs, eps=0.5)["action"],  # collecting's draws
+                                  greedy_twin.collect_mode.forward(obs, eps=0.5)["action"])  # are untouched
+    policy.load_state_dict(state)
+    np.testing.assert_array_equal(policy.eval_mode.forward(obs)["action"], explored)
+
+
 # --- observations through built models -------------------------------------------------------------
 def test_dict_observations_flow_through_collect_eval_and_learn():
     shapes = {"pos": 3, "image": [6, 6, 3]}

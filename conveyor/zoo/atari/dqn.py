@@ -6,7 +6,7 @@
 Trains the pipeline of cartpole/dqn. Hyperparameters: CleanRL's ``dqn_atari.py`` (Mnih et al. 2015's Nature
 DQN with Adam): Adam 1e-4, batch 32, a gradient step every 4 agent steps, the target network copied every
 1000 agent steps, a 1M replay, 80,000 agent steps before learning, epsilon from 1.0 to 0.01 over the first
-1M agent steps (10% of 10M); with the Rainbow components of Hessel et al. 2018 that the issue asks for:
+1M agent steps (10% of 10M), evaluation with epsilon 0.05; with the Rainbow components of Hessel et al. 2018 that the issue asks for:
 double Q-learning, a dueling head, 3-step returns and prioritized replay (alpha 0.5, beta 0.4 to 1).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ main_config = EasyDict(dict(
         learn=dict(batch_size=32, learning_rate=1e-4, update_per_collect=8, learning_starts=80_000, double=True,
                    target_update_freq=250, grad_clip=10.0),
         collect=dict(n_sample=32),
-        eval=dict(evaluator=dict(eval_freq=25_000)),  # every 100,000 agent steps
+        eval=dict(eps=0.05, evaluator=dict(eval_freq=25_000)),  # every 100,000 agent steps, eps-greedy as in Nature
         other=dict(
             eps=dict(kind="linear", start=1.0, end=0.01, decay=1_000_000),
             # 1M transitions: ~7 GB with each frame stored once (frame_stack "auto"), ~28 GB without.
