@@ -1,5 +1,6 @@
 """The README's commands as a newcomer meets them: each parses, no two runs share a name, and, run one after
-another in a fresh folder exactly as written, every one succeeds.
+another in a fresh folder exactly as written, every one succeeds (in two lanes side by side: commands on one run
+share a lane, in README order).
 
 Commands are the lines of the README's ```bash blocks (``\\`` continues a line, ``&&`` chains commands); a
 ```python block whose first line is ``# NAME.py`` is a file the reader saves before going on. Only ``conveyor``
@@ -8,6 +9,7 @@ commands meant for other hosts are the reader's environment, not Conveyor's.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import os
 import re
@@ -125,18 +127,64 @@ def _run(argv: List[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+def _runs_named(argv: List[str]) -> List[str]:
+    """The run names a command trains into or reads (``--exp-name``, the entry's default, ``runs/NAME``)."""
+    from conveyor.zoo import load_entry
+
+    names = [m.group(1) for word in argv for m in [re.match(r"runs/([\w.-]+)", word)] if m]
+    args = parser().parse_args(argv[1:])
+    if args.command == "train":
+        names.append(args.exp_name or load_entry(args.entry).main_config["exp_name"])
+    return names
+
+
+def lanes(commands: List[List[str]]) -> Tuple[List[List[str]], List[List[str]]]:
+    """The commands in two lanes that can run side by side, each in README order: commands touching the same run
+    stay in one lane; those whose runs spread over processes (``--collectors``, ``task``) go to the second."""
+    groups: List[Tuple[set, List[List[str]]]] = []
+    for argv in commands:
+        names = set(_runs_named(argv))
+        joined = [g for g in groups if g[0] & names]
+        merged = (set(names).union(*(g[0] for g in joined)), [c for g in joined for c in g[1]] + [argv])
+        groups = [g for g in groups if g not in joined] + [merged]
+    order = {id(argv): i for i, argv in enumerate(commands)}
+    one, spread = [], []
+    for _, group in groups:
+        (spread if any(a[1] == "task" or "--collectors" in a for a in group) else one).extend(group)
+    return sorted(one, key=lambda a: order[id(a)]), sorted(spread, key=lambda a: order[id(a)])
+
+
+def test_commands_on_one_run_share_a_lane_in_readme_order():
+    commands = conveyor_commands()
+    one, spread = lanes(commands)
+    assert sorted(map(shlex.join, one + spread)) == sorted(map(shlex.join, commands))
+    for lane in (one, spread):
+        assert [commands.index(a) for a in lane] == sorted(commands.index(a) for a in lane)
+    for a in one:
+        assert not set(_runs_named(a)) & {n for b in spread for n in _runs_named(b)}, shlex.join(a)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 160 s idle, 360 s on a busy 2-core machine: a dozen trainings, most until solved
 def test_the_readme_s_commands_run_one_after_another_in_a_fresh_folder(tmp_path):
-    ran = 0
+    """In two lanes side by side (these machines have two cores); each lane runs its commands one after another."""
     for kind, step in readme_steps((ROOT / "README.md").read_text()):
         if kind == "file":
             name, text = step
             (tmp_path / name).write_text(text)
-        elif why_not_run(step) is None:
-            done = _run(step, tmp_path)
-            assert done.returncode == 0, (f"README: `{shlex.join(step)}` exited with {done.returncode}:\n"
-                                          f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-            ran += 1
-    assert ran == len(conveyor_commands())
+
+    def run_lane(lane: List[List[str]]) -> List[subprocess.CompletedProcess]:
+        done = []
+        for argv in lane:
+            done.append(_run(argv, tmp_path))
+            if done[-1].returncode != 0:
+                break
+        return done
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = [r for lane in pool.map(run_lane, lanes(conveyor_commands())) for r in lane]
+    for done in results:
+        assert done.returncode == 0, (f"README: `{shlex.join(done.args)}` exited with {done.returncode}:\n"
+                                      f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    assert len(results) == len(conveyor_commands())
     assert (tmp_path / "curves.png").is_file() and (tmp_path / "ep.gif").is_file()
