@@ -90,3 +90,122 @@ def test_a_launcher_without_collectors_is_one_line(capsys, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert_usage_error(cli_main(["train", "cartpole/dqn", "--launcher", "slurm"]), capsys,
                        "--launcher slurm needs --collectors N")
+
+
+def printed(capsys, *argv):
+    assert cli_main(list(argv)) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_the_slurm_script_asks_for_a_task_per_node_and_sruns_the_train_command_of_the_layout(capsys):
+    text = printed(capsys, "slurm-script", "cartpole/dqn", "--collectors", "3", "--evaluators", "1", "--nodes", "2",
+                   "--time", "01:30:00", "--partition", "cpu", "--set", "policy.model.hidden_sizes=[8]")
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    sbatch = [line for line in lines if line.startswith("#SBATCH")]
+    assert sbatch == ["#SBATCH --job-name=conveyor-cartpole_dqn", "#SBATCH --nodes=2", "#SBATCH --ntasks=5",
+                      "#SBATCH --requeue", "#SBATCH --time=01:30:00", "#SBATCH --partition=cpu"]
+    assert "EXP_NAME=cartpole_dqn-$SLURM_JOB_ID" in lines
+    assert lines[-1] == ("exec srun --kill-on-bad-exit=1 conveyor train cartpole/dqn --collectors 3 --evaluators 1 "
+                         "--launcher slurm --secret-file \"$SECRET_FILE\" --exp-name \"$EXP_NAME\" --resume-if-exists "
+                         "--no-progress --set 'policy.model.hidden_sizes=[8]'")
+
+
+def test_without_a_secret_file_the_script_makes_one_readable_by_its_owner_only_once_per_job(capsys):
+    text = printed(capsys, "slurm-script", "cartpole/dqn", "--collectors", "1", "--nodes", "1")
+    assert 'SECRET_FILE="$SLURM_SUBMIT_DIR/.conveyor/job-$SLURM_JOB_ID/secret"' in text
+    assert 'if [ ! -s "$SECRET_FILE" ]' in text and "umask 077" in text
+    given = printed(capsys, "slurm-script", "cartpole/dqn", "--collectors", "1", "--nodes", "1", "--secret-file",
+                    "/shared/my secret", "--exp-name", "mine", "--gpus-per-learner", "2", "--port", "40000")
+    assert "SECRET_FILE='/shared/my secret'" in given and "umask" not in given and "EXP_NAME=mine\n" in given
+    assert "#SBATCH --gres=gpu:2" in given and given.rstrip().endswith("--ports 40000 --device cuda")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--learners", "2"], "--learners 2: data-parallel learners do not exist yet"),
+    (["--collectors", "0"], "--collectors 0: must be an int >= 1"),
+    (["--nodes", "4"], "--nodes 4: the job has 3 tasks"),
+    (["--nodes", "0"], "--nodes 0"),
+    (["--time", "2h"], "--time '2h': expected HH:MM:SS"),
+    (["--partition", "a b"], "--partition 'a b'"),
+    (["--exp-name", "a/b"], "is not a run name"),
+    (["--gpus-per-learner", "-1"], "--gpus-per-learner must be >= 0"),
+    (["--port", "65535"], "--port 65535"),
+    (["--entry-typo"], "unrecognized arguments"),
+])
+def test_bad_slurm_script_input_is_one_line(argv, fragment, capsys):
+    base = {"--collectors": "2", "--nodes": "2"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    rest = [word for flag, value in base.items() for word in (flag, value)]
+    code = cli_main(["slurm-script", "cartpole/dqn", *rest, *(argv if len(argv) % 2 else [])])
+    assert_usage_error(code, capsys, fragment)
+
+
+def test_an_unknown_or_offline_entry_is_one_line(capsys):
+    assert_usage_error(cli_main(["slurm-script", "cartpole/dqm", "--collectors", "1", "--nodes", "1"]), capsys,
+                       "did you mean 'cartpole/dqn'")
+    from conveyor.zoo import entries, load_entry
+    from conveyor.zoo.run import is_offline
+    offline = next((name for name in entries() if is_offline(load_entry(name).main_config)), None)
+    if offline is not None:
+        assert_usage_error(cli_main(["k8s-manifest", offline, "--collectors", "1", "--image", "x"]), capsys,
+                           "trains offline")
+
+
+SAMPLE = ["k8s-manifest", "cartpole/dqn", "--collectors", "2", "--image", "conveyor:latest"]
+"""The command docs/k8s/cartpole_dqn.yaml was printed by."""
+
+
+def test_the_sample_manifest_in_docs_is_what_k8s_manifest_prints_now(capsys):
+    from pathlib import Path
+    page = Path(__file__).resolve().parents[1] / "docs" / "k8s" / "cartpole_dqn.yaml"
+    assert page.read_text() == printed(capsys, *SAMPLE), (
+        "docs/k8s/cartpole_dqn.yaml differs from what the command prints: run `conveyor " + " ".join(SAMPLE) +
+        " > docs/k8s/cartpole_dqn.yaml` in the repository root and commit it")
+
+
+def test_the_manifest_is_a_headless_service_and_an_indexed_job_of_one_pod_per_node(capsys):
+    import yaml
+    service, job = yaml.safe_load_all(printed(capsys, *SAMPLE[:3], "4", *SAMPLE[4:], "--evaluators", "1",
+                                              "--runs-claim", "runs-pvc", "--cpu", "2", "--memory", "4Gi"))
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    name = service["metadata"]["name"]
+    assert name == "cartpole-dqn" and service["spec"]["selector"] == {"job-name": name}
+    assert job["kind"] == "Job" and job["metadata"]["name"] == name
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 6
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == name and pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env["CONVEYOR_NODES"] == "6" and env["CONVEYOR_NODE_HOST"] == f"{name}-{{index}}.{name}"
+    assert container["command"][:8] == ["conveyor", "train", "cartpole/dqn", "--collectors", "4", "--evaluators",
+                                        "1", "--launcher"]
+    assert container["command"][8] == "kubernetes" and "--resume-if-exists" in container["command"]
+    secret_file = container["command"][container["command"].index("--secret-file") + 1]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert secret_file == mounts["secret"]["mountPath"] + "/secret" and mounts["secret"]["readOnly"] is True
+    assert volumes["secret"]["secret"] == {"secretName": f"{name}-secret", "defaultMode": 0o400}
+    assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "runs-pvc"}
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
+
+
+def test_pods_of_the_manifest_read_the_layout_the_local_one_has(capsys):
+    import yaml
+    _, job = yaml.safe_load_all(printed(capsys, *SAMPLE))
+    env = {item["name"]: item["value"] for item in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    hosts = [kubernetes_task({**env, "JOB_COMPLETION_INDEX": str(i)}).hosts for i in range(3)]
+    assert hosts == [["cartpole-dqn-0.cartpole-dqn", "cartpole-dqn-1.cartpole-dqn", "cartpole-dqn-2.cartpole-dqn"]] * 3
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--learners", "3"], "data-parallel learners do not exist yet"),
+    (["--cpu", "lots"], "--cpu 'lots'"),
+    (["--exp-name", "a" * 70], "DNS label"),
+    (["--secret-name", "My_Secret"], "--secret-name 'My_Secret'"),
+])
+def test_bad_k8s_manifest_input_is_one_line(argv, fragment, capsys):
+    assert_usage_error(cli_main([*SAMPLE, *argv]), capsys, fragment)
