@@ -116,9 +116,10 @@ def test_without_a_secret_file_the_script_makes_one_readable_by_its_owner_only_o
     assert 'SECRET_FILE="$SLURM_SUBMIT_DIR/.conveyor/job-$SLURM_JOB_ID/secret"' in text
     assert 'if [ ! -s "$SECRET_FILE" ]' in text and "umask 077" in text
     given = printed(capsys, "slurm-script", "cartpole/dqn", "--collectors", "1", "--nodes", "1", "--secret-file",
-                    "/shared/my secret", "--exp-name", "mine", "--gpus-per-learner", "2", "--port", "40000")
+                    "/shared/my secret", "--exp-name", "mine", "--gpus-per-learner", "2", "--port", "40000",
+                    "--ckpt-interval", "60")
     assert "SECRET_FILE='/shared/my secret'" in given and "umask" not in given and "EXP_NAME=mine\n" in given
-    assert "#SBATCH --gres=gpu:2" in given and given.rstrip().endswith("--ports 40000 --device cuda")
+    assert "#SBATCH --gres=gpu:2" in given and given.rstrip().endswith("--ckpt-interval 60.0 --ports 40000 --device cuda")
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -131,6 +132,7 @@ def test_without_a_secret_file_the_script_makes_one_readable_by_its_owner_only_o
     (["--exp-name", "a/b"], "is not a run name"),
     (["--gpus-per-learner", "-1"], "--gpus-per-learner must be >= 0"),
     (["--port", "65535"], "--port 65535"),
+    (["--ckpt-interval", "0"], "--ckpt-interval must be a number of seconds > 0"),
     (["--entry-typo"], "unrecognized arguments"),
 ])
 def test_bad_slurm_script_input_is_one_line(argv, fragment, capsys):

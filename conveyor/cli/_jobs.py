@@ -15,7 +15,7 @@ __all__ = ["add_job_arguments", "checked_layout", "default_exp_name", "train_com
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The entry, the layout (``--learners``, ``--collectors``, ``--evaluators``) and what the run is given
-    (``--exp-name``, ``--set``, ``--seed``, ``--max-env-step``, ``--port``)."""
+    (``--set``, ``--seed``, ``--max-env-step``, ``--ckpt-interval``, ``--port``)."""
     parser.add_argument("entry", help="zoo entry as <env>/<algo> (`conveyor list` shows them), or an entry file's "
                                       "path as the nodes see it")
     parser.add_argument("--learners", type=int, default=1, metavar="L",
@@ -29,6 +29,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="passed to conveyor train (default: the entry's)")
     parser.add_argument("--max-env-step", type=int, default=None, metavar="N",
                         help="passed to conveyor train: stop after N env steps in total")
+    parser.add_argument("--ckpt-interval", type=float, default=None, metavar="SECONDS",
+                        help="passed to conveyor train: write latest.pth.tar every this many seconds (default 300), "
+                             "the most a lost node or a preemption costs")
     parser.add_argument("--port", type=int, default=None, metavar="P",
                         help="node r listens on port P + r (default 29650)")
 
@@ -47,6 +50,8 @@ def checked_layout(args: argparse.Namespace) -> Any:
     for flag, value, least in (("--max-env-step", args.max_env_step, 1), ("--port", args.port, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be >= {least}, got {value}")
+    if args.ckpt_interval is not None and not args.ckpt_interval > 0:
+        raise ConfigError(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
     if args.port is not None and args.port + layout.n_nodes > 65536:
         raise ConfigError(f"--port {args.port}: node r listens on it + r, so it must be at most "
                           f"{65536 - layout.n_nodes} for {layout.n_nodes} nodes")
@@ -77,7 +82,8 @@ def train_command(args: argparse.Namespace, launcher: str, exp_name: str, secret
                 "--no-progress"]
     for override in args.overrides:
         command += ["--set", override]
-    for flag, value in (("--seed", args.seed), ("--max-env-step", args.max_env_step), ("--ports", args.port)):
+    for flag, value in (("--seed", args.seed), ("--max-env-step", args.max_env_step),
+                        ("--ckpt-interval", args.ckpt_interval), ("--ports", args.port)):
         if value is not None:
             command += [flag, str(value)]
     return command
