@@ -211,3 +211,13 @@ def test_pods_of_the_manifest_read_the_layout_the_local_one_has(capsys):
 ])
 def test_bad_k8s_manifest_input_is_one_line(argv, fragment, capsys):
     assert_usage_error(cli_main([*SAMPLE, *argv]), capsys, fragment)
+
+
+def test_resume_if_exists_starts_a_new_run_then_continues_it(tmp_path, monkeypatch, capsys):
+    from tests.cli_helpers import TINY
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "cartpole/dqn", *TINY, "--exp-name", "again", "--resume-if-exists"]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    log = (tmp_path / "runs" / "again" / "log.txt").read_text()
+    assert "'again' started" in log and "'again' resumed" in log
