@@ -1,7 +1,8 @@
 """``conveyor k8s-manifest``: print a Kubernetes manifest that trains a zoo entry with one pod per node.
 
     conveyor k8s-manifest cartpole/dqn --collectors 2 --image registry.example/conveyor:1 > job.yaml
-    kubectl create secret generic cartpole-dqn-secret --from-literal=secret=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')
+    kubectl create secret generic cartpole-dqn-secret \\
+        --from-literal=secret=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')
     kubectl apply -f job.yaml
 
 Two objects: a headless Service (its DNS gives pod ``<name>-<i>`` the name ``<name>-<i>.<name>``, ready or not)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from conveyor.cli._common import message, usage_error
 from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, train_command
@@ -111,7 +112,7 @@ def objects(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return [service, job]
 
 
-def _names(args: argparse.Namespace) -> tuple:
+def _names(args: argparse.Namespace) -> Tuple[str, str]:
     """The Service and Job name (the run name as a DNS label) and the Secret's name; ValueError for one that
     Kubernetes would refuse."""
     from conveyor.schema import ConfigError

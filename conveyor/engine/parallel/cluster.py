@@ -37,7 +37,8 @@ __all__ = ["DEFAULT_PORT", "HOST_ENV", "KubernetesError", "NODES_ENV", "NODES_TO
            "SlurmTask", "kubernetes_task", "node_record", "slurm_task"]
 
 DEFAULT_PORT = 29650
-"""The first port of a Slurm job's nodes when none is given (task ``r`` listens on ``DEFAULT_PORT + r``)."""
+"""The first port of a Slurm or Kubernetes job's nodes when none is given (node ``r`` listens on
+``DEFAULT_PORT + r``)."""
 
 NODES_ENV = "CONVEYOR_NODES"
 """In a Kubernetes indexed Job: how many nodes (pods) the job has, set by the manifest."""
