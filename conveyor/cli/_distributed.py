@@ -5,17 +5,26 @@
         --address 10.0.0.1 --ports 50515 --secret-file secret        # host A: learner and evaluator
     conveyor train cartpole/dqn --collectors 2 --evaluators 1 --node-ids 1,2 --protocol tcp \\
         --address 10.0.0.2 --attach-to tcp://10.0.0.1:50515 --secret-file secret   # host B: the collectors
+    srun -n 3 conveyor train cartpole/dqn --collectors 2 --launcher slurm --secret-file secret  # a Slurm task a node
+
+``--launcher slurm`` (one ``conveyor train`` per ``srun`` task) and ``--launcher kubernetes`` (one per pod of an
+indexed Job) make this process one node of the layout, the one of its rank (``conveyor.engine.parallel.cluster``
+reads the scheduler's environment); ``conveyor slurm-script`` and ``conveyor k8s-manifest`` write the job.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any, ContextManager, Optional
+import os
+from typing import Any, ContextManager, Dict, Mapping, Optional
 
 from conveyor.cli._common import message
 from conveyor.cli.task import add_launch_arguments, launch_options
 
-__all__ = ["add_arguments", "requested", "started_ahead", "train"]
+__all__ = ["LAUNCHERS", "add_arguments", "placed", "requested", "started_ahead", "train"]
+
+LAUNCHERS = ("local", "slurm", "kubernetes")
+"""``--launcher``: this host's processes (local), or one node per Slurm task or per pod of an indexed Job."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,12 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="train with 1 learner and N collector processes (node 0 learns, 1..N collect)")
     group.add_argument("--evaluators", type=int, default=0, metavar="M",
                        help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0)")
+    group.add_argument("--launcher", choices=LAUNCHERS, default="local",
+                       help="local: start the nodes here (default); slurm: this srun task is the node of its rank "
+                            "(SLURM_PROCID); kubernetes: this pod of an indexed Job is (JOB_COMPLETION_INDEX)")
     add_launch_arguments(group)
 
 
 def requested(args: argparse.Namespace) -> bool:
     """Whether the command line asks for a distributed run."""
-    return args.collectors is not None or args.evaluators != 0
+    return args.collectors is not None or args.evaluators != 0 or args.launcher != "local"
 
 
 def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
@@ -51,13 +63,16 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
     from conveyor.zoo.run import train_distributed
 
     if args.collectors is None:
-        raise ConfigError(f"--evaluators {args.evaluators} needs --collectors N (a distributed run's collectors)")
+        given = f"--evaluators {args.evaluators}" if args.evaluators else f"--launcher {args.launcher}"
+        raise ConfigError(f"{given} needs --collectors N (a distributed run's collectors)")
     if args.async_mode:
         raise ConfigError("--async is for one process; with --collectors, collection already runs beside training")
     try:
         where = launch_options(args)
         if isinstance(where["node_ids"], int):  # one node here: its id (not the first of a range, as for task)
             where["node_ids"] = [where["node_ids"]]
+        if args.launcher != "local":
+            where = placed(args, where, 1 + args.collectors + args.evaluators)
         return train_distributed(args.entry, collectors=args.collectors, evaluators=args.evaluators, cfg=cfg,
                                  seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
                                  max_train_iter=args.max_train_iter, resume=args.resume,
@@ -67,3 +82,41 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
         if isinstance(exc, ConfigError) or isinstance(exc.__cause__, RemoteTraceback):
             raise
         raise ConfigError(message(exc)) from None
+
+
+def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,
+           environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """``where`` (the launch options) with this process made the node of its rank in a job of ``n_nodes`` started
+    by ``args.launcher`` (one Slurm task or one pod per node): its id, its host and port, every other node to
+    dial. ValueError with a one-line reason outside such a job, or for a job of another size or a flag it sets."""
+    from conveyor.engine.parallel.cluster import DEFAULT_PORT, kubernetes_task, slurm_task
+
+    env = os.environ if environ is None else environ
+    flag = f"--launcher {args.launcher}"
+    if args.launcher == "slurm":
+        variable, job, starter = "SLURM_PROCID", slurm_task(env), "srun -n {n} (conveyor slurm-script writes the job)"
+    else:
+        variable, job = "JOB_COMPLETION_INDEX", kubernetes_task(env)
+        starter = "an indexed Job of {n} completions (conveyor k8s-manifest writes it)"
+    if variable not in env:
+        raise ValueError(f"{flag}: {variable} is not set; start one conveyor train per node with "
+                         f"{starter.format(n=n_nodes)}")
+    n_tasks = 1 if job is None else job.n_tasks
+    if n_tasks != n_nodes:
+        raise ValueError(f"{flag}: the job has {n_tasks} node{'s' * (n_tasks != 1)} but --collectors "
+                         f"{args.collectors}" + (f" --evaluators {args.evaluators}" if args.evaluators else "") +
+                         f" needs {n_nodes} (1 learner, then collectors and evaluators): {starter.format(n=n_nodes)}")
+    for given, name in ((args.node_ids, "--node-ids"), (args.address, "--address"), (args.attach_to, "--attach-to")):
+        if given is not None:
+            raise ValueError(f"{flag}: the job decides {name} (each node is the one of its rank, on its host); "
+                             f"leave it out")
+    if "secret" not in where:
+        raise ValueError(f"{flag}: every node must load the same secret: --secret-file FILE (on a shared file "
+                         f"system, or a mounted Secret) or $CONVEYOR_SECRET")
+    ports = where["ports"]
+    if isinstance(ports, list) and len(ports) != 1:
+        raise ValueError(f"{flag}: --ports is the first port (node r listens on it + r), got {args.ports}")
+    port = ports if isinstance(ports, int) else (ports or [DEFAULT_PORT])[0]
+    arguments = job.runner_arguments(port)
+    arguments.pop("n_parallel_workers")
+    return {**where, **arguments}

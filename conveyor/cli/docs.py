@@ -20,7 +20,7 @@ __all__ = ["render", "regenerate", "subcommands", "main", "PAGE"]
 PAGE = Path("docs") / "cli.md"
 """The page, relative to the repository root."""
 
-_PART = re.compile(r"^<!-- cli: ([a-z-]+) -->\n.*?^<!-- end cli -->$", re.MULTILINE | re.DOTALL)
+_PART = re.compile(r"^<!-- cli: ([a-z0-9-]+) -->\n.*?^<!-- end cli -->$", re.MULTILINE | re.DOTALL)
 
 
 def subcommands(top: Optional[argparse.ArgumentParser] = None) -> Dict[str, argparse.ArgumentParser]:

@@ -2,7 +2,7 @@
 
     conveyor train cartpole/dqn [--set KEY=VALUE ...] [--config FILE] [--seed N] [--exp-name NAME] [--resume]
                                 [--device cpu|cuda] [--async] [--max-env-step N] [--max-train-iter N]
-                                [--ckpt-interval SECONDS] [--no-stop]
+                                [--ckpt-interval SECONDS] [--no-stop] [--resume-if-exists]
     conveyor train my_entry.py ...        # a file with a main_config and a main(), run like a zoo entry
 
 The config is the entry's ``main_config``, then the ``--config`` file's values on top, then each ``--set``;
@@ -54,6 +54,9 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--resume", action="store_true",
                        help="continue runs/<exp-name> from its saved config and ckpt/latest.pth.tar (exactly where "
                             "it stopped); without it, a name that already holds a run is an error")
+    train.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",
+                       help="--resume when runs/<exp-name> holds a run (its config.json), else start it: for a job "
+                            "the scheduler may start again (sbatch --requeue, a restarted pod)")
     train.add_argument("--ckpt-interval", type=float, default=None, metavar="SECONDS",
                        help=f"also write latest.pth.tar every this many seconds of wall-clock time (default "
                             f"{CKPT_INTERVAL:g})")
@@ -87,12 +90,14 @@ def _train(args: argparse.Namespace) -> int:
     from conveyor.middleware import EvaluationError
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
-    from conveyor.zoo.run import RunDirError, TrainingInterrupted, run_directory
+    from conveyor.zoo.run import CONFIG_FILE, RunDirError, TrainingInterrupted, run_directory
 
     try:
         entry = load_entry(args.entry)
         cfg = _config(entry, args)
         run_dir = run_directory(cfg if cfg is not None else entry.main_config, args.exp_name)
+        if args.resume_if_exists:  # a run that stopped before its first checkpoint starts over from its config
+            args.resume = args.resume or (run_dir / CONFIG_FILE).is_file()
         if distributed.requested(args):  # learner, collectors and evaluators as processes (cli/_distributed.py)
             ctx = distributed.train(args, cfg)
         else:

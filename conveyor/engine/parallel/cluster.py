@@ -1,5 +1,5 @@
-"""Where the nodes of a job are: Slurm's environment read into ``Parallel.runner`` arguments, and the table of
-every node's id, roles, pid and address (``nodes.json``).
+"""Where the nodes of a job are: Slurm's or a Kubernetes indexed Job's environment read into ``Parallel.runner``
+arguments, and the table of every node's id, roles, pid and address (``nodes.json``).
 
 Slurm: ``srun -N2 -n4 conveyor task ...`` starts the same command once per task. Each task reads
 ``SLURM_PROCID`` (its rank), ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST`` (else ``SLURM_NODELIST``) and, when
@@ -7,6 +7,13 @@ several tasks share a host, ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PE
 out on the hosts in Slurm's default block order. Each task becomes one node: node id = its rank, listening
 on its host at ``port + rank``, dialing every other task. Across hosts every task must load the same
 secret (``--secret-file`` on a shared file system, or ``$CONVEYOR_SECRET``).
+
+Kubernetes: an indexed Job (``completionMode: Indexed``) starts one pod per node; each reads its rank from
+``JOB_COMPLETION_INDEX`` (set by Kubernetes), the number of nodes from ``CONVEYOR_NODES`` and the host of
+every rank from ``CONVEYOR_NODE_HOST``, a template with ``{index}`` (``train-{index}.train``: the pod's own
+DNS name under the Job's headless Service, so node 0 is ``train-0.train``), both set by the manifest
+(``conveyor k8s-manifest`` writes one). As under Slurm, node id = rank, listening at ``port + rank``, dialing
+every other node; the secret comes from a Kubernetes Secret mounted as a file.
 
 Node table: every node publishes its :func:`node_record` on :data:`NODES_TOPIC`; a :class:`NodeTable`
 (on one node, e.g. the learner) gathers them and rewrites a JSON file as nodes join, so users can see
@@ -26,10 +33,18 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 from conveyor.engine.task import Role, task
 
-__all__ = ["DEFAULT_PORT", "NODES_TOPIC", "NodeTable", "SlurmError", "SlurmTask", "node_record", "slurm_task"]
+__all__ = ["DEFAULT_PORT", "HOST_ENV", "KubernetesError", "NODES_ENV", "NODES_TOPIC", "NodeTable", "SlurmError",
+           "SlurmTask", "kubernetes_task", "node_record", "slurm_task"]
 
 DEFAULT_PORT = 29650
-"""The first port of a Slurm job's nodes when none is given (task ``r`` listens on ``DEFAULT_PORT + r``)."""
+"""The first port of a Slurm or Kubernetes job's nodes when none is given (node ``r`` listens on
+``DEFAULT_PORT + r``)."""
+
+NODES_ENV = "CONVEYOR_NODES"
+"""In a Kubernetes indexed Job: how many nodes (pods) the job has, set by the manifest."""
+
+HOST_ENV = "CONVEYOR_NODE_HOST"
+"""In a Kubernetes indexed Job: the host of node ``i`` with ``{index}`` for ``i``, set by the manifest."""
 
 NODES_TOPIC = "conveyor.cluster.nodes"
 """Every node -> the node keeping the table: its :func:`node_record`."""
@@ -41,9 +56,14 @@ class SlurmError(ValueError):
     """Slurm's environment is missing a variable or holds one that cannot be read."""
 
 
+class KubernetesError(ValueError):
+    """A Kubernetes indexed Job's environment is missing a variable or holds one that cannot be read."""
+
+
 @dataclass(frozen=True)
 class SlurmTask:
-    """This process's place in a Slurm job step: its rank and the host of every task, by rank."""
+    """This process's place in a job of one task per node (a Slurm job step, a Kubernetes indexed Job): its rank
+    and the host of every task, by rank."""
 
     rank: int
     hosts: List[str]
@@ -88,6 +108,38 @@ def slurm_task(environ: Optional[Mapping[str, str]] = None) -> Optional[SlurmTas
     hosts = [host for host, count in zip(nodes, per_node) for _ in range(count)]
     if len(hosts) != n_tasks:
         raise SlurmError(f"{name} and the tasks per node give {len(hosts)} tasks, but SLURM_NTASKS={n_tasks}")
+    return SlurmTask(rank, hosts)
+
+
+def kubernetes_task(environ: Optional[Mapping[str, str]] = None) -> Optional[SlurmTask]:
+    """This pod's place in a Kubernetes indexed Job, read from ``environ`` (default ``os.environ``): rank
+    ``JOB_COMPLETION_INDEX``, :data:`NODES_ENV` nodes whose hosts :data:`HOST_ENV` names; None outside an
+    indexed Job (``JOB_COMPLETION_INDEX`` unset) or in a job of one node."""
+    env = os.environ if environ is None else environ
+    if "JOB_COMPLETION_INDEX" not in env:
+        return None
+    fix = "the manifest sets it (conveyor k8s-manifest writes one)"
+    values = []
+    for name in ("JOB_COMPLETION_INDEX", NODES_ENV):
+        if name not in env:
+            raise KubernetesError(f"JOB_COMPLETION_INDEX is set but {name} is not: {fix}")
+        try:
+            values.append(int(env[name]))
+        except ValueError:
+            raise KubernetesError(f"{name}={env[name]!r} is not an integer") from None
+    rank, n_nodes = values
+    if n_nodes < 1 or not 0 <= rank < n_nodes:
+        raise KubernetesError(f"JOB_COMPLETION_INDEX={rank} is not a rank of {NODES_ENV}={n_nodes} nodes")
+    if n_nodes == 1:
+        return None
+    template = env.get(HOST_ENV, "")
+    try:
+        hosts = [template.format(index=i) for i in range(n_nodes)]
+    except (KeyError, IndexError, ValueError):
+        hosts = [""]
+    if not all(hosts):
+        raise KubernetesError(f"{HOST_ENV}={template!r}: expected the host of node {{index}}, e.g. "
+                              f"'train-{{index}}.train' (pod train-<index> under the headless Service train); {fix}")
     return SlurmTask(rank, hosts)
 
 

@@ -1,0 +1,116 @@
+"""``conveyor slurm-script``: print an sbatch script that trains a zoo entry with one Slurm task per node.
+
+    conveyor slurm-script cartpole/dqn --collectors 4 --nodes 2 --time 02:00:00 > job.sh && sbatch job.sh
+
+The script asks for 1 + C + M tasks on N nodes, makes a secret (mode 0600, in ``.conveyor/job-<job id>/`` of
+the submit directory, which every node must see) unless ``--secret-file`` names one, and ``srun``s one
+``conveyor train ... --launcher slurm`` per task: task r is node r of the layout. ``--requeue``: a job Slurm
+starts again (preemption, a failed node, ``scontrol requeue``) resumes the run from its latest checkpoint
+(``--resume-if-exists``; the run is ``runs/<exp-name>-<job id>``, the same for every start of the job).
+``scancel`` sends SIGTERM to every task: the iteration in progress completes, the learner writes its final
+checkpoint and every process ends.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+
+from conveyor.cli._common import message, usage_error
+from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, train_command
+
+__all__ = ["register", "run", "script"]
+
+_TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
+_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def register(commands: "argparse._SubParsersAction") -> None:
+    """Add the ``slurm-script`` subcommand."""
+    parser = commands.add_parser("slurm-script", help="print an sbatch script training an entry on a Slurm cluster",
+                                 description="Print an sbatch script that trains ENTRY with one Slurm task per node "
+                                             "(1 learner + C collectors + M evaluators); submit it with "
+                                             "`sbatch script.sh` from a directory every node sees.")
+    add_job_arguments(parser)
+    parser.add_argument("--nodes", type=int, required=True, metavar="N", help="hosts the tasks are spread over")
+    parser.add_argument("--gpus-per-learner", type=int, default=0, metavar="G",
+                        help="GPUs for the learner (--gres=gpu:G on every host; the nodes train with --device cuda)")
+    parser.add_argument("--time", default=None, metavar="HH:MM:SS", help="the job's time limit ([D-]HH:MM:SS)")
+    parser.add_argument("--partition", default=None, metavar="P", help="the Slurm partition")
+    parser.add_argument("--exp-name", default=None, metavar="NAME",
+                        help="the run's name: the same name in a new job continues that run (default: the entry's "
+                             "run name and the job id)")
+    parser.add_argument("--secret-file", default=None, metavar="F",
+                        help="a secret file every node reads (mode 0600; default: one made for the job)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the script; bad input is one line and exit code 2."""
+    try:
+        text = script(args)
+    except ValueError as exc:
+        return usage_error(message(exc))
+    print(text, end="")
+    return 0
+
+
+def script(args: argparse.Namespace) -> str:
+    """The sbatch script of ``args``; ValueError with one line for bad input."""
+    from conveyor.schema import ConfigError
+    from conveyor.zoo.run import check_exp_name
+
+    layout = checked_layout(args)
+    tasks = layout.n_nodes
+    if not 1 <= args.nodes <= tasks:
+        raise ConfigError(f"--nodes {args.nodes}: the job has {tasks} tasks (1 learner, {args.collectors} "
+                          f"collectors, {args.evaluators} evaluators), so 1..{tasks} nodes")
+    if args.gpus_per_learner < 0:
+        raise ConfigError(f"--gpus-per-learner must be >= 0, got {args.gpus_per_learner}")
+    if args.time is not None and not _TIME.match(args.time):
+        raise ConfigError(f"--time {args.time!r}: expected HH:MM:SS or D-HH:MM:SS, e.g. 02:00:00")
+    if args.partition is not None and not _NAME.match(args.partition):
+        raise ConfigError(f"--partition {args.partition!r}: expected a partition name (letters, digits, . _ -)")
+    if args.exp_name is not None:
+        check_exp_name(args.exp_name)
+        if not _NAME.match(args.exp_name):
+            raise ConfigError(f"--exp-name {args.exp_name!r}: use letters, digits, '.', '_' and '-' in a job's run")
+    base = default_exp_name(args.entry)
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={_job_name(base)}", f"#SBATCH --nodes={args.nodes}",
+             f"#SBATCH --ntasks={tasks}", "#SBATCH --requeue"]
+    lines += [f"#SBATCH --time={args.time}"] * (args.time is not None)
+    lines += [f"#SBATCH --partition={args.partition}"] * (args.partition is not None)
+    lines += [f"#SBATCH --gres=gpu:{args.gpus_per_learner}"] * (args.gpus_per_learner > 0)
+    lines += [f"# conveyor train {args.entry}: node 0 the learner, 1..{args.collectors} collectors"
+              + (f", {args.collectors + 1}..{tasks - 1} evaluators" if args.evaluators else "") + ", one task each.",
+              "# Submit from a directory every node sees (runs/ goes there): sbatch THIS_FILE. scancel: the learner",
+              "# writes its final checkpoint (Slurm's KillWait must cover an iteration and a checkpoint); a requeued",
+              "# job resumes the run from runs/$EXP_NAME/ckpt/latest.pth.tar.",
+              "set -euo pipefail", 'cd "$SLURM_SUBMIT_DIR"',
+              f"EXP_NAME={shlex.quote(args.exp_name) if args.exp_name else _quoted(base) + '-$SLURM_JOB_ID'}"]
+    if args.secret_file is None:
+        lines += ['SECRET_FILE="$SLURM_SUBMIT_DIR/.conveyor/job-$SLURM_JOB_ID/secret"',
+                  'if [ ! -s "$SECRET_FILE" ]; then  # made once per job, kept when it is requeued',
+                  '  (umask 077 && mkdir -p "$(dirname "$SECRET_FILE")" && '
+                  'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \\n" > "$SECRET_FILE")',
+                  'fi']
+    else:
+        lines += [f"SECRET_FILE={shlex.quote(args.secret_file)}"]
+    command = train_command(args, "slurm", "$EXP_NAME", "$SECRET_FILE")
+    if args.gpus_per_learner > 0:
+        command += ["--device", "cuda"]
+    lines += ["exec srun --kill-on-bad-exit=1 " + " ".join(_word(word) for word in command)]
+    return "\n".join(lines) + "\n"
+
+
+def _job_name(base: str) -> str:
+    return "conveyor-" + re.sub(r"[^A-Za-z0-9._-]", "_", base)
+
+
+def _quoted(text: str) -> str:
+    return text if _NAME.match(text) else shlex.quote(text)
+
+
+def _word(word: str) -> str:
+    """A word of the srun line: the script's variables expanded (double quotes), anything else quoted."""
+    return f'"{word}"' if word in ("$EXP_NAME", "$SECRET_FILE") else shlex.quote(word)
