@@ -106,6 +106,19 @@ class IMPALAPolicy(PPOPolicy):
         super().__init__(cfg, model, device=device, seed=seed)
         if self.recurrent:
             raise ConfigError("IMPALAPolicy learns with a feed-forward network: give a model whose recurrent is False")
+        self._published = _PublishedWeights(self)
+        self.register_state("published", self._published)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a checkpoint; collectors act on the version that was published when it was taken (weights
+        published every few steps lag the live ones), so a resumed run acts as the uninterrupted one did."""
+        with self._learn_lock:
+            super().load_state_dict(state_dict)
+            acting, self._published.loaded = self._published.loaded, None
+            live = [t.detach().clone() for t in (*self.model.parameters(), *self.model.buffers())]
+            self._weights.load(acting)  # publishes the saved version (its weights pass through the model)
+            with torch.no_grad():
+                torch._foreach_copy_([*self.model.parameters(), *self.model.buffers()], live)
 
     def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """One gradient step on unrolls ``[B, T]`` with V-trace targets."""
@@ -164,3 +177,18 @@ class IMPALAPolicy(PPOPolicy):
             return {}
         lag = (self.version - acted).float()
         return {"charts/policy_lag": lag.mean().item(), "charts/policy_lag_max": lag.max().item()}
+
+
+class _PublishedWeights:
+    """The newest published version (``acting_state``) in a checkpoint: published every ``publish_every`` steps, it
+    lags the live weights the checkpoint's ``model`` holds."""
+
+    def __init__(self, policy: IMPALAPolicy) -> None:
+        self._policy = policy
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._policy.acting_state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loaded = dict(state)
