@@ -111,10 +111,13 @@ class IMPALAPolicy(PPOPolicy):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a checkpoint; collectors act on the version that was published when it was taken (weights
-        published every few steps lag the live ones), so a resumed run acts as the uninterrupted one did."""
+        published every few steps lag the live ones), so a resumed run acts as the uninterrupted one did. A
+        checkpoint of one version's weights (``eval_best``, whose counters name that version) acts on them."""
         with self._learn_lock:
             super().load_state_dict(state_dict)
             acting, self._published.loaded = self._published.loaded, None
+            if acting is None or int(acting["version"]) != int(state_dict["counters"].get("version", 0)):
+                return  # saved from another version than the one published then: its model weights act
             live = [t.detach().clone() for t in (*self.model.parameters(), *self.model.buffers())]
             self._weights.load(acting)  # publishes the saved version (its weights pass through the model)
             with torch.no_grad():

@@ -114,3 +114,39 @@ def test_a_checkpoint_restores_weights_optimizer_and_counters():
     assert other.train_iter == 1
     a, b = policy.learn_mode.forward(batch), other.learn_mode.forward(batch)
     assert a["losses/value"] == pytest.approx(b["losses/value"])
+
+
+def small_policy(seed):
+    return IMPALAPolicy({"model": {"obs_shape": 1, "action_shape": 2, "hidden_sizes": [8]}}, seed=seed)
+
+
+def learn_batch():
+    batch = unrolls([[1.0, 0.0]])
+    batch.obs, batch.next_obs = torch.zeros(1, 2, 1), torch.zeros(1, 2, 1)
+    return batch
+
+
+def acting_logits(policy):
+    return policy.collect_mode.snapshot().model_state_dict()["actor_head.weight"]
+
+
+def test_a_resumed_policy_acts_on_the_version_published_before_the_checkpoint_not_the_live_weights():
+    policy = small_policy(0)
+    published = policy.publish()
+    policy.learn_mode.forward(learn_batch())  # live weights move on; collectors still act on `published`
+    resumed = small_policy(1)
+    resumed.load_state_dict(policy.state_dict())
+    assert resumed.version == published
+    torch.testing.assert_close(acting_logits(resumed), acting_logits(policy))
+    torch.testing.assert_close(resumed.model.actor_head.weight, policy.model.actor_head.weight)  # learning goes on
+
+
+def test_a_checkpoint_of_an_evaluated_version_acts_on_that_version():
+    policy = small_policy(0)
+    evaluated = policy.eval_mode.snapshot()
+    policy.learn_mode.forward(learn_batch())
+    policy.publish()
+    loaded = small_policy(1)
+    loaded.load_state_dict(evaluated.state_dict())
+    assert loaded.version == evaluated.version
+    torch.testing.assert_close(acting_logits(loaded), evaluated.state_dict()["model"]["actor_head.weight"])
