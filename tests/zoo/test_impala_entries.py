@@ -39,7 +39,7 @@ def policy_lags(run_dir):
 
 
 def test_one_process_run_acts_on_the_newest_weights_and_logs_a_policy_lag_of_zero(in_tmp):
-    ctx = load_entry(ENTRY).main(small(), exp_name="sync", max_env_step=640, progress=False)
+    ctx = load_entry(ENTRY).main(small(), exp_name="sync", max_env_step=640, progress=False, no_stop=True)
     assert ctx.env_step >= 640 and ctx.train_iter == ctx.env_step // 64 and ctx.last_eval_value is not None
     run = in_tmp / "runs" / "sync"
     assert (run / "ckpt" / "final.pth.tar").is_file()
@@ -49,7 +49,7 @@ def test_one_process_run_acts_on_the_newest_weights_and_logs_a_policy_lag_of_zer
 
 def test_async_run_collects_while_the_learner_steps_and_logs_the_policy_lag(in_tmp):
     ctx = load_entry(ENTRY).main(small(batch_size=1, publish_every=1), exp_name="async", max_env_step=2560,
-                                 async_mode=True, progress=False)
+                                 async_mode=True, progress=False, no_stop=True)
     assert ctx.env_step >= 2560 and ctx.train_iter > 100
     lags = policy_lags(in_tmp / "runs" / "async")
     assert lags and all(lag >= 0.0 for lag in lags)
@@ -58,7 +58,7 @@ def test_async_run_collects_while_the_learner_steps_and_logs_the_policy_lag(in_t
 def test_distributed_learner_batches_unrolls_of_both_collectors_and_logs_the_policy_lag(in_tmp):
     cfg = small(batch_size=1)  # a step per unroll: past the logger's 100 steps between training scalars
     run = train_distributed(ENTRY, collectors=2, evaluators=1, cfg=cfg, exp_name="dist", max_env_step=2560,
-                            progress=False)
+                            progress=False, no_stop=True)
     learner = [n for n in run.nodes if n["role"] == "learner"][0]
     collectors = [n for n in run.nodes if n["role"] == "collector"]
     assert learner["env_step"] >= 2560 and learner["train_iter"] > 0 and run.last_eval_value is not None
