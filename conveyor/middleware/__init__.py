@@ -13,11 +13,12 @@ from conveyor.middleware.logger import offline_logger, online_logger, progress_b
 from conveyor.middleware.offline import EpisodeRecorder, OfflineDataFetcher, episode_recorder, offline_data_fetcher
 from conveyor.middleware.termination import termination_checker
 from conveyor.middleware.trainer import MultistepTrainer, Trainer, multistep_trainer, trainer
+from conveyor.middleware.unrolls import UnrollLearner, unroll_cutter, unroll_learner
 
 __all__ = ["Barrier", "EpisodeRecorder", "OfflineDataFetcher", "episode_recorder", "offline_data_fetcher",
            "CheckpointError", "CkptSaver", "ContextExchanger", "ModelExchanger", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",
-           "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "ProcessCollector", "StepCollector", "Trainer",
+           "InteractionEvaluator", "MultistepTrainer", "NStepEnhancer", "OffPolicyLearner", "ProcessCollector", "StepCollector", "Trainer", "UnrollLearner",
            "collection_builder", "data_pusher", "eps_greedy_handler", "evaluate", "gae_estimator", "generalized_advantage",
            "interaction_evaluator", "load_checkpoint", "multistep_trainer", "nstep_returns", "nstep_reward_enhancer",
            "offline_logger", "online_logger", "progress_bar", "restore", "save_checkpoint", "termination_checker", "trainer",
-           "wandb_online_logger"]
+           "unroll_cutter", "unroll_learner", "wandb_online_logger"]

@@ -34,6 +34,7 @@ from conveyor.policy.continuous import (
 )
 from conveyor.policy.cql import CQLPolicy, DiscreteCQLPolicy, continuous_cql_penalty, discrete_cql_penalty
 from conveyor.policy.dqn import DQNPolicy
+from conveyor.policy.impala import IMPALAPolicy
 from conveyor.policy.iql import IQLModel, IQLPolicy, expectile_loss
 from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, FlattenMLP, ImpalaCNN, NatureCNN,
                                    ObsShape, QNetwork, build_encoder)
@@ -42,6 +43,7 @@ from conveyor.policy.ppo import PPOPolicy
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
 from conveyor.policy.td3 import TD3Policy
+from conveyor.policy.vtrace import VTrace, vtrace
 
 __all__ = [
     "Policy",
@@ -70,6 +72,9 @@ __all__ = [
     "ImpalaCNN",
     "QNetwork",
     "PPOPolicy",
+    "IMPALAPolicy",
+    "vtrace",
+    "VTrace",
     "ActorCritic",
     "ActorCriticCollectMode",
     "ActorCriticLearnMode",

@@ -150,18 +150,23 @@ class PPOPolicy(Policy):
     def check_config(cls, cfg: Mapping[str, Any], observation_space: Any, action_space: Any) -> None:
         """The action distribution fits the env's action space, and a minibatch fits in one rollout."""
         policy = cfg["policy"]
-        head = policy["model"]["action_space"]
+        cls._check_action_head(cfg, action_space)
+        batch_size, n_sample = policy["learn"]["batch_size"], policy["collect"]["n_sample"]
+        if batch_size > n_sample:
+            raise ConfigError(f"config key 'policy.learn.batch_size' ({batch_size}) is larger than the "
+                              f"{n_sample} transitions collected per rollout (policy.collect.n_sample): lower "
+                              f"batch_size or raise n_sample")
+
+    @classmethod
+    def _check_action_head(cls, cfg: Mapping[str, Any], action_space: Any) -> None:
+        """``policy.model.action_space`` fits the env's action space (Discrete for 'discrete', else Box)."""
+        head = cfg["policy"]["model"]["action_space"]
         if head == "discrete":
             cls._require_action_space(cfg, action_space, "Discrete", "set policy.model.action_space='gaussian' "
                                       "(or 'tanh_gaussian') for continuous actions")
         else:
             cls._require_action_space(cfg, action_space, "Box", f"policy.model.action_space='{head}' is for "
                                       "continuous actions: set it to 'discrete'")
-        batch_size, n_sample = policy["learn"]["batch_size"], policy["collect"]["n_sample"]
-        if batch_size > n_sample:
-            raise ConfigError(f"config key 'policy.learn.batch_size' ({batch_size}) is larger than the "
-                              f"{n_sample} transitions collected per rollout (policy.collect.n_sample): lower "
-                              f"batch_size or raise n_sample")
 
     @classmethod
     def build_model(cls, model_cfg: Mapping[str, Any]) -> nn.Module:

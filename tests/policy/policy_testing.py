@@ -20,6 +20,27 @@ class TableQ(nn.Module):
         return self.table[obs.long()]
 
 
+class TableActorCritic(nn.Module):
+    """Logits and values looked up by integer state: ``forward(obs[B]) -> (logits[obs], values[obs], None)``."""
+
+    recurrent = False
+
+    def __init__(self, logits, values):
+        super().__init__()
+        self.logits = nn.Parameter(torch.tensor(logits, dtype=torch.float32))
+        self.values = nn.Parameter(torch.tensor(values, dtype=torch.float32))
+
+    def forward(self, obs, hidden=None):
+        s = obs.long()
+        return self.logits[s], self.values[s], None
+
+    def actor(self, obs):
+        return self.logits[obs.long()]
+
+    def value(self, obs, hidden=None):
+        return self.values[obs.long()]
+
+
 def transitions(**fields) -> ttorch.Tensor:
     """A batch tree from lists: ints for ``obs``/``next_obs``/``action``, floats, bools."""
     out = {}

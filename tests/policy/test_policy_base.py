@@ -206,6 +206,7 @@ print(acted, 'torch._dynamo' in sys.modules)
 
 
 @pytest.mark.parametrize("entry, cls, obs_dim", [("cartpole.dqn", "DQNPolicy", 4), ("cartpole.ppo", "PPOPolicy", 4),
+                                                 ("cartpole.impala", "IMPALAPolicy", 4),
                                                  ("pendulum.sac", "SACPolicy", 3), ("pendulum.iql", "IQLPolicy", 3),
                                                  ("pendulum.td3", "TD3Policy", 3)])
 def test_a_policy_that_only_acts_makes_no_optimizer_so_never_imports_torch_dynamo(entry, cls, obs_dim):

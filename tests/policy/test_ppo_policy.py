@@ -7,31 +7,10 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
-from torch import nn
 
 from conveyor.policy import PPOPolicy
 from conveyor.schema import ConfigError
-
-
-class TableActorCritic(nn.Module):
-    """Logits and values looked up by integer state: ``forward(obs[B]) -> (logits[obs], values[obs], None)``."""
-
-    recurrent = False
-
-    def __init__(self, logits, values):
-        super().__init__()
-        self.logits = nn.Parameter(torch.tensor(logits, dtype=torch.float32))
-        self.values = nn.Parameter(torch.tensor(values, dtype=torch.float32))
-
-    def forward(self, obs, hidden=None):
-        s = obs.long()
-        return self.logits[s], self.values[s], None
-
-    def actor(self, obs):
-        return self.logits[obs.long()]
-
-    def value(self, obs, hidden=None):
-        return self.values[obs.long()]
+from policy_testing import TableActorCritic
 
 
 def table_policy(logits=((0.0, 0.0),), values=(0.0,), **learn):

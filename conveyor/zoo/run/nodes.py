@@ -15,8 +15,8 @@ the middleware of the other roles, and ``run.env(kind)`` starts only the envs th
 - collector: its share of the collection (``collector_env_num`` and ``n_sample`` divided by N, rounded up,
   so the collectors together bring per learner iteration what one process would collect), seed + node id.
   A collector runs at most ``COLLECTOR_LEAD`` iterations per learner iteration (collection overlaps
-  training without taking the learner's CPU); on-policy entries (no replay buffer) collect each batch on
-  the newest weights (``max_staleness=0``).
+  training without taking the learner's CPU); on-policy entries (no replay buffer, unless the policy class says
+  ``learns_on_policy = False``, as IMPALA's does) collect each batch on the newest weights (``max_staleness=0``).
 - evaluator: waits until the learner's counters move, then evaluates as the entry does (on the learner's
   ``env_step`` and ``train_iter``, and the first evaluator with the run's seed, so on the episodes one
   process evaluates on); its results reach the learner, whose saver writes ``eval_best`` with the

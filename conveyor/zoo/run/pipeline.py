@@ -129,7 +129,8 @@ class Run:
         if self._collector is not None:  # the collector-role middleware run in the collector process
             task.add_role(Role.LEARNER).add_role(Role.EVALUATOR)
         if self._distributed:
-            self._clock = use_node_links(self.policy, self.run_dir, on_policy="replay_buffer" not in cfg.policy.other)
+            on_policy = getattr(self._policy_cls, "learns_on_policy", "replay_buffer" not in cfg.policy.other)
+            self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy)
 
     def _check_options(self) -> None:
         if self._distributed and self._async:

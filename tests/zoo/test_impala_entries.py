@@ -1,0 +1,94 @@
+"""cartpole/impala: one process, async and distributed from the same entry, policy lag logged, exact resume, and
+a run that solves CartPole."""
+import copy
+
+import pytest
+
+from conveyor.cli import main as cli_main
+from conveyor.middleware import load_checkpoint
+from conveyor.zoo import load_entry
+from conveyor.zoo.run import train_distributed
+from tests.middleware.test_logger import read_scalars
+
+from .resume_bar import differences, train
+
+ENTRY = "cartpole/impala"
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def small(**learn):
+    """The entry's config with fewer envs and episodes, evaluating often, logging every step."""
+    cfg = copy.deepcopy(load_entry(ENTRY).main_config)
+    cfg.env.collector_env_num = 4
+    cfg.env.evaluator_env_num = 2
+    cfg.env.n_evaluator_episode = 2
+    cfg.policy.collect.n_sample = 64  # 4 unrolls of 16 steps per call
+    cfg.policy.learn.batch_size = 4
+    cfg.policy.eval.evaluator.eval_freq = 4
+    cfg.policy.learn.update(learn)
+    return cfg
+
+
+def policy_lags(run_dir):
+    return [value for tag, _, value in read_scalars(run_dir / "tb") if tag == "charts/policy_lag"]
+
+
+def test_one_process_run_acts_on_the_newest_weights_and_logs_a_policy_lag_of_zero(in_tmp):
+    ctx = load_entry(ENTRY).main(small(), exp_name="sync", max_env_step=640, progress=False, no_stop=True)
+    assert ctx.env_step >= 640 and ctx.train_iter == ctx.env_step // 64 and ctx.last_eval_value is not None
+    run = in_tmp / "runs" / "sync"
+    assert (run / "ckpt" / "final.pth.tar").is_file()
+    lags = policy_lags(run)
+    assert lags and all(lag == 0.0 for lag in lags)  # collection waits for each batch's learning: never stale
+
+
+def test_async_run_collects_while_the_learner_steps_and_logs_the_policy_lag(in_tmp):
+    ctx = load_entry(ENTRY).main(small(batch_size=1, publish_every=1), exp_name="async", max_env_step=2560,
+                                 async_mode=True, progress=False, no_stop=True)
+    assert ctx.env_step >= 2560 and ctx.train_iter > 100
+    lags = policy_lags(in_tmp / "runs" / "async")
+    assert lags and all(lag >= 0.0 for lag in lags)
+
+
+def test_distributed_learner_batches_unrolls_of_both_collectors_and_logs_the_policy_lag(in_tmp):
+    cfg = small(batch_size=1)  # a step per unroll: past the logger's 100 steps between training scalars
+    run = train_distributed(ENTRY, collectors=2, evaluators=1, cfg=cfg, exp_name="dist", max_env_step=2560,
+                            progress=False, no_stop=True)
+    learner = [n for n in run.nodes if n["role"] == "learner"][0]
+    collectors = [n for n in run.nodes if n["role"] == "collector"]
+    assert learner["env_step"] >= 2560 and learner["train_iter"] > 0 and run.last_eval_value is not None
+    assert len(collectors) == 2 and all(c["collected"] > 0 for c in collectors)
+    lags = policy_lags(in_tmp / "runs" / "dist")
+    assert lags and all(lag >= 0.0 for lag in lags)
+
+
+def test_cli_trains_the_entry_distributed(in_tmp, capsys):
+    assert cli_main(["train", ENTRY, "--collectors", "2", "--exp-name", "cli", "--max-env-step", "1024",
+                     "--no-progress"]) == 0
+    assert (in_tmp / "runs" / "cli" / "ckpt" / "final.pth.tar").is_file()
+
+
+@pytest.mark.slow
+def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp):
+    common = (ENTRY, "--seed", "3", "--set", "policy.learn.batch_size=6")  # unrolls left queued across calls
+    straight = train(in_tmp, *common, "--exp-name", "straight", "--max-env-step", "2048")
+    first = train(in_tmp, *common, "--exp-name", "split", "--max-env-step", "1024")
+    second = train(in_tmp, ENTRY, "--exp-name", "split", "--resume", "--max-env-step", "2048")
+    assert straight.returncode == first.returncode == second.returncode == 0, second.stderr
+    a = load_checkpoint(in_tmp / "runs" / "straight" / "ckpt" / "final.pth.tar")
+    b = load_checkpoint(in_tmp / "runs" / "split" / "ckpt" / "final.pth.tar")
+    assert a["ctx"]["env_step"] >= 2048 and a["ctx"]["train_iter"] > 0
+    assert differences(a, b) == []
+
+
+@pytest.mark.slow
+def test_impala_solves_cartpole(in_tmp):
+    cfg = copy.deepcopy(load_entry(ENTRY).main_config)
+    cfg.policy.eval.evaluator.eval_env_step_freq = 2000
+    ctx = load_entry(ENTRY).main(cfg, exp_name="learns", seed=0, max_env_step=100_000, progress=False)
+    assert ctx.last_eval_value >= 475, ctx.last_eval_value
