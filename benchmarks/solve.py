@@ -65,9 +65,9 @@ def parse_layout(text: str) -> Tuple[int, int]:
         learners, collectors, evaluators = (int(part) for part in text.split(","))
     except ValueError:
         raise SystemExit(f"--distributed expects 1,C,E (learners, collectors, evaluators), got {text!r}") from None
-    if learners != 1 or collectors < 1 or evaluators < 1:
-        raise SystemExit(f"--distributed {text}: one learner, at least one collector and one evaluator (it "
-                         f"decides when the env is solved)")
+    if learners != 1 or collectors < 1 or evaluators < 0:
+        raise SystemExit(f"--distributed {text}: one learner, at least one collector, any number of evaluators "
+                         f"(with none the learner evaluates)")
     return collectors, evaluators
 
 

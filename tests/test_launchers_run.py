@@ -128,7 +128,7 @@ def test_the_slurm_script_trains_to_its_final_checkpoint_and_a_requeued_job_resu
     run_dir = tmp_path / "runs" / "cartpole_dqn-101"
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
     roles = [row["roles"] for row in json.loads((run_dir / "nodes.json").read_text())]
-    assert roles == [["learner"], ["collector"], ["collector"]]
+    assert roles == [["evaluator", "learner"], ["collector"], ["collector"]]  # no evaluator node: the learner evaluates
     secret = tmp_path / ".conveyor" / "job-101" / "secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_bytes()) == 64
     first = secret.read_bytes()

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--collectors", type=int, default=None, metavar="N",
                        help="train with 1 learner and N collector processes (node 0 learns, 1..N collect)")
     group.add_argument("--evaluators", type=int, default=0, metavar="M",
-                       help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0)")
+                       help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0: the learner evaluates)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="local",
                        help="local: start the nodes here (default); slurm: this srun task is the node of its rank "
                             "(SLURM_PROCID); kubernetes: this pod of an indexed Job is (JOB_COMPLETION_INDEX)")

@@ -23,7 +23,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collectors", type=int, required=True, metavar="C",
                         help="collector processes (nodes 1..C); the job has 1 + C + M nodes")
     parser.add_argument("--evaluators", type=int, default=0, metavar="M",
-                        help="evaluator processes (nodes C+1..C+M; default 0, as for conveyor train: no evaluation)")
+                        help="evaluator processes (nodes C+1..C+M; default 0, as for conveyor train: the learner evaluates)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to conveyor train: override one config value (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="passed to conveyor train (default: the entry's)")

@@ -1,5 +1,6 @@
 """Distributed zoo runs: 1 learner, collectors and evaluators as processes; nodes.json, resume, the CLI's flags."""
 import contextlib
+import copy
 import inspect
 import json
 import os
@@ -16,6 +17,7 @@ from conveyor.engine import Role
 from conveyor.engine.parallel.router import Router
 from conveyor.middleware import ContextExchanger, load_checkpoint
 from conveyor.schema import ConfigError
+from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
 from tests.cli_helpers import TINY, assert_usage_error
 from tests.test_cli_task import free_ports
@@ -49,6 +51,17 @@ def test_dqn_learner_trains_on_both_collectors_and_nodes_json_names_every_worker
     final = load_checkpoint(in_tmp / "runs" / "dist" / "ckpt" / "final.pth.tar")
     assert final["ctx"]["env_step"] == run.env_step and final["ctx"]["last_eval_value"] == run.last_eval_value
     assert (in_tmp / "runs" / "dist" / "ckpt" / "eval_best.pth.tar").is_file()
+
+
+def test_without_evaluator_nodes_the_learner_evaluates_and_the_stop_value_ends_the_run(in_tmp):
+    cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
+    cfg.env.stop_value = 0.0  # the first evaluation reaches it
+    run = train_distributed("cartpole/dqn", collectors=2, cfg=cfg, exp_name="selfeval", max_env_step=10**6,
+                            progress=False)
+    assert run.last_eval_value is not None and run.env_step < 10**6
+    rows = json.loads((in_tmp / "runs" / "selfeval" / "nodes.json").read_text())
+    assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["evaluator", "learner"]), (1, ["collector"]),
+                                                          (2, ["collector"])]
 
 
 @pytest.mark.slow
@@ -185,6 +198,7 @@ def test_roles_follow_node_ids():
         layout.role(4)
     # collectors each their own env stream; the first evaluator the run's seed, so the episodes one process evaluates on
     assert [Layout(2, 2).seed_offset(i) for i in range(5)] == [0, 1, 2, 0, 1]
+    assert Layout(2).roles(0) == [Role.LEARNER, Role.EVALUATOR] and Layout(2, 1).roles(0) == [Role.LEARNER]
     with pytest.raises(ConfigError, match="--collectors 0"):
         Layout(collectors=0)
 

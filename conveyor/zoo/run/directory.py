@@ -121,8 +121,9 @@ def check_layout(run_dir: Path, distributed: bool) -> None:
         raise RunDirError(f"cannot resume '{run_dir.name}' as a distributed run: it was trained in one process "
                           f"({run_dir} has no {NODES_FILE}); resume it without --collectors and --evaluators")
     try:
-        roles = [role for row in json.loads(nodes.read_text()) for role in row["roles"]]
-        collectors, evaluators = roles.count("collector"), roles.count("evaluator")
+        rows = [row["roles"] for row in json.loads(nodes.read_text())]
+        collectors = sum("collector" in roles for roles in rows)
+        evaluators = sum(roles == ["evaluator"] for roles in rows)  # the learner also evaluates when none does
         flags = f"--collectors {collectors}" + (f" --evaluators {evaluators}" if evaluators else "")
         layout = f"1 learner and {collectors} collector{'s' * (collectors != 1)}" + \
             (f" and {evaluators} evaluator{'s' * (evaluators != 1)}" if evaluators else "")

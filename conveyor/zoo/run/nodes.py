@@ -51,7 +51,9 @@ def is_offline(config: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """Which node does what: node 0 learns, nodes ``1..collectors`` collect, the next ``evaluators`` evaluate."""
+    """Which node does what: node 0 learns, nodes ``1..collectors`` collect, the next ``evaluators`` evaluate; with
+    no evaluator nodes the learner evaluates too (between its updates, as in one process), so ``stop_value`` still
+    ends the run."""
 
     collectors: int
     evaluators: int = 0
@@ -74,6 +76,11 @@ class Layout:
         if node_id == 0:
             return Role.LEARNER
         return Role.COLLECTOR if node_id <= self.collectors else Role.EVALUATOR
+
+    def roles(self, node_id: int) -> List[Role]:
+        """The roles node ``node_id`` takes: :meth:`role`, and the learner also evaluates when no node does."""
+        role = self.role(node_id)
+        return [role, Role.EVALUATOR] if role is Role.LEARNER and self.evaluators == 0 else [role]
 
     def seed_offset(self, node_id: int) -> int:
         """What node ``node_id`` adds to the run's seed: a collector its node id (each its own env stream), the
@@ -174,7 +181,8 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
         seed = (seed if seed is not None else (options["cfg"] or entry.main_config).get("seed", 0)) + offset
     _node = node = Node(layout, options["auto_recover"])
     restarted_learner = role is Role.LEARNER and task.router.restarts > 0  # auto_recover: go on where it died
-    task.add_role(role)  # kept through main()'s `with task.start()`, cleared when it exits
+    for taken in layout.roles(node_id):
+        task.add_role(taken)  # kept through main()'s `with task.start()`, cleared when it exits
     try:
         ctx = entry.main(options["cfg"], seed=seed, exp_name=options["exp_name"], max_env_step=options["max_env_step"],
                          max_train_iter=options["max_train_iter"], resume=options["resume"] or restarted_learner,
