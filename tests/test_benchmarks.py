@@ -24,6 +24,8 @@ CASES = {
                        {"entry", "final_returns", "mean_final_return", "final_train_returns"}),
     "mujoco_throughput": (["--quick"], {"sac_vs_sb3", "ours_steps_per_s"}),
     "atari_throughput": (["--quick"], {"ppo_vs_sb3", "collector_vs_envpool", "collector_vs_gym_vector"}),
+    "atari_learning": (["--quick"], {"ours_final_train_returns", "sb3_final_train_returns", "ratio",
+                                     "seeds_at_or_above"}),
     "transport": (["--quick"], {"ratio_1k", "ratio_64k", "ratio_1m"}),
     "process_start": (["--pairs", "1", "--workers", "2"], {"zygote_ready_s", "forkserver_ready_s", "ready_ratio",
                                                             "total_ratio"}),

@@ -1,0 +1,147 @@
+"""PPO on Breakout against Stable-Baselines3 over the same agent-step budget: what each has learned at the end.
+
+Per seed, each side trains from scratch in a fresh interpreter, one after the other, on one torch thread:
+
+- ours: the ``atari/ppo`` zoo entry as it ships (``benchmarks/learning_curve.py``'s ``run_seed``: no early stop,
+  one evaluation at the end), with any ``--set KEY=VALUE`` on top;
+- SB3: ``PPO("CnnPolicy")`` on ``make_atari_env`` + ``VecFrameStack(4)`` (ALE v5, frame skip 4, sticky actions
+  0.25, life loss ends training episodes, clipped rewards) with the entry's hyperparameters: 8 envs x 128 steps,
+  4 epochs of 256-transition minibatches, clip 0.1, entropy 0.01, value 0.5, gradient norm 0.5, gamma 0.99,
+  GAE 0.95, and Adam 2.5e-4 annealed linearly over 10M agent steps as the entry does (so nearly constant over a
+  250k budget).
+
+The figure compared is the mean return of the last 20 full-game training episodes of each run (unclipped: SB3's
+``Monitor`` sits inside its Atari wrappers, ours counts whole games), the issue's bar being ours at or above
+SB3's on the same seeds. Prints a table and ends with one JSON line (``ours_final_train_returns``,
+``sb3_final_train_returns``, their means, ``ratio`` = ours / SB3 of the means, ``seeds_at_or_above``, walls).
+SB3 is pip-installed into this interpreter when missing.
+
+    python benchmarks/atari_learning.py --seeds 3 --first-seed 1        # 250k agent steps a run: hours on CPU
+    python benchmarks/atari_learning.py --quick                         # ours only, 1 seed, 2048 agent steps
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Dict, List
+
+from _peers import ensure_package, run_worker, scratch_dir
+
+ENTRY = "atari/ppo"
+TRAIN_EPISODES = 20
+"""Full-game training episodes averaged at the end of each run (as learning_curve.py's ``final_train_returns``)."""
+
+
+def ours(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
+    """The entry for ``budget`` agent steps; the mean of its last full-game training episodes."""
+    import torch
+
+    from conveyor.zoo import load_entry
+    from learning_curve import run_seed
+
+    torch.set_num_threads(1)
+    entry = load_entry(ENTRY)
+    with scratch_dir():
+        run = run_seed(entry, seed, budget, eval_every=budget, n_episode=entry.main_config.env.evaluator_env_num,
+                       overrides=overrides)
+    return {"side": "ours", "seed": seed, "final_train_return": run["final_train_return"],
+            "train_episodes": run["train_episodes"], "wall_s": run["wall_s"]}
+
+
+def sb3(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
+    """SB3's PPO with the entry's hyperparameters (``overrides`` applied to them) for ``budget`` agent steps."""
+    import ale_py
+    import gymnasium as gym
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_atari_env
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    from conveyor.config import apply_overrides
+    from conveyor.zoo import load_entry
+
+    gym.register_envs(ale_py)
+    torch.set_num_threads(1)
+    cfg = apply_overrides(load_entry(ENTRY).main_config, overrides)
+    learn, envs = cfg.policy.learn, cfg.env.collector_env_num
+    returns: List[float] = []
+
+    class Games(BaseCallback):
+        def _on_step(self) -> bool:
+            returns.extend(info["episode"]["r"] for info in self.locals["infos"] if "episode" in info)
+            return True
+
+    def lr(progress_remaining: float) -> float:  # the entry's linear anneal over lr_anneal_steps agent steps
+        done = (1.0 - progress_remaining) * budget
+        return learn.learning_rate * max(0.0, 1.0 - done / learn.lr_anneal_steps)
+
+    venv = VecFrameStack(make_atari_env(cfg.env.env_id, n_envs=envs, seed=seed,
+                                        env_kwargs=dict(frameskip=1, repeat_action_probability=0.25)), n_stack=4)
+    model = PPO("CnnPolicy", venv, n_steps=cfg.policy.collect.n_sample // envs, batch_size=learn.batch_size,
+                n_epochs=learn.epoch_per_collect, learning_rate=lr, gamma=cfg.policy.discount_factor,
+                gae_lambda=cfg.policy.gae_lambda, clip_range=learn.clip_ratio, ent_coef=learn.entropy_coef,
+                vf_coef=learn.value_coef, max_grad_norm=learn.grad_clip, seed=seed, device="cpu")
+    start = time.perf_counter()
+    model.learn(total_timesteps=budget, callback=Games())
+    wall = time.perf_counter() - start
+    last = returns[-TRAIN_EPISODES:]
+    return {"side": "sb3", "seed": seed, "final_train_return": statistics.fmean(last) if last else None,
+            "train_episodes": len(returns), "wall_s": round(wall, 1)}
+
+
+SIDES = {"ours": ours, "sb3": sb3}
+
+
+def _cell(value: Any, width: int) -> str:
+    return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=1, help="seeds run are first-seed, first-seed + 1, ...")
+    parser.add_argument("--max-env-step", type=int, default=250_000, help="agent steps per run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value of both sides, as `conveyor train --set` (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 2048 agent steps")
+    parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    budget = 2048 if args.quick else args.max_env_step
+    if args.worker is not None:
+        print(json.dumps(SIDES[args.worker](args.seed, budget, args.overrides)))
+        return
+    sides = ["ours"] if args.quick else list(SIDES)  # the smoke run installs and runs no peer
+    if "sb3" in sides:
+        ensure_package("stable-baselines3", "stable_baselines3")
+    seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
+    extra = ["--max-env-step", str(budget), *(["--quick"] if args.quick else []),
+             *(word for pair in args.overrides for word in ("--set", pair))]
+    rows = {side: [run_worker(__file__, ["--worker", side, "--seed", str(seed), *extra], timeout=6 * 3600)
+                   if side in sides else {"seed": seed, "final_train_return": None, "wall_s": None}
+                   for seed in seeds] for side in SIDES}
+
+    print(f"{ENTRY} on Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game "
+          f"training episodes")
+    print(f"{'seed':>5} {'ours':>9} {'SB3':>9} {'ours wall s':>12} {'SB3 wall s':>11}")
+    for a, b in zip(rows["ours"], rows["sb3"]):
+        print(f"{a['seed']:>5} {_cell(a['final_train_return'], 9)} {_cell(b['final_train_return'], 9)} "
+              f"{_cell(a['wall_s'], 12)} {_cell(b['wall_s'], 11)}")
+    finals = {side: [r["final_train_return"] for r in rows[side]] for side in SIDES}
+    means = {side: statistics.fmean(v) if None not in v else None for side, v in finals.items()}
+    summary = {"entry": ENTRY, "max_env_step": budget, "seeds": seeds, "overrides": args.overrides,
+               "ours_final_train_returns": finals["ours"], "sb3_final_train_returns": finals["sb3"],
+               "ours_mean": means["ours"], "sb3_mean": means["sb3"],
+               "ratio": round(means["ours"] / means["sb3"], 3) if means["ours"] and means["sb3"] else None,
+               "seeds_at_or_above": sum(a is not None and b is not None and a >= b
+                                        for a, b in zip(finals["ours"], finals["sb3"])),
+               "ours_wall_s": [r["wall_s"] for r in rows["ours"]], "sb3_wall_s": [r["wall_s"] for r in rows["sb3"]]}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
