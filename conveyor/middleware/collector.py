@@ -59,12 +59,13 @@ class StepCollector:
         return f"StepCollector(envs={self._env.env_num}, steps_per_call={self._steps})"
 
     def state_dict(self) -> Dict[str, Any]:
-        """The env manager's state (envs, current observations, episode bookkeeping); None before the first call."""
-        return {"env": None if self._obs is None else self._env.state_dict()}
+        """The env manager's state (envs, current observations, episode bookkeeping; None before the first call)
+        and the acting view's (a recurrent policy's hidden state per env, its exploration generator)."""
+        return {"env": None if self._obs is None else self._env.state_dict(), "policy": _acting_state(self._policy)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Go on from :meth:`state_dict`: the envs continue their episodes (reseeded where they do not pickle)."""
-        restored = _restore_envs(self._env, self._policy, state["env"])
+        restored = _restore_envs(self._env, self._policy, state)
         self._obs = None if restored is None else restored.obs
 
     def __call__(self, ctx: OnlineRLContext) -> None:
@@ -156,14 +157,14 @@ class EpisodeCollector:
 
     def state_dict(self) -> Dict[str, Any]:
         """The env manager's state, the episodes still running and the finished ones not handed out yet."""
-        return {"env": None if self._obs is None else self._env.state_dict(),
+        return {"env": None if self._obs is None else self._env.state_dict(), "policy": _acting_state(self._policy),
                 "running": self._running, "finished": self._finished}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Go on from :meth:`state_dict`; the running episode of an env that had to be reseeded is dropped."""
         self._running = [list(rows) for rows in state["running"]]
         self._finished = list(state["finished"])
-        restored = _restore_envs(self._env, self._policy, state["env"])
+        restored = _restore_envs(self._env, self._policy, state)
         self._obs = None if restored is None else restored.obs
         for i in [] if restored is None else restored.reseeded:
             self._running[i] = []
@@ -206,12 +207,21 @@ class EpisodeCollector:
         ctx.env_episode += len(finished)
 
 
-def _restore_envs(env: Any, policy: CollectPolicy, state: Optional[Dict[str, Any]]) -> Any:
-    """Load an env manager's state (None: not started, the envs begin with a reset at the next call); the
-    policy's per-env state is reset where an env had to be reseeded. Returns the manager's ``Restored``."""
-    if state is None:
+def _acting_state(policy: CollectPolicy) -> Optional[Dict[str, Any]]:
+    """The acting view's state where it has one (``collect_mode``: per-env memory and exploration generator)."""
+    return policy.state_dict() if callable(getattr(policy, "state_dict", None)) else None
+
+
+def _restore_envs(env: Any, policy: CollectPolicy, state: Dict[str, Any]) -> Any:
+    """Load a collector's state: the acting view's, then the env manager's (None: not started, the envs begin with a
+    reset at the next call); the policy's per-env state is reset where an env had to be reseeded. Returns the
+    manager's ``Restored``."""
+    acting = state.get("policy")  # absent from checkpoints saved before collectors kept it
+    if acting is not None and callable(getattr(policy, "load_state_dict", None)):
+        policy.load_state_dict(acting)
+    if state["env"] is None:
         return None
-    restored = env.load_state_dict(state)
+    restored = env.load_state_dict(state["env"])
     if restored.reseeded:
         policy.reset(restored.reseeded)
     return restored

@@ -32,6 +32,7 @@ def in_tmp(tmp_path, monkeypatch):
 @pytest.mark.parametrize("entry, n, options", [
     ("cartpole/dqn", 768, ()), ("cartpole/ppo", 1024, ()),
     ("pendulum/sac", 1104, ("--set", "policy.model.hidden_sizes=[32,32]")),  # exactness, not width, is under test
+    ("cartpole_masked/ppo_gru", 1024, ()),  # mid-episode at the split: the GRU's hidden state must carry over
 ])
 def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, entry, n, options):
     straight = train(in_tmp, entry, *options, "--seed", "3", "--exp-name", "straight", "--max-env-step", str(2 * n))
