@@ -121,6 +121,8 @@ def test_overwrite_generates_again_with_the_new_request(tmp_path, monkeypatch):
      ["--env go with --d4rl only"]),
     (["collect", "mujoco/sac", "--d4rl", "medium", "--ckpt", "x"], ["--ckpt do not apply"]),
     (["collect", "cartpole/dqn", "--d4rl", "medium"], ["come from a run of mujoco/sac"]),
+    (["collect", "mujoco/sac", "--d4rl", "medium", "--noise", "-1"], ["--noise must be a number >= 0"]),
+    (["collect", "mujoco/sac", "--d4rl", "medium", "--transitions", "0"], ["--transitions must be an int > 0"]),
     (["collect", "mujoco/sac", "--d4rl", "medium", "--env", "Humanoid-v5"], ["no D4RL reference score",
                                                                              "--target-return"]),
 ])

@@ -46,7 +46,7 @@ def register(commands: "argparse._SubParsersAction") -> None:
     collect.add_argument("--noise", type=float, default=0.0, metavar="EPS",
                          help="discrete actions: probability of a random action; continuous: Gaussian std as a "
                               "fraction of the action range (default 0: the greedy policy)")
-    collect.add_argument("--seed", type=int, default=None, help="seed of the envs and the noise (default: the run's)")
+    collect.add_argument("--seed", type=int, default=None, help="seed of the envs and the noise (default: the run's; --d4rl: of the run, default 0)")
     collect.add_argument("--dataset-id", help="Minari id (namespace/)name-v<version>, e.g. cartpole/expert-v0 (required without --d4rl)")
     collect.add_argument("--dataset-dir", default=None,
                          help="local dataset folder (default: $MINARI_DATASETS_PATH, else ~/.minari/datasets)")

@@ -32,6 +32,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+import numpy as np
+
 KINDS = ("medium", "medium-replay")
 """The dataset kinds: D4RL's names."""
 
@@ -90,6 +92,8 @@ def d4rl_dataset(entry_name: str, kind: str, env_id: str, *, seed: int = 0, max_
     for name, value in (("--transitions", transitions), ("--max-env-step", max_env_step)):
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise D4RLError(f"{name} must be an int > 0, got {value!r}")
+    if not np.isfinite(noise) or noise < 0:
+        raise D4RLError(f"--noise must be a number >= 0, got {noise!r}")
     request = {"entry": entry_name.lower(), "env_id": env_id, "seed": seed,
                "target_return": float(medium_target(env_id) if target_return is None else target_return),
                "max_env_step": DEFAULT_MAX_ENV_STEP if max_env_step is None else max_env_step,
