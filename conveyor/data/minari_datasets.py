@@ -3,6 +3,7 @@ read from a local dataset folder, written by :class:`DatasetWriter`. Nothing is 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -49,7 +50,6 @@ def _minari_data_dir(path: Path) -> Path:
 def read_metadata(path: Path) -> Dict[str, Any]:
     """The metadata of the Minari dataset in folder ``path`` (the dataset's or its ``data`` folder), as Minari
     stores it: its own keys (``dataset_id``, ``total_steps``...) and those a writer added."""
-    import json
     data_dir = _minari_data_dir(path)
     try:
         return json.loads((data_dir / "metadata.json").read_text())
