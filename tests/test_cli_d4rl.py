@@ -20,7 +20,7 @@ TINY = ["policy.model.hidden_sizes=[32]", "policy.learn.batch_size=32", "policy.
 def d4rl(kind, *extra, target="1e9", budget="400", transitions="200", seed="0"):
     sets = [arg for assignment in TINY for arg in ("--set", assignment)]
     return main(["collect", "mujoco/sac", "--d4rl", kind, "--env", "Hopper-v5", "--seed", seed, "--max-env-step",
-                 budget, "--target-return", target, "--transitions", transitions, "--dataset-dir", "datasets",
+                 budget, f"--target-return={target}", "--transitions", transitions, "--dataset-dir", "datasets",
                  "--no-progress", *sets, *extra])
 
 
@@ -133,3 +133,11 @@ def test_bad_collect_arguments_are_one_line_and_exit_2(tmp_path, monkeypatch, ca
     assert err.startswith("conveyor: error: ") and err.count("\n") == 1, err
     assert all(word in err for word in words), err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_target_the_untrained_policy_reaches_is_exit_2_and_leaves_no_dataset(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert d4rl("medium", target="-1e9") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "finished no whole episode" in err and "--target-return" in err
+    assert not list((tmp_path / "datasets").rglob("metadata.json"))

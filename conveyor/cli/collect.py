@@ -105,6 +105,7 @@ def _run_d4rl(args: argparse.Namespace) -> int:
     from conveyor.data import DatasetError, dataset_metadata
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
+    from conveyor.zoo.run import RunDirError
 
     given = [flag for flag, value in (("--ckpt", args.ckpt), ("--episodes", args.episodes),
                                       ("--dataset-id", args.dataset_id)) if value is not None]
@@ -120,7 +121,11 @@ def _run_d4rl(args: argparse.Namespace) -> int:
             overrides=args.overrides, dataset_dir=args.dataset_dir, overwrite=args.overwrite,
             progress=args.progress and sys.stdout.isatty())
         generation = dataset_metadata(path)["conveyor_generation"]
-    except (D4RLError, CollectError, DatasetError, UnknownEntryError, ConfigError, FileNotFoundError,
+    except KeyboardInterrupt as stop:  # TrainingInterrupted too: the run wrote its checkpoints, no dataset stays
+        print("conveyor: interrupted; no dataset written, the run directory stays: start again with --overwrite",
+              file=sys.stderr)
+        return 128 + getattr(stop, "signum", 2)
+    except (D4RLError, CollectError, DatasetError, UnknownEntryError, ConfigError, RunDirError, FileNotFoundError,
             FileExistsError, ImportError) as exc:
         return usage_error(message(exc))
     except OSError as exc:
