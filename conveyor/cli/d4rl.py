@@ -154,8 +154,8 @@ def _generate(request: Dict[str, Any], ids: Dict[str, str], root: Path, overwrit
         writer.close()
         if writer.episodes_written == 0:
             raise D4RLError(f"run {run_dir} finished no whole episode in {ctx.env_step} env steps (its first "
-                            f"evaluation may have reached the target already): raise --max-env-step or --target-return, with "
-                            f"--overwrite (the run directory stays)")
+                            f"evaluation may have reached the target already): raise --max-env-step or "
+                            f"--target-return, with --overwrite (the run directory stays)")
         ckpt = run_dir / "ckpt" / "eval_best.pth.tar"
         best = load_checkpoint(ckpt)["eval"]["mean"]
         generation = {"entry": request["entry"], "env_id": env_id, "seed": seed,
