@@ -20,7 +20,8 @@ Per seed, in one run, everything from scratch in a work folder (``runs/`` and ``
 Each offline row is the mean return of the run's final policy over the budget's evaluation episodes; the table
 shows every seed, the JSON line the median over seeds of the issue 9 rows and the mean over seeds of the
 ``{bc,cql,iql,behaviour}_{halfcheetah,hopper}_{m,mr}`` rows (issue 19; m = medium, mr = medium-replay).
-``fetch_ratio`` comes from benchmarks/offline_fetch.py (minibatches/s of ``offline_data_fetcher`` over direct indexing, same run).
+``fetch_ratio`` comes from benchmarks/offline_fetch.py (minibatches/s of ``offline_data_fetcher`` over direct
+indexing, same run).
 The entries' configs were tuned on seeds 0-2, so the default seeds are others (the MuJoCo entries were not
 tuned: they take the papers' settings).
 

@@ -41,13 +41,16 @@ def register(commands: "argparse._SubParsersAction") -> None:
         description="Run the policy of a checkpoint for N episodes (optionally with noise) and write them as a "
                     "Minari dataset; or, with --d4rl, train the entry and write D4RL-style datasets of that run.")
     collect.add_argument("entry", help="zoo entry whose run wrote the checkpoint, e.g. cartpole/dqn")
-    collect.add_argument("--ckpt", help="checkpoint file, e.g. runs/cartpole_dqn/ckpt/eval_best.pth.tar (required without --d4rl)")
+    collect.add_argument("--ckpt", help="checkpoint file, e.g. runs/cartpole_dqn/ckpt/eval_best.pth.tar (required "
+                                        "without --d4rl)")
     collect.add_argument("--episodes", type=int, help="number of episodes to record (required without --d4rl)")
     collect.add_argument("--noise", type=float, default=0.0, metavar="EPS",
                          help="discrete actions: probability of a random action; continuous: Gaussian std as a "
                               "fraction of the action range (default 0: the greedy policy)")
-    collect.add_argument("--seed", type=int, default=None, help="seed of the envs and the noise (default: the run's; --d4rl: of the run, default 0)")
-    collect.add_argument("--dataset-id", help="Minari id (namespace/)name-v<version>, e.g. cartpole/expert-v0 (required without --d4rl)")
+    collect.add_argument("--seed", type=int, default=None,
+                         help="seed of the envs and the noise (default: the run's; --d4rl: of the run, default 0)")
+    collect.add_argument("--dataset-id", help="Minari id (namespace/)name-v<version>, e.g. cartpole/expert-v0 "
+                                              "(required without --d4rl)")
     collect.add_argument("--dataset-dir", default=None,
                          help="local dataset folder (default: $MINARI_DATASETS_PATH, else ~/.minari/datasets)")
     collect.add_argument("--overwrite", action="store_true", help="replace a dataset of the same id")
