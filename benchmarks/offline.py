@@ -1,4 +1,5 @@
-"""Offline RL bars of issue 9: BC and CQL on CartPole datasets, CQL and IQL on a medium Pendulum dataset.
+"""Offline RL bars of issues 9 and 19: BC and CQL on CartPole datasets, CQL and IQL on a medium Pendulum dataset,
+BC, CQL and IQL on D4RL-style HalfCheetah and Hopper datasets.
 
 Per seed, in one run, everything from scratch in a work folder (``runs/`` and ``datasets/`` there):
 
@@ -9,16 +10,26 @@ Per seed, in one run, everything from scratch in a work folder (``runs/`` and ``
 4. the medium Pendulum behaviour policy: the zoo's SAC (``pendulum/sac``) trained in rounds of env steps until
    its greedy return falls in -600..-400 (else the round closest to -500), recorded with Gaussian noise of
    std 0.1 of the action range; ``behaviour_pendulum`` is the mean episode return of that dataset;
-5. ``pendulum/cql`` and ``pendulum/iql`` on it.
+5. ``pendulum/cql`` and ``pendulum/iql`` on it;
+6. per MuJoCo env (HalfCheetah-v5, Hopper-v5): ``conveyor collect mujoco/sac --d4rl`` with the seed (docs/offline.md:
+   one SAC run until its greedy return reaches a third of D4RL's expert, its whole episodes as medium-replay, its
+   best policy's ``medium_transitions`` as medium; generated once and reused from ``--d4rl-dir``), then
+   ``mujoco/bc``, ``mujoco/cql`` and ``mujoco/iql`` on each; ``behaviour_<env>_<m|mr>`` is the dataset's mean
+   episode return.
 
-Each offline row is the mean return of the run's final policy over ``--eval-episodes`` fresh episodes; the
-table shows every seed, the JSON line the median over seeds. ``fetch_ratio`` comes from
-benchmarks/offline_fetch.py (minibatches/s of ``offline_data_fetcher`` over direct indexing, same run).
-The entries' configs were tuned on seeds 0-2, so the default seeds are others.
+Each offline row is the mean return of the run's final policy over the budget's evaluation episodes; the table
+shows every seed, the JSON line the median over seeds of the issue 9 rows and the mean over seeds of the
+``{bc,cql,iql,behaviour}_{halfcheetah,hopper}_{m,mr}`` rows (issue 19; m = medium, mr = medium-replay).
+``fetch_ratio`` comes from benchmarks/offline_fetch.py (minibatches/s of ``offline_data_fetcher`` over direct
+indexing, same run).
+The entries' configs were tuned on seeds 0-2, so the default seeds are others (the MuJoCo entries were not
+tuned: they take the papers' settings).
 
-    python benchmarks/offline.py                      # seeds 3 4 5, full budgets (long: tens of minutes a seed)
+    python benchmarks/offline.py                      # seeds 3 4 5, full budgets (hours a seed: MuJoCo)
     python benchmarks/offline.py --seeds 0 --quick    # tiny budgets: checks that everything runs
     python benchmarks/offline.py --workdir /tmp/off   # keep runs and datasets
+    python benchmarks/offline.py --d4rl-dir DIR       # MuJoCo datasets there (default: the local Minari folder,
+                                                      # with --quick the work folder's datasets/)
 """
 from __future__ import annotations
 
@@ -39,8 +50,9 @@ import torch
 
 import conveyor.policy
 from conveyor.cli.collect import collect_dataset
-from conveyor.config import compile_config
-from conveyor.data import DatasetWriter, concat_datasets, load_dataset
+from conveyor.cli.d4rl import d4rl_dataset
+from conveyor.config import apply_overrides, compile_config
+from conveyor.data import DatasetWriter, concat_datasets, dataset_metadata, dataset_root, load_dataset
 from conveyor.envs import make_env_manager
 from conveyor.middleware import evaluate, load_checkpoint, restore
 from conveyor.zoo import load_entry
@@ -49,6 +61,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_fetch import measure_fetch  # noqa: E402  (a sibling benchmark script)
 
 ROWS = ("bc_expert", "cql_expert", "bc_mixed", "cql_mixed", "behaviour_pendulum", "cql_pendulum", "iql_pendulum")
+MUJOCO_ENVS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5"}
+MUJOCO_KINDS = {"m": "medium", "mr": "medium-replay"}
+MUJOCO_ROWS = tuple(f"{algo}_{env}_{kind}" for env in MUJOCO_ENVS for kind in MUJOCO_KINDS
+                    for algo in ("behaviour", "bc", "cql", "iql"))
 MEDIUM = (-600.0, -400.0)
 
 
@@ -65,12 +81,26 @@ class Budget:
     pendulum_episodes: int  # episodes in the medium dataset
     pendulum_iters: int  # gradient steps of each Pendulum offline run
     eval_episodes: int  # episodes of each final evaluation
+    mujoco_max_env_step: int  # env steps of each SAC run towards a medium MuJoCo policy at most
+    medium_transitions: int  # transitions of each MuJoCo medium dataset
+    mujoco_iters: int  # gradient steps of each MuJoCo offline run (the entries' default: 100k)
+    mujoco_eval_episodes: int  # episodes of each MuJoCo final evaluation
+    mujoco_set: tuple = ()  # config overrides of the SAC run and of the offline runs (the quick form shrinks them)
 
 
 FULL = Budget(expert_env_steps=60_000, expert_episodes=100, cartpole_iters=5000, medium_start=1500, medium_round=250,
-              medium_max=8000, pendulum_episodes=100, pendulum_iters=5000, eval_episodes=20)
+              medium_max=8000, pendulum_episodes=100, pendulum_iters=5000, eval_episodes=20,
+              mujoco_max_env_step=1_000_000, medium_transitions=100_000, mujoco_iters=100_000, mujoco_eval_episodes=10)
+TINY_MUJOCO = ("env.max_episode_steps=100", "env.evaluator_env_num=1", "env.n_evaluator_episode=1",
+               "policy.model.hidden_sizes=[32]", "policy.learn.batch_size=32")
+"""The quick form's MuJoCo runs: 100-step episodes, one evaluation episode, small networks and batches."""
 QUICK = Budget(expert_env_steps=2000, expert_episodes=4, cartpole_iters=50, medium_start=600, medium_round=300,
-               medium_max=900, pendulum_episodes=2, pendulum_iters=50, eval_episodes=2)
+               medium_max=900, pendulum_episodes=2, pendulum_iters=50, eval_episodes=2,
+               mujoco_max_env_step=400, medium_transitions=200, mujoco_iters=50, mujoco_eval_episodes=1,
+               mujoco_set=TINY_MUJOCO)
+SAC_QUICK = ("policy.learn.learning_starts=100", "policy.collect.random_collect_size=100",
+             "policy.eval.evaluator.eval_freq=64", "policy.other.replay_buffer.size=2000")
+"""The quick form's SAC run also learns after 100 env steps and evaluates every 64 gradient steps."""
 
 
 def final_return(run: Path, ckpt: str, episodes: int, seed: int) -> float:
@@ -84,14 +114,16 @@ def final_return(run: Path, ckpt: str, episodes: int, seed: int) -> float:
         return evaluate(policy.eval_mode, env, episodes, seed=seed + 7_000_000)["mean"]
 
 
-def offline_run(entry_name: str, dataset: Path, seed: int, iters: int, budget: Budget) -> float:
-    """Train ``entry_name`` on ``dataset`` for ``iters`` gradient steps; its final policy's mean return."""
+def offline_run(entry_name: str, dataset: Path, seed: int, iters: int, budget: Budget, overrides: tuple = (),
+                episodes: int = 0) -> float:
+    """Train ``entry_name`` (its config with ``overrides``) on ``dataset`` for ``iters`` gradient steps; its final
+    policy's mean return over ``episodes`` (default: the budget's ``eval_episodes``)."""
     entry = load_entry(entry_name)
-    cfg = copy.deepcopy(entry.main_config)
+    cfg = apply_overrides(copy.deepcopy(entry.main_config), overrides)
     cfg.policy.other.dataset.id = str(dataset)
-    exp_name = f"{entry_name.replace('/', '_')}_{dataset.name}_{seed}"
+    exp_name = f"{entry_name.replace('/', '_')}_{dataset.parent.name}_{dataset.name}_{seed}"
     entry.main(cfg, seed=seed, exp_name=exp_name, max_train_iter=iters, progress=False)
-    return final_return(Path("runs") / exp_name, "final.pth.tar", budget.eval_episodes, seed)
+    return final_return(Path("runs") / exp_name, "final.pth.tar", episodes or budget.eval_episodes, seed)
 
 
 def cartpole_rows(seed: int, budget: Budget, datasets: Path, notes: Dict[str, Any]) -> Dict[str, float]:
@@ -161,11 +193,35 @@ def pendulum_rows(seed: int, budget: Budget, datasets: Path, notes: Dict[str, An
     return rows
 
 
+def mujoco_rows(seed: int, budget: Budget, datasets: Path, notes: Dict[str, Any]) -> Dict[str, float]:
+    """Per MuJoCo env: the medium and medium-replay datasets of one SAC run, and BC, CQL and IQL on each."""
+    rows = {}
+    for env, env_id in MUJOCO_ENVS.items():
+        sets = (*budget.mujoco_set, f"env.env_id={env_id}")
+        sac_sets = (*budget.mujoco_set, *(SAC_QUICK if budget.mujoco_set else ()))
+        for kind, name in MUJOCO_KINDS.items():
+            path, _ = d4rl_dataset("mujoco/sac", name, env_id, seed=seed, max_env_step=budget.mujoco_max_env_step,
+                                   transitions=budget.medium_transitions, overrides=sac_sets, dataset_dir=datasets)
+            generation = dataset_metadata(path)["conveyor_generation"]
+            data = load_dataset(path)
+            notes[f"{env}_{kind}_transitions"] = len(data)
+            rows[f"behaviour_{env}_{kind}"] = float(data.episode_returns().mean())
+            for algo in ("bc", "cql", "iql"):
+                rows[f"{algo}_{env}_{kind}"] = offline_run(f"mujoco/{algo}", path, seed, budget.mujoco_iters, budget,
+                                                           sets, budget.mujoco_eval_episodes)
+        notes[f"{env}_sac_env_steps"] = generation["env_steps"]
+        notes[f"{env}_medium_greedy"] = generation["medium_eval_return"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5], help="seeds (default 3 4 5)")
     parser.add_argument("--quick", action="store_true", help="tiny budgets and one seed unless --seeds is given")
     parser.add_argument("--workdir", default=None, help="keep runs/ and datasets/ here (default: a tmp folder)")
+    parser.add_argument("--d4rl-dir", default=None,
+                        help="generate or reuse the MuJoCo datasets here (default: $MINARI_DATASETS_PATH, else "
+                             "~/.minari/datasets; with --quick: the work folder's datasets/)")
     args = parser.parse_args()
     budget = QUICK if args.quick else FULL
     seeds = args.seeds if not args.quick or "--seeds" in sys.argv else args.seeds[:1]
@@ -173,6 +229,8 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="conveyor_offline_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     home = os.getcwd()
+    d4rl_dir = (Path(args.d4rl_dir).resolve() if args.d4rl_dir else work / "datasets" if args.quick
+                else dataset_root().resolve())
     os.chdir(work)
     results: Dict[int, Dict[str, float]] = {}
     notes: Dict[int, Dict[str, Any]] = {}
@@ -181,7 +239,8 @@ def main() -> None:
             start = time.perf_counter()
             notes[seed] = {}
             results[seed] = {**cartpole_rows(seed, budget, work / "datasets", notes[seed]),
-                             **pendulum_rows(seed, budget, work / "datasets", notes[seed])}
+                             **pendulum_rows(seed, budget, work / "datasets", notes[seed]),
+                             **mujoco_rows(seed, budget, d4rl_dir, notes[seed])}
             notes[seed]["seconds"] = time.perf_counter() - start
     finally:
         os.chdir(home)
@@ -189,16 +248,18 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     fetch = measure_fetch(batches=20, repeats=3) if args.quick else measure_fetch()
 
-    print(f"{'row':<20}" + "".join(f"{f'seed {s}':>12}" for s in seeds) + f"{'median':>12}")
-    medians = {}
-    for row in ROWS:
+    print(f"{'row':<26}" + "".join(f"{f'seed {s}':>12}" for s in seeds) + f"{'median':>12}{'mean':>12}")
+    summary = {}
+    for row in (*ROWS, *MUJOCO_ROWS):
         values = [results[s][row] for s in seeds]
-        medians[row] = statistics.median(values)
-        print(f"{row:<20}" + "".join(f"{v:>12.1f}" for v in values) + f"{medians[row]:>12.1f}")
+        summary[row] = statistics.median(values) if row in ROWS else statistics.mean(values)
+        print(f"{row:<26}" + "".join(f"{v:>12.1f}" for v in values)
+              + f"{statistics.median(values):>12.1f}{statistics.mean(values):>12.1f}")
     for key in notes[seeds[0]]:
-        print(f"{key:<20}" + "".join(f"{notes[s][key]:>12.1f}" for s in seeds))
-    print(f"{'fetch_ratio':<20}{fetch['fetch_ratio']:>12.2f}")
-    print(json.dumps({**{row: round(medians[row], 1) for row in ROWS}, "fetch_ratio": round(fetch["fetch_ratio"], 3)}))
+        print(f"{key:<26}" + "".join(f"{notes[s][key]:>12.1f}" for s in seeds))
+    print(f"{'fetch_ratio':<26}{fetch['fetch_ratio']:>12.2f}")
+    print(json.dumps({**{row: round(value, 1) for row, value in summary.items()},
+                      "fetch_ratio": round(fetch["fetch_ratio"], 3)}))
 
 
 if __name__ == "__main__":

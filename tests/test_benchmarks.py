@@ -30,6 +30,10 @@ CASES = {
     "process_start": (["--pairs", "1", "--workers", "2"], {"zygote_ready_s", "forkserver_ready_s", "ready_ratio",
                                                             "total_ratio"}),
     "distributed_throughput": (["--quick"], {"one_collector_steps_per_s", "two_collectors_steps_per_s", "ratio"}),
+    "offline": (["--quick"], {"bc_expert", "cql_expert", "bc_mixed", "cql_mixed", "behaviour_pendulum", "cql_pendulum",
+                              "iql_pendulum", "fetch_ratio",
+                              *(f"{algo}_{env}_{kind}" for algo in ("bc", "cql", "iql", "behaviour")
+                                for env in ("halfcheetah", "hopper") for kind in ("m", "mr"))}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
                             {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
                              "wall_ratio_after_startup"}),

@@ -16,7 +16,7 @@ from conveyor.data.batch import (
 )
 from conveyor.data.buffer import DequeBuffer
 from conveyor.data.offline import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, concat_datasets,
-                                   dataset_root, load_dataset, save_dataset)
+                                   dataset_metadata, dataset_root, load_dataset, save_dataset)
 
 __all__ = [
     "DatasetError",
@@ -25,6 +25,7 @@ __all__ = [
     "OfflineDataset",
     "check_spaces",
     "concat_datasets",
+    "dataset_metadata",
     "dataset_root",
     "load_dataset",
     "save_dataset",

@@ -3,6 +3,7 @@ read from a local dataset folder, written by :class:`DatasetWriter`. Nothing is 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 from conveyor.data.batch import Nested, map_nested
 from conveyor.data.dataset import DatasetError, OfflineDataset, concat_nested, leaves, one_line
 
-__all__ = ["DatasetWriter", "dataset_root", "read_minari"]
+__all__ = ["DatasetWriter", "dataset_root", "read_metadata", "read_minari"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -44,6 +45,16 @@ def _minari_data_dir(path: Path) -> Path:
     if (path / "data" / "metadata.json").is_file():
         return path / "data"
     raise DatasetError(f"{path}: not a Minari dataset folder (no data/metadata.json)")
+
+
+def read_metadata(path: Path) -> Dict[str, Any]:
+    """The metadata of the Minari dataset in folder ``path`` (the dataset's or its ``data`` folder), as Minari
+    stores it: its own keys (``dataset_id``, ``total_steps``...) and those a writer added."""
+    data_dir = _minari_data_dir(path)
+    try:
+        return json.loads((data_dir / "metadata.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"cannot read the metadata of Minari dataset {data_dir}: {one_line(exc)}") from None
 
 
 def read_minari(path: Path) -> OfflineDataset:
@@ -82,14 +93,17 @@ class DatasetWriter:
     """Writes episodes as a Minari dataset ``<root>/<dataset_id>/`` (``root``: see :func:`dataset_root`).
 
     ``dataset_id`` follows Minari's ``(namespace/)name-v<version>``; an id that exists already is refused
-    unless ``overwrite``. Episodes added with :meth:`add_episode` are written every ``flush_steps``
+    unless ``overwrite``. ``metadata`` adds keys to the dataset's metadata (JSON values; Minari keeps keys it does
+    not know, and reads ``ref_min_score`` / ``ref_max_score`` for normalised scores); :meth:`update_metadata`
+    adds more later. Episodes added with :meth:`add_episode` are written every ``flush_steps``
     transitions and by :meth:`close` (also on leaving a ``with`` block); observations are stored losslessly.
     """
 
     def __init__(self, dataset_id: str, observation_space: gym.Space, action_space: gym.Space, *,
                  root: Optional[PathLike] = None, env_id: Optional[str] = None,
                  algorithm_name: Optional[str] = None, description: Optional[str] = None,
-                 overwrite: bool = False, flush_steps: int = 10_000) -> None:
+                 overwrite: bool = False, flush_steps: int = 10_000,
+                 metadata: Optional[Mapping[str, Any]] = None) -> None:
         if not isinstance(flush_steps, int) or flush_steps <= 0:
             raise ValueError(f"DatasetWriter flush_steps must be an int > 0, got {flush_steps!r}")
         minari = _minari()
@@ -113,12 +127,15 @@ class DatasetWriter:
         self._storage = MinariStorage.new(self.path / "data", observation_space=observation_space,
                                           action_space=action_space, env_spec=env_spec, data_format="hdf5",
                                           jpeg_encoding=False)
+        extra = metadata
         metadata: Dict[str, Any] = {"dataset_id": dataset_id, "minari_version": minari.__version__}
         if algorithm_name is not None:
             metadata["algorithm_name"] = algorithm_name
         if description is not None:
             metadata["description"] = description
         self._storage.update_metadata(metadata)
+        if extra:
+            self.update_metadata(extra)
         self._flush_steps = flush_steps
         self._pending: List[Any] = []
         self._pending_steps = 0
@@ -135,6 +152,20 @@ class DatasetWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def steps_added(self) -> int:
+        """Transitions of every episode added so far, written or pending."""
+        return self.steps_written + self._pending_steps
+
+    def update_metadata(self, metadata: Mapping[str, Any]) -> None:
+        """Add (or replace) keys of the dataset's metadata; Minari's own keys (``dataset_id``, the spaces...) are
+        refused with a ``ValueError``."""
+        reserved = {"dataset_id", "observation_space", "action_space", "env_spec", "data_format", "jpeg_encoding",
+                    "minari_version", "total_episodes", "total_steps"}.intersection(metadata)
+        if reserved:
+            raise ValueError(f"DatasetWriter.update_metadata: {sorted(reserved)} are Minari's own keys; use other names")
+        self._storage.update_metadata(dict(metadata))
 
     def add_episode(self, episode: Mapping[str, Any]) -> None:
         """Add one whole episode given as a batch of its transitions: ``obs``, ``action``, ``reward``,

@@ -25,11 +25,11 @@ import gymnasium as gym
 
 from conveyor.data.dataset import (FIELDS, DatasetError, OfflineDataset, check_spaces, concat_datasets, concat_nested,
                                    leaves)
-from conveyor.data.minari_datasets import DatasetWriter, dataset_root, read_minari
+from conveyor.data.minari_datasets import DatasetWriter, dataset_root, read_metadata, read_minari
 from conveyor.data.transition_files import FILE_SUFFIXES, read_transitions, save_dataset
 
 __all__ = ["OfflineDataset", "DatasetError", "DatasetWriter", "load_dataset", "save_dataset", "check_spaces",
-           "concat_datasets", "dataset_root", "concat_nested", "leaves", "FIELDS"]
+           "concat_datasets", "dataset_root", "dataset_metadata", "concat_nested", "leaves", "FIELDS"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -65,3 +65,14 @@ def load_dataset(source: Union[PathLike, OfflineDataset], *, root: Optional[Path
         raise FileNotFoundError(f"no dataset at {path} and no Minari dataset '{source}' in {root_dir} ({listing}); "
                                 f"record one with `conveyor collect ... --dataset-id {source}` (nothing is downloaded)")
     return read_minari(folder)
+
+
+def dataset_metadata(dataset_id: PathLike, *, root: Optional[PathLike] = None) -> dict:
+    """The metadata of a Minari dataset (an id in the local dataset folder, see :func:`load_dataset`, or its
+    folder's path). A missing dataset is a ``FileNotFoundError``."""
+    path = Path(dataset_id)
+    if not path.is_dir():
+        path = dataset_root(root) / dataset_id
+    if not path.is_dir():
+        raise FileNotFoundError(f"no Minari dataset '{dataset_id}' in {dataset_root(root)}")
+    return read_metadata(path)

@@ -138,7 +138,7 @@ def offline_data_fetcher(cfg: Any, dataset: Any, *, observation_space: Optional[
 _FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated")
 
 
-@declares(reads=("trajectories", "episodes"))
+@declares(reads=("trajectories", "episodes"), optional=("episodes",))  # a StepCollector writes no episodes
 class EpisodeRecorder:
     """Adds every episode a collector finishes to a :class:`DatasetWriter`, whole and as collected.
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conveyor.data import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, concat_datasets,
-                           load_dataset, save_dataset)
+                           dataset_metadata, load_dataset, save_dataset)
 
 OBS = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
 ACT = gym.spaces.Discrete(2)
@@ -65,6 +65,22 @@ def test_minari_itself_reads_what_the_writer_wrote(tmp_path, monkeypatch):
     dataset = minari.load_dataset("test/tiny-v0")
     assert (dataset.total_episodes, dataset.total_steps) == (3, 15)
     assert_same(load_dataset("test/tiny-v0"), load_dataset(tmp_path / "test" / "tiny-v0"))
+
+
+def test_metadata_a_writer_adds_is_kept_and_minari_reads_its_reference_scores(tmp_path, monkeypatch):
+    import minari
+    with DatasetWriter("test/meta-v0", OBS, ACT, root=tmp_path,
+                       metadata={"ref_min_score": -10.0, "ref_max_score": 10.0}) as writer:
+        writer.add_episode(episodes()[0])
+        writer.update_metadata({"run": {"seed": 3, "config": {"env": {"env_id": "X"}}}})
+        with pytest.raises(ValueError, match="Minari's own keys"):
+            writer.update_metadata({"total_steps": 1})
+    metadata = dataset_metadata("test/meta-v0", root=tmp_path)
+    assert metadata["run"] == {"seed": 3, "config": {"env": {"env_id": "X"}}} and metadata["total_steps"] == 5
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
+    assert minari.get_normalized_score(minari.load_dataset("test/meta-v0"), np.array([0.0])) == pytest.approx(0.5)
+    with pytest.raises(FileNotFoundError, match="no Minari dataset 'test/none-v0'"):
+        dataset_metadata("test/none-v0", root=tmp_path)
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".h5"])

@@ -10,9 +10,10 @@ from typing import Any, Mapping, Optional, Type
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import (OffPolicyLearner, StepCollector, data_pusher, interaction_evaluator,
+from conveyor.middleware import (OffPolicyLearner, StepCollector, data_pusher, episode_recorder, interaction_evaluator,
                                  nstep_reward_enhancer)
 from conveyor.policy import SACPolicy
+from conveyor.schema import ConfigError
 from conveyor.zoo.run import Run
 
 main_config = EasyDict(dict(
@@ -33,11 +34,15 @@ main_config = EasyDict(dict(
 
 
 def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
-         policy: Type[Any] = SACPolicy, **options: Any) -> OnlineRLContext:
+         policy: Type[Any] = SACPolicy, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
     """Train SAC on Pendulum; returns the final context. Other off-policy entries train this pipeline with their
-    ``defaults`` and ``policy`` (lunarlander_continuous/sac, pendulum/td3). ``options``:
-    :class:`~conveyor.zoo.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``...)."""
+    ``defaults`` and ``policy`` (lunarlander_continuous/sac, pendulum/td3). ``record``: a
+    :class:`~conveyor.data.DatasetWriter` that receives every whole episode the run collects (a medium-replay
+    dataset, ``conveyor collect --d4rl``; one process only). ``options``: :class:`~conveyor.zoo.run.Run`'s
+    (``seed``, ``exp_name``, ``max_env_step``...)."""
     defaults = main_config if defaults is None else defaults
+    if record is not None and options.get("async_mode"):
+        raise ConfigError("record: the episode recorder runs in one process; leave async_mode (--async) out")
     again = functools.partial(main, defaults=defaults, policy=policy)  # what an async run's collector process runs
     with Run(again, defaults, policy, cfg, ckpt_freq=5000, **options) as run:
         cfg, policy = run.cfg, run.policy
@@ -45,6 +50,8 @@ def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[
         task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
         task.use(StepCollector(cfg, policy.collect_mode, run.env("collector"),
                                random_collect_size=cfg.policy.collect.random_collect_size), role=task.role.COLLECTOR)
+        if record is not None:
+            task.use(episode_recorder(record), role=task.role.COLLECTOR)
         if cfg.policy.nstep > 1:
             task.use(nstep_reward_enhancer(cfg), role=task.role.COLLECTOR)
         task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
