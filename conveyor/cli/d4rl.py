@@ -118,7 +118,7 @@ def d4rl_dataset(entry_name: str, kind: str, env_id: str, *, seed: int = 0, max_
 def _generate(request: Dict[str, Any], ids: Dict[str, str], root: Path, overwrite: bool,
               progress: bool) -> Dict[str, Path]:
     """Train the generating run with the medium-replay recorder inside, then record the medium dataset."""
-    from conveyor.cli.collect import collect_dataset
+    from conveyor.cli._recording import collect_dataset
     from conveyor.config import apply_overrides, compile_config
     from conveyor.data import DatasetWriter
     from conveyor.envs import make_env_manager
