@@ -28,6 +28,7 @@ CASES = {
     "process_start": (["--pairs", "1", "--workers", "2"], {"zygote_ready_s", "forkserver_ready_s", "ready_ratio",
                                                             "total_ratio"}),
     "distributed_throughput": (["--quick"], {"one_collector_steps_per_s", "two_collectors_steps_per_s", "ratio"}),
+    "impala_throughput": (["--quick"], {"steps_per_s_1", "steps_per_s_2", "ratio", "mean_policy_lag"}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
                             {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
                              "wall_ratio_after_startup"}),
