@@ -5,15 +5,15 @@
 
 Trains the pipeline of cartpole/impala (docs/impala.md) with atari/ppo's envs: 8 envs, a training episode ends at
 each lost life, training rewards clipped to their sign, FIRE pressed at each game start and after each lost life.
-Hyperparameters: Espeholt et al. 2018 (arXiv:1802.01561), table G.1 (Atari): unroll length 20, discount 0.99,
+Hyperparameters: Espeholt et al. 2018 (arXiv:1802.01561), the appendix's Atari table: unroll length 20, discount 0.99,
 entropy 0.01, baseline loss 0.5, global gradient norm clipped to 40, learning rate annealed linearly to 0 over
 the run, rho-bar = c-bar = 1. Where this differs, and why:
 
 - Adam 2.5e-4 (atari/ppo's, which trains this CNN here) instead of RMSProp 6e-4 (decay 0.99, epsilon 0.01):
   IMPALAPolicy's optimizer is Adam, and Adam's steps are larger than RMSProp's with that epsilon at one rate.
 - 8 unrolls per batch instead of 32: one collector call of 8 envs x 20 steps is one gradient step. The paper's
-  32 came with 48 actors over 200M frames; at the budgets a CPU affords (250k agent steps: 1560 steps of 8,
-  390 of 32) the smaller batch gives 4x the gradient steps on the same data (torchbeast's default is 8 too).
+  32 came with many actors over 200M frames; at the budgets a CPU affords (250k agent steps: about 1560 steps
+  of 8, 390 of 32) the smaller batch gives 4x the gradient steps on the same data (torchbeast's default is 8).
 - The Nature CNN (atari/ppo's, one torso for policy and baseline) instead of the paper's deep ResNet, which is
   about 6x its multiply-adds on 84x84 frames; ``--set policy.model.encoder=impala`` trains the ResNet.
 - Weights published every 2 gradient steps (``publish_every``) instead of fetched by each actor per unroll:
