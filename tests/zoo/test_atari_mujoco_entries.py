@@ -15,7 +15,7 @@ from conveyor.zoo.run import train_distributed
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 MUJOCO = {"mujoco/sac": SACPolicy, "mujoco/td3": TD3Policy, "mujoco/ppo": PPOPolicy}
-ATARI = ["atari/ppo", "atari/dqn"]
+ATARI = ["atari/ppo", "atari/dqn", "atari/impala"]
 ENTRIES = [*MUJOCO, *ATARI]
 ENTRIES_MARKED = [*MUJOCO, *(pytest.param(name, marks=pytest.mark.slow) for name in ATARI)]  # Atari's take > 5 s
 BUDGET = 128  # env steps of each smoke run
@@ -29,7 +29,8 @@ def in_tmp(tmp_path, monkeypatch):
 
 def tiny(name):
     """The entry's config shrunk for a smoke run: one env, short episodes (an untrained greedy Atari agent may never
-    press FIRE), small MLPs (the Nature CNN stays as it is), a small replay and short warm-up, one evaluation."""
+    press FIRE), small MLPs (the Nature CNN stays as it is), a small replay and short warm-up, IMPALA's unrolls of
+    16 steps two to a batch, one evaluation."""
     cfg = copy.deepcopy(load_entry(name).main_config)
     atari = name.startswith("atari/")
     cfg.env.update(collector_env_num=1, evaluator_env_num=1, n_evaluator_episode=1,
@@ -45,6 +46,10 @@ def tiny(name):
         cfg.policy.eval.evaluator.eval_freq = 1000  # one evaluation, before training
         if "eps" in cfg.policy.other:
             cfg.policy.other.eps.decay = 100
+    elif "publish_every" in cfg.policy.learn:  # IMPALA: a gradient step per 2 unrolls of 16 steps
+        cfg.policy.learn.batch_size = 2
+        cfg.policy.collect.n_sample = 16
+        cfg.policy.eval.evaluator.eval_freq = 1000
     else:
         cfg.policy.learn.update(epoch_per_collect=1, batch_size=32)
         cfg.policy.collect.n_sample = 64
