@@ -1,0 +1,72 @@
+"""Learner processes for the data-parallel tests: each builds the same policy, joins a two-learner group and learns
+on its share of a fixed sequence of batches (module level, so ``spawn`` can start them)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import treetensor.torch as ttorch
+
+from conveyor.policy import DataParallel, DataParallelError, DQNPolicy, PPOPolicy
+
+SECRET = b"s" * 32
+BATCH, STEPS = 16, 5
+
+
+def make_policy(algo: str, **learn: Any):
+    """The policy every learner (and the single-learner reference) builds, seeded alike."""
+    torch.manual_seed(0)
+    if algo == "dqn":
+        return DQNPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
+                          "learn": {"grad_clip": 1.0, "target_update_freq": 2, **learn}}, seed=0)
+    return PPOPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
+                      "learn": {"grad_clip": 0.5, "adv_norm": False, **learn}}, seed=0)
+
+
+def batches(algo: str) -> list[ttorch.Tensor]:
+    """``STEPS`` batches of ``BATCH`` random transitions, the same in every process."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        fields = {"obs": torch.randn(BATCH, 4, generator=g), "action": torch.randint(0, 2, (BATCH,), generator=g),
+                  "reward": torch.randn(BATCH, generator=g)}
+        if algo == "dqn":
+            fields.update(next_obs=torch.randn(BATCH, 4, generator=g), terminated=torch.rand(BATCH, generator=g) < 0.2)
+        else:
+            fields.update(logp=torch.full((BATCH,), -0.7), adv=torch.randn(BATCH, generator=g),
+                          value=torch.randn(BATCH, generator=g), **{"return": torch.randn(BATCH, generator=g)})
+        out.append(ttorch.Tensor(fields))
+    return out
+
+
+def flat_weights(policy) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in policy.model.parameters()])
+
+
+def learner(rank: int, algo: str, port_queue: Any, results: Any, crash_after: int | None = None) -> None:
+    """Learn ``STEPS`` steps as rank ``rank`` of two; put ``(rank, [weights after each step])`` or
+    ``(rank, error message)`` on ``results``. With ``crash_after``, rank 1 dies without a word after that many steps."""
+    torch.set_num_threads(1)
+    try:
+        policy = make_policy(algo)
+        if rank == 1:  # another seed: joining must copy rank 0's weights
+            with torch.no_grad():
+                for p in policy.model.parameters():
+                    p.add_(1.0)
+        port = 0 if rank == 0 else port_queue.get(timeout=60)
+        group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=b"test", timeout=20)
+        if rank == 0:
+            port_queue.put(group.port)
+        group.connect()
+        policy.learn_mode.join_data_parallel(group)
+        weights = []
+        for step, batch in enumerate(batches(algo)):
+            if crash_after is not None and rank == 1 and step == crash_after:
+                os._exit(3)
+            policy.learn_mode.forward(group.shard(batch))
+            weights.append(flat_weights(policy))
+        results.put((rank, [w.numpy() for w in weights]))  # plain arrays: shared tensors die with the process
+        group.close()
+    except DataParallelError as exc:
+        results.put((rank, str(exc)))

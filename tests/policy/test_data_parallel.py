@@ -1,0 +1,106 @@
+"""Data-parallel learners (conveyor.policy.data_parallel): two CPU learners (gloo) in their own processes."""
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conveyor.policy import DataParallel, DataParallelError, SignedStore
+from conveyor.schema import ConfigError
+from tests.policy import data_parallel_workers as workers
+
+
+def run_learners(algo: str, crash_after: int | None = None) -> dict[int, object]:
+    """Both learners' results by rank; every process is ended, also when the test fails."""
+    ctx = mp.get_context("spawn")
+    port_queue, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=workers.learner, args=(rank, algo, port_queue, results, crash_after), daemon=True)
+             for rank in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        expected = 1 if crash_after is not None else 2
+        out = dict(results.get(timeout=120) for _ in range(expected))
+        for p in procs:
+            p.join(timeout=60)
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        assert not any(p.is_alive() for p in procs)
+
+
+@pytest.fixture(scope="module", params=["dqn", "ppo"])
+def two_learners(request):
+    return request.param, run_learners(request.param)
+
+
+def test_two_learners_on_half_batches_reach_the_weights_of_one_learner_on_whole_batches(two_learners):
+    algo, results = two_learners
+    single = workers.make_policy(algo)
+    for step, batch in enumerate(workers.batches(algo)):
+        single.learn_mode.forward(batch)
+        torch.testing.assert_close(torch.from_numpy(results[0][step]), workers.flat_weights(single),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_the_learners_weights_are_bitwise_identical_after_every_step(two_learners):
+    _, results = two_learners
+    assert len(results[0]) == len(results[1]) == workers.STEPS
+    for mine, theirs in zip(results[0], results[1]):
+        assert mine.tobytes() == theirs.tobytes()
+
+
+def test_a_learner_that_dies_ends_the_other_with_an_error_naming_the_collective():
+    results = run_learners("dqn", crash_after=2)
+    message = results[0]
+    assert isinstance(message, str), "rank 0 should have failed, not finished"
+    assert "learner rank 0 of 2" in message and "gradient all-reduce" in message
+
+
+def make_store():
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5),
+                         wait_for_workers=False)
+
+
+def test_the_store_refuses_a_value_written_without_the_secret():
+    store = make_store()
+    store.set("addr", b"10.0.0.1:1234")
+    with pytest.raises(DataParallelError, match="not signed"):
+        SignedStore(store, workers.SECRET, b"s1").get("addr")
+
+
+def test_the_store_refuses_a_value_signed_in_another_session_or_with_another_secret():
+    store = make_store()
+    SignedStore(store, workers.SECRET, b"s1").set("addr", b"x")
+    assert SignedStore(store, workers.SECRET, b"s1").get("addr") == b"x"
+    with pytest.raises(DataParallelError, match="not signed"):
+        SignedStore(store, workers.SECRET, b"s2").get("addr")
+    with pytest.raises(DataParallelError, match="not signed"):
+        SignedStore(store, b"t" * 32, b"s1").get("addr")
+
+
+def test_a_policy_that_early_stops_on_its_own_share_is_refused():
+    group = DataParallel(0, 1, host="127.0.0.1", port=0, secret=workers.SECRET, session=b"s", timeout=10).connect()
+    try:
+        with pytest.raises(ConfigError, match="target_kl"):
+            workers.make_policy("ppo", target_kl=0.01).learn_mode.join_data_parallel(group)
+    finally:
+        group.close()
+
+
+def test_shares_cover_the_batch_once():
+    shares = [DataParallel(r, 3, host="127.0.0.1", port=1, secret=workers.SECRET, session=b"s").shard(list(range(10)))
+              for r in (1, 2)]
+    assert shares == [[3, 4, 5], [6, 7, 8, 9]]
+
+
+def test_a_tree_is_shared_by_its_rows_not_its_keys():
+    batch = workers.batches("dqn")[0]
+    share = DataParallel(1, 2, host="127.0.0.1", port=1, secret=workers.SECRET, session=b"s").shard(batch)
+    assert torch.equal(share.obs, batch.obs[workers.BATCH // 2:])
