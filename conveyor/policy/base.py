@@ -361,9 +361,9 @@ class Policy(abc.ABC):
         could decide differently and wait on each other.
         """
         if self.cfg.learn.get("target_kl") is not None:
-            raise ConfigError(f"{type(self).__name__}: policy.learn.target_kl={self.cfg.learn.target_kl} stops a "
-                              "step on one learner's share of the batch, which data-parallel learners could decide apart: set "
-                              "policy.learn.target_kl=None to learn with several learners")
+            raise ConfigError(f"{type(self).__name__}: policy.learn.target_kl={self.cfg.learn.target_kl} stops a step "
+                              "on one learner's share of the batch, which data-parallel learners could decide apart: "
+                              "set policy.learn.target_kl=None to learn with several learners")
         with self._learn_lock:
             group.broadcast_modules(c for c in self._stateful.values() if isinstance(c, nn.Module))
             self._weights.publish(self.version)  # the acting copy of this version holds rank 0's weights too
