@@ -27,6 +27,7 @@ CASES = {
     "transport": (["--quick"], {"ratio_1k", "ratio_64k", "ratio_1m"}),
     "process_start": (["--pairs", "1", "--workers", "2"], {"zygote_ready_s", "forkserver_ready_s", "ready_ratio",
                                                             "total_ratio"}),
+    "learner_scaling": (["--quick"], {"updates_per_s_1", "updates_per_s_2", "ratio", "allreduce_ms"}),
     "distributed_throughput": (["--quick"], {"one_collector_steps_per_s", "two_collectors_steps_per_s", "ratio"}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
                             {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
