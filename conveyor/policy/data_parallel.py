@@ -40,13 +40,13 @@ __all__ = ["DataParallel", "DataParallelError", "SignedStore"]
 _TAG_BYTES = 32
 
 
-def _leading_size(batch: Any) -> int:
-    """The size of a batch's first dimension: a tensor's, a sequence's, or a tree's (of its first leaf)."""
+def _size(batch: Any, dim: int) -> int:
+    """The size of a batch's dimension ``dim``: a tensor's, a sequence's (``dim`` 0), or a tree's (its first leaf's)."""
     if hasattr(batch, "keys") and hasattr(batch, "values"):  # a ttorch tree or a mapping: len() counts its keys
         for value in batch.values():
-            return _leading_size(value)
+            return _size(value, dim)
         raise ValueError("DataParallel.shard: an empty batch tree has no size")
-    return len(batch)
+    return batch.shape[dim] if hasattr(batch, "shape") else len(batch)
 
 
 class DataParallelError(RuntimeError):
@@ -157,12 +157,25 @@ class DataParallel:
                                     f"failed (one ended, or none answered within {self.timeout.total_seconds():g} s): "
                                     f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
 
-    def shard(self, batch: Any) -> Any:
+    def shard(self, batch: Any, dim: int = 0) -> Any:
         """This learner's share of a batch every learner holds whole: the ``rank``-th of ``world_size`` contiguous
-        slices along the first dimension (equal where the batch size divides by the group's size)."""
-        size = _leading_size(batch)
+        slices along ``dim`` (equal where its size divides by the group's size); ``dim=1`` for the sequences
+        ``[L, B]`` of a recurrent policy."""
+        size = _size(batch, dim)
         start, stop = size * self.rank // self.world_size, size * (self.rank + 1) // self.world_size
-        return batch[start:stop]
+        return batch[start:stop] if dim == 0 else batch[(slice(None),) * dim + (slice(start, stop),)]
+
+    def mean_std(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean and (population) standard deviation of ``x`` over every learner's share, counting only the
+        entries where ``mask`` is 1 when given: what one learner would compute on the whole batch, for
+        statistics a loss takes over its batch (PPO's advantage normalisation)."""
+        weight = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+        sums = torch.stack([(x * weight).sum(), weight.sum()])
+        self._call(dist.all_reduce, "an all-reduce of batch statistics", sums)
+        mean = sums[0] / sums[1].clamp(min=1)
+        spread = ((x - mean).pow(2) * weight).sum().reshape(1)
+        self._call(dist.all_reduce, "an all-reduce of batch statistics", spread)
+        return mean, (spread[0] / sums[1].clamp(min=1)).sqrt()
 
     def average_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
         """Replace each parameter's gradient by its mean over the group, in one all-reduce.

@@ -21,7 +21,7 @@ def make_policy(algo: str, **learn: Any):
         return DQNPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
                           "learn": {"grad_clip": 1.0, "target_update_freq": 2, **learn}}, seed=0)
     return PPOPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
-                      "learn": {"grad_clip": 0.5, "adv_norm": False, **learn}}, seed=0)
+                      "learn": {"grad_clip": 0.5, **learn}}, seed=0)  # adv_norm: over the whole batch
 
 
 def batches(algo: str) -> list[ttorch.Tensor]:

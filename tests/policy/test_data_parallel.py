@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import treetensor.torch as ttorch
 
 from conveyor.policy import DataParallel, DataParallelError, SignedStore
 from conveyor.schema import ConfigError
@@ -104,3 +105,9 @@ def test_a_tree_is_shared_by_its_rows_not_its_keys():
     batch = workers.batches("dqn")[0]
     share = DataParallel(1, 2, host="127.0.0.1", port=1, secret=workers.SECRET, session=b"s").shard(batch)
     assert torch.equal(share.obs, batch.obs[workers.BATCH // 2:])
+
+
+def test_sequences_are_shared_by_their_batch_dimension():
+    batch = ttorch.Tensor({"reward": torch.arange(12.0).reshape(3, 4)})  # [L, B]
+    share = DataParallel(0, 2, host="127.0.0.1", port=1, secret=workers.SECRET, session=b"s").shard(batch, dim=1)
+    assert torch.equal(share.reward, batch.reward[:, :2])
