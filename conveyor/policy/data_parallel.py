@@ -203,7 +203,7 @@ class DataParallel:
             if count == 0:
                 p.grad = None
             else:
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                p.grad = flat[offset:offset + p.numel()].view_as(p)  # views of one buffer: no copy
             offset += p.numel()
 
     def broadcast_modules(self, modules: Iterable[nn.Module]) -> None:

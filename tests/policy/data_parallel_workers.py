@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import treetensor.torch as ttorch
 
-from conveyor.policy import DataParallel, DataParallelError, DQNPolicy, PPOPolicy
+from conveyor.policy import DataParallel, DataParallelError, DQNPolicy, PPOPolicy, SACPolicy
 
 SECRET = b"s" * 32
 BATCH, STEPS = 16, 5
@@ -20,6 +20,8 @@ def make_policy(algo: str, **learn: Any):
     if algo == "dqn":
         return DQNPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
                           "learn": {"grad_clip": 1.0, "target_update_freq": 2, **learn}}, seed=0)
+    if algo == "sac":  # the temperature steps apart from _apply_gradients
+        return SACPolicy({"model": {"obs_shape": 4, "action_shape": 1, "hidden_sizes": [16]}, "learn": learn}, seed=0)
     return PPOPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
                       "learn": {"grad_clip": 0.5, **learn}}, seed=0)  # adv_norm: over the whole batch
 
@@ -31,7 +33,9 @@ def batches(algo: str) -> list[ttorch.Tensor]:
     for _ in range(STEPS):
         fields = {"obs": torch.randn(BATCH, 4, generator=g), "action": torch.randint(0, 2, (BATCH,), generator=g),
                   "reward": torch.randn(BATCH, generator=g)}
-        if algo == "dqn":
+        if algo == "sac":
+            fields.update(action=torch.rand(BATCH, 1, generator=g) * 2 - 1)
+        if algo in ("dqn", "sac"):
             fields.update(next_obs=torch.randn(BATCH, 4, generator=g), terminated=torch.rand(BATCH, generator=g) < 0.2)
         else:
             fields.update(logp=torch.full((BATCH,), -0.7), adv=torch.randn(BATCH, generator=g),
@@ -41,7 +45,9 @@ def batches(algo: str) -> list[ttorch.Tensor]:
 
 
 def flat_weights(policy) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in policy.model.parameters()])
+    """Every learned parameter: the model's, and SAC's temperature."""
+    modules = [policy.model, *([policy.temperature] if hasattr(policy, "temperature") else [])]
+    return torch.cat([p.detach().reshape(-1).clone() for m in modules for p in m.parameters()])
 
 
 def learner(rank: int, algo: str, port_queue: Any, results: Any, crash_after: int | None = None) -> None:

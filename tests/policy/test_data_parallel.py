@@ -36,13 +36,22 @@ def run_learners(algo: str, crash_after: int | None = None) -> dict[int, object]
         assert not any(p.is_alive() for p in procs)
 
 
-@pytest.fixture(scope="module", params=["dqn", "ppo"])
-def two_learners(request):
-    return request.param, run_learners(request.param)
+@pytest.fixture(scope="module")
+def two_learners():
+    """``two_learners(algo)``: both learners' results, run once per algorithm for the module."""
+    runs: dict[str, dict[int, object]] = {}
+
+    def get(algo: str) -> dict[int, object]:
+        if algo not in runs:
+            runs[algo] = run_learners(algo)
+        return runs[algo]
+    return get
 
 
-def test_two_learners_on_half_batches_reach_the_weights_of_one_learner_on_whole_batches(two_learners):
-    algo, results = two_learners
+@pytest.mark.slow  # two learner processes
+@pytest.mark.parametrize("algo", ["dqn", "ppo"])
+def test_two_learners_on_half_batches_reach_the_weights_of_one_learner_on_whole_batches(algo, two_learners):
+    results = two_learners(algo)
     single = workers.make_policy(algo)
     for step, batch in enumerate(workers.batches(algo)):
         single.learn_mode.forward(batch)
@@ -50,13 +59,16 @@ def test_two_learners_on_half_batches_reach_the_weights_of_one_learner_on_whole_
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_the_learners_weights_are_bitwise_identical_after_every_step(two_learners):
-    _, results = two_learners
+@pytest.mark.slow  # two learner processes
+@pytest.mark.parametrize("algo", ["dqn", "ppo", "sac"])  # SAC's actions are sampled: the same on whole batches only
+def test_the_learners_weights_are_bitwise_identical_after_every_step(algo, two_learners):
+    results = two_learners(algo)
     assert len(results[0]) == len(results[1]) == workers.STEPS
     for mine, theirs in zip(results[0], results[1]):
         assert mine.tobytes() == theirs.tobytes()
 
 
+@pytest.mark.slow  # two learner processes
 def test_a_learner_that_dies_ends_the_other_with_an_error_naming_the_collective():
     results = run_learners("dqn", crash_after=2)
     message = results[0]
