@@ -3,6 +3,7 @@ on its share of a fixed sequence of batches (module level, so ``spawn`` can star
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -50,9 +51,10 @@ def flat_weights(policy) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for m in modules for p in m.parameters()])
 
 
-def learner(rank: int, algo: str, port_queue: Any, results: Any, crash_after: int | None = None) -> None:
+def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | None = None, timeout: float = 20.0) -> None:
     """Learn ``STEPS`` steps as rank ``rank`` of two; put ``(rank, [weights after each step])`` or
-    ``(rank, error message)`` on ``results``. With ``crash_after``, rank 1 dies without a word after that many steps."""
+    ``(rank, error message)`` on ``results``. ``fault``: after 2 steps rank 1 dies without a word (``"die"``)
+    or stops answering for good (``"hang"``)."""
     torch.set_num_threads(1)
     try:
         policy = make_policy(algo)
@@ -61,15 +63,17 @@ def learner(rank: int, algo: str, port_queue: Any, results: Any, crash_after: in
                 for p in policy.model.parameters():
                     p.add_(1.0)
         port = 0 if rank == 0 else port_queue.get(timeout=60)
-        group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=b"test", timeout=20)
+        group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=b"test", timeout=timeout)
         if rank == 0:
             port_queue.put(group.port)
         group.connect()
         policy.learn_mode.join_data_parallel(group)
         weights = []
         for step, batch in enumerate(batches(algo)):
-            if crash_after is not None and rank == 1 and step == crash_after:
-                os._exit(3)
+            if fault is not None and rank == 1 and step == 2:
+                if fault == "die":
+                    os._exit(3)
+                threading.Event().wait()  # hangs until the test kills it
             policy.learn_mode.forward(group.shard(batch))
             weights.append(flat_weights(policy))
         results.put((rank, [w.numpy() for w in weights]))  # plain arrays: shared tensors die with the process

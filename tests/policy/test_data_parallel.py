@@ -14,17 +14,18 @@ from conveyor.schema import ConfigError
 from tests.policy import data_parallel_workers as workers
 
 
-def run_learners(algo: str, crash_after: int | None = None) -> dict[int, object]:
+def run_learners(algo: str, fault: str | None = None, timeout: float = 20.0) -> dict[int, object]:
     """Both learners' results by rank; every process is ended, also when the test fails."""
     ctx = mp.get_context("spawn")
     port_queue, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=workers.learner, args=(rank, algo, port_queue, results, crash_after), daemon=True)
+    procs = [ctx.Process(target=workers.learner, args=(rank, algo, port_queue, results, fault, timeout), daemon=True)
              for rank in range(2)]
     try:
         for p in procs:
             p.start()
-        expected = 1 if crash_after is not None else 2
-        out = dict(results.get(timeout=120) for _ in range(expected))
+        if fault is not None:
+            return dict([results.get(timeout=120)])  # rank 0's error; rank 1 died or is killed below
+        out = dict(results.get(timeout=120) for _ in range(2))
         for p in procs:
             p.join(timeout=60)
         return out
@@ -70,10 +71,18 @@ def test_the_learners_weights_are_bitwise_identical_after_every_step(algo, two_l
 
 @pytest.mark.slow  # two learner processes
 def test_a_learner_that_dies_ends_the_other_with_an_error_naming_the_collective():
-    results = run_learners("dqn", crash_after=2)
+    results = run_learners("dqn", fault="die")
     message = results[0]
     assert isinstance(message, str), "rank 0 should have failed, not finished"
     assert "learner rank 0 of 2" in message and "gradient all-reduce" in message
+
+
+@pytest.mark.slow  # two learner processes, and a 3 s timeout
+def test_a_learner_that_stops_answering_ends_the_other_at_the_groups_timeout():
+    results = run_learners("dqn", fault="hang", timeout=3.0)
+    message = results[0]
+    assert isinstance(message, str), "rank 0 should have failed, not finished"
+    assert "learner rank 0 of 2" in message and "gradient all-reduce" in message and "3 s" in message
 
 
 def make_store():
