@@ -356,14 +356,10 @@ class Policy(abc.ABC):
         """Learn as one of ``group``'s data-parallel learners (see :mod:`conveyor.policy.data_parallel`): rank 0's
         networks are copied to every learner now, and every gradient step from now on averages over the group.
 
-        Every learner must join, with the same config, before its first step. A policy whose steps are decided
-        from its own share of the batch alone (PPO's ``learn.target_kl`` early stop) is refused: the learners
-        could decide differently and wait on each other.
+        Every learner must join, with the same config, before its first step. A statistic that decides whether
+        to step (PPO's ``learn.target_kl`` early stop) must be taken over the group (:meth:`DataParallel.mean`), or
+        the learners could decide apart and wait on each other until the group's timeout.
         """
-        if self.cfg.learn.get("target_kl") is not None:
-            raise ConfigError(f"{type(self).__name__}: policy.learn.target_kl={self.cfg.learn.target_kl} stops a step "
-                              "on one learner's share of the batch, which data-parallel learners could decide apart: "
-                              "set policy.learn.target_kl=None to learn with several learners")
         with self._learn_lock:
             group.broadcast_modules(c for c in self._stateful.values() if isinstance(c, nn.Module))
             self._weights.publish(self.version)  # the acting copy of this version holds rank 0's weights too

@@ -165,17 +165,20 @@ class DataParallel:
         start, stop = size * self.rank // self.world_size, size * (self.rank + 1) // self.world_size
         return batch[start:stop] if dim == 0 else batch[(slice(None),) * dim + (slice(start, stop),)]
 
-    def mean_std(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mean and (population) standard deviation of ``x`` over every learner's share, counting only the
-        entries where ``mask`` is 1 when given: what one learner would compute on the whole batch, for
-        statistics a loss takes over its batch (PPO's advantage normalisation)."""
+    def mean(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean of ``x`` over every learner's share (only where ``mask`` is 1, when given), in one all-reduce:
+        what one learner would compute on the whole batch, and the same number on every learner, so a decision
+        taken on it (PPO's ``target_kl`` early stop) is taken alike everywhere."""
         weight = torch.ones_like(x) if mask is None else mask.to(x.dtype)
         sums = torch.stack([(x * weight).sum(), weight.sum()])
         self._call(dist.all_reduce, "an all-reduce of batch statistics", sums)
-        mean = sums[0] / sums[1].clamp(min=1)
-        spread = ((x - mean).pow(2) * weight).sum().reshape(1)
-        self._call(dist.all_reduce, "an all-reduce of batch statistics", spread)
-        return mean, (spread[0] / sums[1].clamp(min=1)).sqrt()
+        return sums[0] / sums[1].clamp(min=1)
+
+    def mean_std(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean and (population) standard deviation of ``x`` over every learner's share, as :meth:`mean`, for
+        statistics a loss takes over its batch (PPO's advantage normalisation); two all-reduces."""
+        mean = self.mean(x, mask)
+        return mean, self.mean((x - mean).pow(2), mask).sqrt()
 
     def average_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
         """Replace each parameter's gradient by its mean over the group, in one all-reduce.

@@ -392,7 +392,10 @@ class PPOPolicy(Policy):
         loss = pg_loss - learn.entropy_coef * entropy_loss + learn.value_coef * v_loss
 
         with torch.no_grad():
-            approx_kl = _masked_mean((ratio - 1.0) - logratio, mask)  # the low-variance estimator of KL(old || new)
+            kl_terms = (ratio - 1.0) - logratio  # the low-variance estimator of KL(old || new)
+            # among data-parallel learners, over the whole minibatch: every learner decides the early stop alike
+            approx_kl = (_masked_mean(kl_terms, mask) if self._data_parallel is None
+                         else self._data_parallel.mean(kl_terms, mask))
             clip_frac = _masked_mean(((ratio - 1.0).abs() > learn.clip_ratio).float(), mask)
             metrics = torch.stack([pg_loss, v_loss, entropy_loss, approx_kl, clip_frac]).tolist()
         out: dict[str, Any] = dict(zip(("losses/policy", "losses/value", "losses/entropy", "charts/approx_kl",

@@ -17,6 +17,8 @@ BATCH, STEPS = 16, 5
 
 def make_policy(algo: str, **learn: Any):
     """The policy every learner (and the single-learner reference) builds, seeded alike."""
+    if algo == "ppo-target-kl":  # stops early on steps 0, 1 and 4 of batches("ppo") in one learner
+        return make_policy("ppo", target_kl=2.5e-5, **learn)
     torch.manual_seed(0)
     if algo == "dqn":
         return DQNPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
@@ -80,3 +82,6 @@ def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | No
         group.close()
     except DataParallelError as exc:
         results.put((rank, str(exc)))
+    except Exception as exc:  # any other failure is reported too, so the test fails at once instead of waiting
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise

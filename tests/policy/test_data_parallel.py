@@ -10,7 +10,6 @@ import torch.multiprocessing as mp
 import treetensor.torch as ttorch
 
 from conveyor.policy import DataParallel, DataParallelError, SignedStore
-from conveyor.schema import ConfigError
 from tests.policy import data_parallel_workers as workers
 
 
@@ -50,7 +49,7 @@ def two_learners():
 
 
 @pytest.mark.slow  # two learner processes
-@pytest.mark.parametrize("algo", ["dqn", "ppo"])
+@pytest.mark.parametrize("algo", ["dqn", "ppo", "ppo-target-kl"])
 def test_two_learners_on_half_batches_reach_the_weights_of_one_learner_on_whole_batches(algo, two_learners):
     results = two_learners(algo)
     single = workers.make_policy(algo)
@@ -107,13 +106,17 @@ def test_the_store_refuses_a_value_signed_in_another_session_or_with_another_sec
         SignedStore(store, b"t" * 32, b"s1").get("addr")
 
 
-def test_a_policy_that_early_stops_on_its_own_share_is_refused():
+def test_a_group_of_one_learner_learns_bitwise_as_no_group():
+    alone, grouped = workers.make_policy("dqn"), workers.make_policy("dqn")
     group = DataParallel(0, 1, host="127.0.0.1", port=0, secret=workers.SECRET, session=b"s", timeout=10).connect()
     try:
-        with pytest.raises(ConfigError, match="target_kl"):
-            workers.make_policy("ppo", target_kl=0.01).learn_mode.join_data_parallel(group)
+        grouped.learn_mode.join_data_parallel(group)
+        for batch in workers.batches("dqn"):
+            alone.learn_mode.forward(batch)
+            grouped.learn_mode.forward(group.shard(batch))
     finally:
         group.close()
+    assert torch.equal(workers.flat_weights(alone), workers.flat_weights(grouped))
 
 
 def test_shares_cover_the_batch_once():
