@@ -9,20 +9,22 @@ gradient of the whole batch's mean loss, so N learners on ``B / N`` transitions 
 up to the rounding of floating-point sums.
 
 Rendezvous and trust. The group meets through a ``TCPStore`` that rank 0 serves at an address the launcher gives
-every learner. A store has no authentication of its own, so every value a learner writes to it is tagged here
-(:class:`SignedStore`: HMAC-SHA256 keyed by the run's secret, over the group's ``session`` nonce, the key and
-the value) and every value read is checked before torch sees it. A process without the secret that reaches the
-store can delay or break the rendezvous (it can delete keys or bump counters), which ends in a
-:class:`DataParallelError`, but it cannot point a learner at an address of its choosing, and values recorded in
-another rendezvous (another session) are refused. The gloo connections that carry the tensors afterwards are
-plain TCP, neither authenticated nor encrypted: whoever can reach the learners' ports can read gradients and
-inject bytes into a collective. Only tensors travel on them (this module never sends a pickled object, so no
-injected bytes are ever unpickled), but forged gradients would corrupt the weights; keep the learners on a
-private network (``GLOO_SOCKET_IFNAME`` names the interface), unlike the nng data plane, whose every message is
-authenticated.
+every learner (torch binds it on every interface of rank 0's host, whatever address is given). A store has no
+authentication of its own, so every value a learner writes to it is tagged here (:class:`SignedStore`: HMAC-SHA256
+keyed by the run's secret, over the group's ``session`` nonce, the key and the value) and every value read is
+checked before torch sees it. A process without the secret that reaches the store can delay or break the rendezvous
+(it can delete keys or bump counters), which ends in a :class:`DataParallelError`, but it cannot point a learner at
+an address of its choosing, and values recorded in another rendezvous (another session) are refused. The gloo
+connections that carry the tensors afterwards are plain TCP, neither authenticated nor encrypted: whoever can reach
+the learners' ports can read gradients and inject bytes into a collective. Only tensors travel on them (this module
+never sends a pickled object, so no injected bytes are ever unpickled), but forged gradients would corrupt the
+weights; keep the learners on a private network (``GLOO_SOCKET_IFNAME`` names the interface): unlike the nng data
+plane, no message of theirs is authenticated.
 
-Every collective runs under the group's ``timeout``: a learner that fails or stops answering ends the others with
-a :class:`DataParallelError` naming the rank and the cause, never a hang.
+Every collective runs under the group's ``timeout``: a learner that fails or stops answering ends the others with a
+:class:`DataParallelError` naming the rank and the cause, never a hang. Statistics a loss takes over its whole
+batch, or a decision to step, are taken over the group (:meth:`DataParallel.mean`, :meth:`DataParallel.mean_std`;
+PPO's advantage normalisation and ``target_kl``).
 """
 from __future__ import annotations
 

@@ -53,11 +53,13 @@ def flat_weights(policy) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for m in modules for p in m.parameters()])
 
 
-def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | None = None, timeout: float = 20.0) -> None:
+def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | None = None,
+            timeout: float = 20.0) -> None:
     """Learn ``STEPS`` steps as rank ``rank`` of two; put ``(rank, [weights after each step])`` or
     ``(rank, error message)`` on ``results``. ``fault``: after 2 steps rank 1 dies without a word (``"die"``)
     or stops answering for good (``"hang"``)."""
     torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the learners talk over loopback only
     try:
         policy = make_policy(algo)
         if rank == 1:  # another seed: joining must copy rank 0's weights
