@@ -356,10 +356,11 @@ class Policy(abc.ABC):
         """Learn as one of ``group``'s data-parallel learners (see :mod:`conveyor.policy.data_parallel`): rank 0's
         networks are copied to every learner now, and every gradient step from now on averages over the group.
 
-        Every learner must join, with the same config, before its first step. Only networks are copied: on a
-        resume every learner loads the same checkpoint (optimizer state included) before joining. A statistic that decides whether
-        to step (PPO's ``learn.target_kl`` early stop) must be taken over the group (:meth:`DataParallel.mean`), or
-        the learners could decide apart and wait on each other until the group's timeout.
+        Every learner must join, with the same config, before its first step. Only networks are copied: on a resume
+        every learner loads the same checkpoint (optimizer state included) before joining. A statistic that decides
+        whether to step (PPO's ``learn.target_kl`` early stop) must be taken over the group
+        (:meth:`DataParallel.mean`), or the learners could decide apart and wait on each other until the group's
+        timeout.
         """
         with self._learn_lock:
             group.broadcast_modules(c for c in self._stateful.values() if isinstance(c, nn.Module))
