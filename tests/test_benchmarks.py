@@ -29,6 +29,7 @@ CASES = {
     "transport": (["--quick"], {"ratio_1k", "ratio_64k", "ratio_1m"}),
     "process_start": (["--pairs", "1", "--workers", "2"], {"zygote_ready_s", "forkserver_ready_s", "ready_ratio",
                                                             "total_ratio"}),
+    "learner_scaling": (["--quick"], {"updates_per_s_1", "updates_per_s_2", "ratio", "allreduce_ms"}),
     "distributed_throughput": (["--quick"], {"one_collector_steps_per_s", "two_collectors_steps_per_s", "ratio"}),
     "offline": (["--quick"], {"bc_expert", "cql_expert", "bc_mixed", "cql_mixed", "behaviour_pendulum", "cql_pendulum",
                               "iql_pendulum", "fetch_ratio",

@@ -19,6 +19,7 @@ from conveyor.policy.base import (
     make_target,
     soft_update,
 )
+from conveyor.policy.data_parallel import DataParallel, DataParallelError, SignedStore
 from conveyor.policy.learning import LazyOptimizer, LearnResult
 from conveyor.policy.weights import ModuleVersions, VersionedWeights
 from conveyor.policy.actor_critic import ActorCritic
@@ -49,6 +50,9 @@ __all__ = [
     "Policy",
     "LearnResult",
     "LazyOptimizer",
+    "DataParallel",
+    "DataParallelError",
+    "SignedStore",
     "VersionedWeights",
     "ModuleVersions",
     "LearnMode",

@@ -44,6 +44,7 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.data.batch import to_tensor
+from conveyor.policy.data_parallel import DataParallel
 from conveyor.policy.learning import (LazyOptimizer, LearnResult, TargetSync, fused_adam, hard_update,  # noqa: F401
                                       make_target, soft_update)
 from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, encoder_option,  # noqa: F401
@@ -114,6 +115,7 @@ class Policy(abc.ABC):
         self.register_state("rng", GeneratorState(self.rng))
         self._weights = VersionedWeights(self.model, self._learn_lock, self._acting_extras)
         self._replica = False  # acts on versions another policy published (load_acting_state), never learns
+        self._data_parallel: DataParallel | None = None  # the learners' group, once joined
         self._base_lrs: dict[str, list[float]] = {}
         self._learn_mode = LearnMode(self)
         self._collect_mode = CollectMode(self)
@@ -332,15 +334,38 @@ class Policy(abc.ABC):
     def _apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | LazyOptimizer,
                          parameters: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Backward ``loss`` and step ``optimizer`` (whose parameters are ``parameters``), clipping by
-        ``cfg.learn.grad_clip``; the norm if clipped."""
+        ``cfg.learn.grad_clip``; the norm if clipped. Among data-parallel learners the gradients are averaged over
+        the group first (:meth:`_average_gradients`), so every learner clips and steps alike."""
         for p in parameters:  # what optimizer.zero_grad(set_to_none=True) does, at a tenth of its cost
             p.grad = None
         loss.backward()
+        self._average_gradients(parameters)
         grad_norm = None
         if self.cfg.learn.grad_clip is not None:
             grad_norm = nn.utils.clip_grad_norm_(parameters, self.cfg.learn.grad_clip)
         optimizer.step()
         return grad_norm
+
+    def _average_gradients(self, parameters: Sequence[torch.Tensor]) -> None:
+        """Average ``parameters``' gradients over the learners' group after a backward pass (nothing outside a
+        group). A policy that steps an optimizer without :meth:`_apply_gradients` calls it before its step."""
+        if self._data_parallel is not None:
+            self._data_parallel.average_gradients(parameters)
+
+    def join_data_parallel(self, group: DataParallel) -> None:
+        """Learn as one of ``group``'s data-parallel learners (see :mod:`conveyor.policy.data_parallel`): rank 0's
+        networks are copied to every learner now, and every gradient step from now on averages over the group.
+
+        Every learner must join, with the same config, before its first step. Only networks are copied: on a resume
+        every learner loads the same checkpoint (optimizer state included) before joining. A statistic that decides
+        whether to step (PPO's ``learn.target_kl`` early stop) must be taken over the group
+        (:meth:`DataParallel.mean`), or the learners could decide apart and wait on each other until the group's
+        timeout.
+        """
+        with self._learn_lock:
+            group.broadcast_modules(c for c in self._stateful.values() if isinstance(c, nn.Module))
+            self._weights.publish(self.version)  # the acting copy of this version holds rank 0's weights too
+            self._data_parallel = group
 
     # --- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -135,7 +135,8 @@ class PPOPolicy(Policy):
                                           "exceeds 1.5 * target_kl, before stepping on it (Stable-Baselines3's rule; "
                                           "None: run every epoch).", type=float,
                                     check=_optional_positive),
-                "adv_norm": Option(True, "Normalise advantages to zero mean, unit std within each minibatch."),
+                "adv_norm": Option(True, "Normalise advantages to zero mean, unit std within each minibatch (all "
+                                         "of it, over data-parallel learners' shares)."),
                 "grad_clip": Option(0.5, "Clip the gradient's global L2 norm to this (None: no clipping).",
                                     type=(float, type(None)), check=_optional_positive),
                 "sequence_length": Option(16, "Recurrent policies: steps per replayed sequence (gae_estimator cuts "
@@ -366,7 +367,9 @@ class PPOPolicy(Policy):
 
         adv = batch.adv
         if learn.adv_norm:
-            if mask is None:
+            if self._data_parallel is not None:  # over the whole batch, as one learner would
+                adv_mean, adv_std = self._data_parallel.mean_std(adv, mask)
+            elif mask is None:
                 adv_std, adv_mean = torch.std_mean(adv, correction=0)
             else:
                 adv_mean = _masked_mean(adv, mask)
@@ -389,7 +392,10 @@ class PPOPolicy(Policy):
         loss = pg_loss - learn.entropy_coef * entropy_loss + learn.value_coef * v_loss
 
         with torch.no_grad():
-            approx_kl = _masked_mean((ratio - 1.0) - logratio, mask)  # the low-variance estimator of KL(old || new)
+            kl_terms = (ratio - 1.0) - logratio  # the low-variance estimator of KL(old || new)
+            # among data-parallel learners, over the whole minibatch: every learner decides the early stop alike
+            approx_kl = (_masked_mean(kl_terms, mask) if self._data_parallel is None
+                         else self._data_parallel.mean(kl_terms, mask))
             clip_frac = _masked_mean(((ratio - 1.0).abs() > learn.clip_ratio).float(), mask)
             metrics = torch.stack([pg_loss, v_loss, entropy_loss, approx_kl, clip_frac]).tolist()
         out: dict[str, Any] = dict(zip(("losses/policy", "losses/value", "losses/entropy", "charts/approx_kl",

@@ -184,6 +184,7 @@ class SACPolicy(TanhActorCriticPolicy):
         if self.cfg.learn.auto_alpha:
             self.alpha_optimizer.zero_grad(set_to_none=True)
             alpha_loss.backward()
+            self._average_gradients([log_alpha])
             self.alpha_optimizer.step()
 
         self.train_iter += 1

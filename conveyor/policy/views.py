@@ -26,6 +26,7 @@ class Viewed(Protocol):
 
     def publish(self) -> int: ...
     def set_lr_factor(self, factor: float) -> None: ...
+    def join_data_parallel(self, group: Any) -> None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
     def _forward_learn(self, batch: Any) -> Any: ...
@@ -66,6 +67,11 @@ class LearnMode:
     def set_lr_factor(self, factor: float) -> None:
         """Scale the configured learning rates by ``factor`` (see :meth:`Policy.set_lr_factor`)."""
         self._policy.set_lr_factor(factor)
+
+    def join_data_parallel(self, group: Any) -> None:
+        """Learn as one of a :class:`~conveyor.policy.data_parallel.DataParallel` group's learners (see
+        :meth:`Policy.join_data_parallel`)."""
+        self._policy.join_data_parallel(group)
 
     @property
     def train_iter(self) -> int:

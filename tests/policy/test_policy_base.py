@@ -113,7 +113,7 @@ def test_views_expose_only_their_modes_methods():
     assert {name for name in dir(policy.eval_mode) if not name.startswith("_")} == \
         {"forward", "reset", "snapshot", "version"}
     assert {name for name in dir(policy.learn_mode) if not name.startswith("_")} == \
-        {"forward", "publish", "set_lr_factor", "train_iter", "state_dict", "load_state_dict"}
+        {"forward", "publish", "set_lr_factor", "train_iter", "state_dict", "load_state_dict", "join_data_parallel"}
 
 
 def test_registered_state_joins_the_checkpoint():

@@ -1,0 +1,138 @@
+"""Updates per second of one and of two data-parallel learners on the Atari Nature CNN, and all-reduce time per step.
+
+Each learner is a process on one intra-op thread running ``PPOPolicy.learn_mode.forward`` on uint8 ``[4, 84, 84]``
+observations with the Nature CNN shared by actor and critic (4 actions). One update is one gradient step on the
+whole batch: one learner takes all ``--batch`` transitions, two learners (gloo, :class:`DataParallel`) take half
+each and all-reduce their gradients. The two layouts run alternately, ``--rounds`` times, in fresh processes; the
+figures are medians and their ratio (these machines are shared: absolute rates drift, the ratio holds better).
+``allreduce_ms`` is the mean time per step rank 0 spends in the gradient all-reduce, waiting for the other
+learner included.
+
+    python benchmarks/learner_scaling.py            # batch 256, 20 timed steps, 3 rounds
+    python benchmarks/learner_scaling.py --quick    # batch 64, 4 timed steps, 1 round
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+import treetensor.torch as ttorch
+
+from conveyor.policy import DataParallel, PPOPolicy
+
+OBS, ACTIONS, WARMUP = (4, 84, 84), 4, 2
+
+
+class TimedGroup(DataParallel):
+    """A :class:`DataParallel` that adds up the time spent averaging gradients."""
+
+    allreduce_s = 0.0
+
+    def average_gradients(self, parameters: Any) -> None:
+        start = time.perf_counter()
+        super().average_gradients(parameters)
+        self.allreduce_s += time.perf_counter() - start
+
+
+def make_batch(size: int) -> ttorch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return ttorch.Tensor({
+        "obs": torch.randint(0, 256, (size, *OBS), generator=g, dtype=torch.uint8),
+        "action": torch.randint(0, ACTIONS, (size,), generator=g), "logp": torch.full((size,), -1.386),
+        "adv": torch.randn(size, generator=g), "value": torch.randn(size, generator=g),
+        "return": torch.randn(size, generator=g), "reward": torch.randn(size, generator=g)})
+
+
+def learner(rank: int, world: int, batch_size: int, steps: int, port_queue: Any, results: Any, secret: bytes) -> None:
+    """Time ``steps`` updates (after ``WARMUP``) as rank ``rank`` of ``world``; put ``(seconds, allreduce s)``."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = PPOPolicy.default_config()
+    cfg.model.update(obs_shape=list(OBS), action_shape=ACTIONS, encoder="nature", share_encoder=True)
+    cfg.learn.update(learning_rate=2.5e-4, grad_clip=0.5)
+    policy = PPOPolicy(cfg, seed=0)
+    batch = make_batch(batch_size)
+    group = None
+    if world > 1:
+        port = 0 if rank == 0 else port_queue.get(timeout=120)
+        group = TimedGroup(rank, world, host="127.0.0.1", port=port, secret=secret, session=b"bench", timeout=120)
+        if rank == 0:
+            port_queue.put(group.port)
+        group.connect()
+        policy.learn_mode.join_data_parallel(group)
+        batch = group.shard(batch)
+    for _ in range(WARMUP):
+        policy.learn_mode.forward(batch)
+    if group is not None:
+        group.barrier()
+        group.allreduce_s = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        policy.learn_mode.forward(batch)
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        results.put((elapsed, group.allreduce_s if group is not None else 0.0))
+    if group is not None:
+        group.close()
+
+
+def run(world: int, batch_size: int, steps: int) -> tuple[float, float]:
+    """Updates/s and all-reduce ms per step of ``world`` learners (rank 0's clock)."""
+    ctx = mp.get_context("spawn")
+    port_queue, results = ctx.Queue(), ctx.Queue()
+    secret = secrets.token_bytes(32)
+    procs = [ctx.Process(target=learner, args=(r, world, batch_size, steps, port_queue, results, secret))
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        elapsed, allreduce_s = results.get(timeout=600)
+        for p in procs:
+            p.join(timeout=120)
+            if p.exitcode != 0:
+                raise RuntimeError(f"a learner of {world} ended with exit code {p.exitcode}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return steps / elapsed, 1000.0 * allreduce_s / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256, help="transitions per update (over all learners)")
+    parser.add_argument("--steps", type=int, default=20, help="timed updates per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each layout, alternately")
+    parser.add_argument("--quick", action="store_true", help="batch 64, 4 timed steps, 1 round")
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.steps, args.rounds = 64, 4, 1
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    allreduce: list[float] = []
+    for _ in range(args.rounds):
+        for world in (1, 2):
+            rate, ms = run(world, args.batch, args.steps)
+            rates[world].append(rate)
+            if world == 2:
+                allreduce.append(ms)
+    med = {world: statistics.median(r) for world, r in rates.items()}
+    print(f"PPO on the Nature CNN, uint8 {OBS} obs, batch {args.batch} per update, {args.steps} timed updates, "
+          f"median of {args.rounds} rounds, one thread per learner")
+    for world, r in rates.items():
+        print(f"  {world} learner{'s' if world > 1 else ' '}: {med[world]:7.2f} updates/s   "
+              f"({', '.join(f'{x:.2f}' for x in r)})")
+    print(f"  all-reduce per step (2 learners, rank 0, waiting included): {statistics.median(allreduce):.1f} ms")
+    print(json.dumps({"updates_per_s_1": round(med[1], 3), "updates_per_s_2": round(med[2], 3),
+                      "ratio": round(med[2] / med[1], 3), "allreduce_ms": round(statistics.median(allreduce), 2),
+                      "batch": args.batch, "steps": args.steps, "rounds": args.rounds}))
+
+
+if __name__ == "__main__":
+    main()

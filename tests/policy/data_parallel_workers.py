@@ -1,0 +1,89 @@
+"""Learner processes for the data-parallel tests: each builds the same policy, joins a two-learner group and learns
+on its share of a fixed sequence of batches (module level, so ``spawn`` can start them)."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+import treetensor.torch as ttorch
+
+from conveyor.policy import DataParallel, DataParallelError, DQNPolicy, PPOPolicy, SACPolicy
+
+SECRET = b"s" * 32
+BATCH, STEPS = 16, 5
+
+
+def make_policy(algo: str, **learn: Any):
+    """The policy every learner (and the single-learner reference) builds, seeded alike."""
+    if algo == "ppo-target-kl":  # stops early on steps 0, 1 and 4 of batches("ppo") in one learner
+        return make_policy("ppo", target_kl=2.5e-5, **learn)
+    torch.manual_seed(0)
+    if algo == "dqn":
+        return DQNPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
+                          "learn": {"grad_clip": 1.0, "target_update_freq": 2, **learn}}, seed=0)
+    if algo == "sac":  # the temperature steps apart from _apply_gradients
+        return SACPolicy({"model": {"obs_shape": 4, "action_shape": 1, "hidden_sizes": [16]}, "learn": learn}, seed=0)
+    return PPOPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
+                      "learn": {"grad_clip": 0.5, **learn}}, seed=0)  # adv_norm: over the whole batch
+
+
+def batches(algo: str) -> list[ttorch.Tensor]:
+    """``STEPS`` batches of ``BATCH`` random transitions, the same in every process."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        fields = {"obs": torch.randn(BATCH, 4, generator=g), "action": torch.randint(0, 2, (BATCH,), generator=g),
+                  "reward": torch.randn(BATCH, generator=g)}
+        if algo == "sac":
+            fields.update(action=torch.rand(BATCH, 1, generator=g) * 2 - 1)
+        if algo in ("dqn", "sac"):
+            fields.update(next_obs=torch.randn(BATCH, 4, generator=g), terminated=torch.rand(BATCH, generator=g) < 0.2)
+        else:
+            fields.update(logp=torch.full((BATCH,), -0.7), adv=torch.randn(BATCH, generator=g),
+                          value=torch.randn(BATCH, generator=g), **{"return": torch.randn(BATCH, generator=g)})
+        out.append(ttorch.Tensor(fields))
+    return out
+
+
+def flat_weights(policy) -> torch.Tensor:
+    """Every learned parameter: the model's, and SAC's temperature."""
+    modules = [policy.model, *([policy.temperature] if hasattr(policy, "temperature") else [])]
+    return torch.cat([p.detach().reshape(-1).clone() for m in modules for p in m.parameters()])
+
+
+def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | None = None,
+            timeout: float = 20.0) -> None:
+    """Learn ``STEPS`` steps as rank ``rank`` of two; put ``(rank, [weights after each step])`` or
+    ``(rank, error message)`` on ``results``. ``fault``: after 2 steps rank 1 dies without a word (``"die"``)
+    or stops answering for good (``"hang"``)."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the learners talk over loopback only
+    try:
+        policy = make_policy(algo)
+        if rank == 1:  # another seed: joining must copy rank 0's weights
+            with torch.no_grad():
+                for p in policy.model.parameters():
+                    p.add_(1.0)
+        port = 0 if rank == 0 else port_queue.get(timeout=60)
+        group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=b"test", timeout=timeout)
+        if rank == 0:
+            port_queue.put(group.port)
+        group.connect()
+        policy.learn_mode.join_data_parallel(group)
+        weights = []
+        for step, batch in enumerate(batches(algo)):
+            if fault is not None and rank == 1 and step == 2:
+                if fault == "die":
+                    os._exit(3)
+                threading.Event().wait()  # hangs until the test kills it
+            policy.learn_mode.forward(group.shard(batch))
+            weights.append(flat_weights(policy))
+        results.put((rank, [w.numpy() for w in weights]))  # plain arrays: shared tensors die with the process
+        group.close()
+    except DataParallelError as exc:
+        results.put((rank, str(exc)))
+    except Exception as exc:  # any other failure is reported too, so the test fails at once instead of waiting
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
