@@ -19,7 +19,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("entry", help="zoo entry as <env>/<algo> (`conveyor list` shows them), or an entry file's "
                                       "path as the nodes see it")
     parser.add_argument("--learners", type=int, default=1, metavar="L",
-                        help="learner processes: 1 (data-parallel learners do not exist yet)")
+                        help="learner processes: 1 (the layout does not place data-parallel learners yet)")
     parser.add_argument("--collectors", type=int, required=True, metavar="C",
                         help="collector processes (nodes 1..C); the job has 1 + C + M nodes")
     parser.add_argument("--evaluators", type=int, default=0, metavar="M",
@@ -44,8 +44,9 @@ def checked_layout(args: argparse.Namespace) -> Any:
     from conveyor.zoo.run import Layout, is_offline
 
     if args.learners != 1:
-        raise ConfigError(f"--learners {args.learners}: data-parallel learners do not exist yet; a job has one "
-                          f"learner (node 0), leave --learners out")
+        raise ConfigError(f"--learners {args.learners}: the distributed layout does not place data-parallel learners "
+                          f"yet (conveyor.policy.DataParallel is the mechanism); a job has one learner (node 0), "
+                          f"leave --learners out")
     layout = Layout(args.collectors, args.evaluators)
     for flag, value, least in (("--max-env-step", args.max_env_step, 1), ("--port", args.port, 1)):
         if value is not None and value < least:
