@@ -34,6 +34,9 @@ class OfflineDataFetcher:
     replay buffer's ``sample()`` gives it. The arrays are prepared once, here; a call is one ``np.take`` per
     field, wrapped as tensors without a copy.
     The dataset's spaces are checked against ``observation_space`` / ``action_space`` when given.
+    ``cfg.policy.other.dataset.reward_scale`` ``'returns_range'`` multiplies the rewards handed out by
+    :attr:`reward_scale` = 1000 / (the best minus the worst episode return of the dataset), as the IQL paper does
+    on locomotion datasets; evaluation returns stay the env's.
     ``state_dict()`` holds the generator, the position in the epoch and the epoch count, so a resume
     hands out the very batches an uninterrupted run would.
 
@@ -52,6 +55,9 @@ class OfflineDataFetcher:
         self._batch_size = batch_size
         self._size = len(self._dataset)
         self._arrays = _arrays(self._dataset)
+        self.reward_scale = _reward_scale(cfg, self._dataset)
+        if self.reward_scale != 1.0:
+            self._arrays["reward"] = self._arrays["reward"] * np.float32(self.reward_scale)
         self._rng = np.random.default_rng(cfg.get("seed") if seed is None else seed)
         self._epoch_rng_state: Dict[str, Any] = copy.deepcopy(self._rng.bit_generator.state)
         self._order: np.ndarray = self._permutation()
@@ -113,6 +119,23 @@ class OfflineDataFetcher:
         self._rng.bit_generator.state = copy.deepcopy(state["rng"])
         self._order = self._permutation()
         self._position, self._epoch = int(state["position"]), int(state["epoch"])
+
+
+def _reward_scale(cfg: Any, dataset: OfflineDataset) -> float:
+    """What the rewards handed out are multiplied by (``cfg.policy.other.dataset.reward_scale``)."""
+    kind = cfg.policy.get("other", {}).get("dataset", {}).get("reward_scale", "none")
+    if kind == "none":
+        return 1.0
+    if kind != "returns_range":
+        raise ValueError(f"offline_data_fetcher: policy.other.dataset.reward_scale must be 'none' or 'returns_range', "
+                         f"got {kind!r}")
+    returns = dataset.episode_returns()
+    spread = float(returns.max() - returns.min())
+    if not spread > 0:
+        raise DatasetError(f"offline_data_fetcher: reward_scale 'returns_range' needs episodes of different returns, "
+                           f"but every episode of {dataset.source} returns {float(returns[0]):g}: set "
+                           f"policy.other.dataset.reward_scale='none'")
+    return 1000.0 / spread
 
 
 def _arrays(dataset: OfflineDataset) -> Dict[str, Any]:

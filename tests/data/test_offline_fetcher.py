@@ -130,3 +130,25 @@ def test_a_sac_learner_trains_on_continuous_batches_unchanged():
         task.use(trainer(cfg, policy.learn_mode))
         task.run(max_step=3)
         assert task.ctx.train_iter == 3
+
+
+def test_returns_range_scales_rewards_by_1000_over_the_spread_of_episode_returns():
+    cfg = config(batch_size=23)
+    cfg.policy.other = dict(dataset=dict(reward_scale="returns_range"))
+    fetcher = offline_data_fetcher(cfg, dataset(23))  # episodes of 7, 9 and 7 unit rewards: a spread of 2
+    assert fetcher.reward_scale == 500.0
+    assert torch.equal(fetcher.next_batch().reward, torch.full((23,), 500.0))
+    assert offline_data_fetcher(config(batch_size=23), dataset(23)).next_batch().reward.eq(1.0).all()
+
+
+def test_returns_range_on_episodes_of_one_return_is_an_error_naming_the_fix():
+    obs = np.zeros((17, 4), np.float32)
+    ends = np.zeros(16, bool)
+    ends[[7, 15]] = True  # two episodes of 8 unit rewards
+    equal = OfflineDataset(observations=obs[:-1], actions=np.zeros(16, np.int64), rewards=np.ones(16),
+                           next_observations=obs[1:], terminations=ends, truncations=np.zeros(16, bool),
+                           observation_space=OBS, action_space=ACT)
+    cfg = config()
+    cfg.policy.other = dict(dataset=dict(reward_scale="returns_range"))
+    with pytest.raises(DatasetError, match="every episode .* returns 8: set policy.other.dataset.reward_scale='none'"):
+        offline_data_fetcher(cfg, equal)

@@ -7,9 +7,9 @@ Build the dataset (as for mujoco/bc), then train:
 
 Hyperparameters: the IQL paper's for the MuJoCo locomotion tasks (Kostrikov et al. 2021, arXiv:2110.06169,
 appendix B): 256-256 networks, Adam 3e-4 for every network, batch 256, tau 0.005, gamma 0.99, expectile 0.7,
-inverse temperature 3 and advantage weights clipped at 100. Not here: the paper's cosine decay of the actor's
-learning rate and its scaling of rewards by 1000 / (the dataset's best minus worst episode return). The paper
-trains 1M gradient steps; the default here is 100k.
+inverse temperature 3, advantage weights clipped at 100, and rewards scaled by 1000 / (the dataset's best minus
+worst episode return) (``policy.other.dataset.reward_scale='returns_range'``). Not here: the paper's cosine decay
+of the actor's learning rate. The paper trains 1M gradient steps; the default here is 100k.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ main_config = EasyDict(dict(
         learn=dict(batch_size=256, learning_rate=3e-4, target_theta=0.005, expectile=0.7, beta=3.0,
                    max_weight=100.0, max_train_iter=100_000),
         eval=dict(evaluator=dict(eval_freq=10_000)),
-        other=dict(dataset=dict(id="conveyor/halfcheetah/medium-replay-s0-v0")),
+        other=dict(dataset=dict(id="conveyor/halfcheetah/medium-replay-s0-v0", reward_scale="returns_range")),
     ),
 ))
 """The default config; every key is documented in IQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
