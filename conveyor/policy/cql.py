@@ -25,6 +25,7 @@ import torch
 import treetensor.torch as ttorch
 
 from conveyor import schema
+from conveyor.policy.continuous import tanh_gaussian_log_prob
 from conveyor.policy.options import offline_schema
 from conveyor.policy.dqn import DQNPolicy
 from conveyor.policy.sac import SACPolicy
@@ -78,7 +79,8 @@ class CQLPolicy(SACPolicy):
     critics' loss (``learn.cql_n_actions`` actions per proposal and state, drawn with the learner's
     generator, so a resumed run draws the same ones).
 
-    As :class:`~conveyor.policy.sac.SACPolicy` (acting, actor and temperature updates, checkpoint);
+    As :class:`~conveyor.policy.sac.SACPolicy` (acting, actor and temperature updates, checkpoint), except that
+    for the first ``learn.bc_warmup_steps`` gradient steps the actor clones the dataset's actions;
     ``learn_mode.forward`` also returns ``losses/cql`` (the weighted penalty).
     """
 
@@ -89,8 +91,21 @@ class CQLPolicy(SACPolicy):
             "learn": {
                 "cql_n_actions": Option(10, "Actions sampled per state from each of the three proposals to estimate "
                                             "log sum_a exp Q(s, a).", check=schema.positive),
+                "bc_warmup_steps": Option(0, "First gradient steps in which the actor clones the dataset's actions "
+                                             "(maximises their log-likelihood, with the entropy term) instead of "
+                                             "maximising Q: the paper's policy_eval_start (40k on D4RL Gym).",
+                                          check=schema.non_negative),
             },
         })
+
+    def _actor_loss(self, batch: ttorch.Tensor, action: torch.Tensor, log_prob: torch.Tensor, q_pi: torch.Tensor,
+                    alpha: torch.Tensor) -> torch.Tensor:
+        """SAC's actor loss, or during the first ``learn.bc_warmup_steps`` steps behaviour cloning:
+        ``mean(alpha * log pi(a~|s) - log pi(a_data|s))``."""
+        if self.train_iter >= self.cfg.learn.bc_warmup_steps:
+            return super()._actor_loss(batch, action, log_prob, q_pi, alpha)
+        mean, log_std = self.actor(batch.obs)
+        return (alpha * log_prob - tanh_gaussian_log_prob(mean, log_std, action)).mean()
 
     def _extra_critic_losses(self, batch: ttorch.Tensor, action: torch.Tensor,
                              q: torch.Tensor) -> dict[str, torch.Tensor]:

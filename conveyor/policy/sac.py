@@ -154,6 +154,12 @@ class SACPolicy(TanhActorCriticPolicy):
         return float(self.temperature.log_alpha.detach().exp())
 
     # --- learning --------------------------------------------------------------------------------
+    def _actor_loss(self, batch: ttorch.Tensor, action: torch.Tensor, log_prob: torch.Tensor, q_pi: torch.Tensor,
+                    alpha: torch.Tensor) -> torch.Tensor:
+        """The actor's loss, ``mean(alpha * log pi(a~|s) - min_i Q_i(s, a~))`` for the reparameterised actions ``a~``
+        (``action``: the batch's own actions, for a subclass that clones them)."""
+        return (alpha * log_prob - q_pi).mean()
+
     def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """Critic, actor and temperature updates on one flat batch, then the soft target update."""
         discount = self._bootstrap_discount(batch)
@@ -175,7 +181,7 @@ class SACPolicy(TanhActorCriticPolicy):
         with self._critic_frozen():
             new_action, log_prob = self.actor.sample(batch.obs, generator=generator)
             q_pi = self.critic(batch.obs, new_action).min(0).values
-            actor_loss = (alpha * log_prob - q_pi).mean()
+            actor_loss = self._actor_loss(batch, action, log_prob, q_pi, alpha)
             actor_grad_norm = self._apply_gradients(actor_loss, self.actor_optimizer, self._actor_params)
 
         # Temperature: alpha rises while the entropy -log pi is below target_entropy, falls above it.

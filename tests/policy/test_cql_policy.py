@@ -78,3 +78,43 @@ def test_continuous_cql_penalty_in_a_learn_step_uses_all_three_proposals_at_s():
             total += (torch.logsumexp(terms, 0) - math.log(12) - critic_data[b]).item() / 3
     out = policy.learn_mode.forward(batch)
     assert out["losses/cql"] == pytest.approx(0.5 * total, rel=1e-5)
+
+
+@pytest.mark.parametrize("warmup, same", [(2, True), (0, False)])
+def test_during_the_bc_warmup_the_actor_clones_the_data_and_reads_no_q(warmup, same):
+    batch = ttorch.Tensor({"obs": torch.randn(8, 3, generator=torch.Generator().manual_seed(1)),
+                           "next_obs": torch.zeros(8, 3), "action": torch.full((8, 1), 0.5),
+                           "reward": torch.zeros(8), "terminated": torch.zeros(8, dtype=torch.bool),
+                           "truncated": torch.zeros(8, dtype=torch.bool)})
+
+    def actor_after_a_step(critic_scale):
+        torch.manual_seed(0)  # the same initial networks
+        policy = CQLPolicy({"model": {"obs_shape": 3, "action_shape": 1, "hidden_sizes": [8]},
+                            "learn": {"bc_warmup_steps": warmup}}, seed=0)
+        with torch.no_grad():
+            for p in policy.critic.parameters():
+                p.mul_(critic_scale)  # another Q: the actor's step must not see it while it clones
+        policy.learn_mode.forward(batch)
+        return [p.detach().clone() for p in policy.actor.parameters()]
+
+    a, b = actor_after_a_step(1.0), actor_after_a_step(3.0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) == same
+
+
+def test_the_bc_warmup_raises_the_data_actions_likelihood():
+    from conveyor.policy.continuous import tanh_gaussian_log_prob
+    obs = torch.randn(16, 3, generator=torch.Generator().manual_seed(2))
+    batch = ttorch.Tensor({"obs": obs, "next_obs": obs, "action": torch.full((16, 1), 0.7), "reward": torch.zeros(16),
+                           "terminated": torch.zeros(16, dtype=torch.bool),
+                           "truncated": torch.zeros(16, dtype=torch.bool)})
+    policy = CQLPolicy({"model": {"obs_shape": 3, "action_shape": 1, "hidden_sizes": [16]},
+                        "learn": {"bc_warmup_steps": 50, "actor_learning_rate": 1e-2}}, seed=0)
+
+    def likelihood():
+        with torch.no_grad():
+            return tanh_gaussian_log_prob(*policy.actor(obs), batch.action).mean().item()
+
+    before = likelihood()
+    for _ in range(50):
+        policy.learn_mode.forward(batch)
+    assert likelihood() > before + 1.0

@@ -7,9 +7,9 @@ Build the dataset (as for mujoco/bc), then train:
 
 Hyperparameters: the CQL paper's for the D4RL Gym tasks (Kumar et al. 2020, arXiv:2006.04779, appendix F,
 and its code's ``cql_mujoco_new.py``): SAC with 256-256-256 networks, critic Adam 3e-4, actor 1e-4, batch
-256, tau 0.005, gamma 0.99, a learned temperature, CQL(H) with a fixed alpha of 5 and 10 actions per proposal.
-Not here: the paper's first 40k steps of behaviour-cloning the actor (``policy_eval_start``). The paper
-trains 1M gradient steps; the default here is 100k.
+256, tau 0.005, gamma 0.99, a learned temperature, CQL(H) with a fixed alpha of 5 and 10 actions per proposal,
+and the first 40k gradient steps of behaviour-cloning the actor (``policy_eval_start``: ``learn.bc_warmup_steps``).
+The paper trains 1M gradient steps; the default here is 100k.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ main_config = EasyDict(dict(
         discount_factor=0.99,
         model=dict(hidden_sizes=[256, 256, 256]),
         learn=dict(batch_size=256, learning_rate=3e-4, actor_learning_rate=1e-4, target_theta=0.005,
-                   auto_alpha=True, cql_alpha=5.0, cql_n_actions=10, max_train_iter=100_000),
+                   auto_alpha=True, cql_alpha=5.0, cql_n_actions=10, bc_warmup_steps=40_000, max_train_iter=100_000),
         eval=dict(evaluator=dict(eval_freq=10_000)),
         other=dict(dataset=dict(id="conveyor/halfcheetah/medium-replay-s0-v0")),
     ),
