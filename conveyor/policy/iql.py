@@ -16,6 +16,8 @@ eval acts with ``tanh(mu(s))``. Only ``terminated`` cuts the bootstrap.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Mapping
 
 import torch
@@ -72,6 +74,9 @@ class IQLPolicy(TanhActorCriticPolicy):
                 "max_weight": Option(100.0, "Advantage weights are clipped to this.", type=float,
                                      check=schema.positive),
                 "value_learning_rate": lr_option("value network"),
+                "actor_lr_decay": Option("none", "The actor's learning rate over learn.max_train_iter steps: 'none' "
+                                                 "(constant) or 'cosine' (to 0, the IQL paper's on locomotion).",
+                                         choices=("none", "cosine")),
             },
         })
 
@@ -124,6 +129,9 @@ class IQLPolicy(TanhActorCriticPolicy):
         mean, log_std = self.actor(batch.obs)
         log_prob = torch.distributions.Normal(torch.tanh(mean), log_std.exp()).log_prob(action).sum(-1)
         actor_loss = -(weight * log_prob).mean()
+        if learn.actor_lr_decay == "cosine":  # from train_iter, which checkpoints keep: a resume decays alike
+            done = min(self.train_iter, learn.max_train_iter) / learn.max_train_iter
+            self.actor_optimizer.set_lr_factor(0.5 * (1.0 + math.cos(math.pi * done)))
         self._apply_gradients(actor_loss, self.actor_optimizer, self._actor_params)
 
         self.train_iter += 1

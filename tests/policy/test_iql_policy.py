@@ -69,3 +69,17 @@ def test_advantage_weights_are_clipped_at_max_weight():
     out = policy.learn_mode.forward(batch)
     assert out["charts/advantage_mean"] == pytest.approx(math.log(4.0), rel=1e-5)
     assert out["charts/weight_mean"] == pytest.approx(1.5)
+
+
+def test_cosine_actor_lr_decay_follows_train_iter_to_zero_and_leaves_the_other_rates():
+    policy = IQLPolicy({"model": {"obs_shape": 2, "action_shape": 1, "hidden_sizes": [4]},
+                        "learn": {"learning_rate": 1e-3, "actor_lr_decay": "cosine", "max_train_iter": 4}}, seed=0)
+    batch = ttorch.Tensor({"obs": torch.zeros(4, 2), "next_obs": torch.zeros(4, 2), "action": torch.zeros(4, 1),
+                           "reward": torch.ones(4), "terminated": torch.zeros(4, dtype=torch.bool),
+                           "truncated": torch.zeros(4, dtype=torch.bool)})
+    rates = []
+    for _ in range(5):
+        policy.learn_mode.forward(batch)
+        rates.append(policy.actor_optimizer.param_groups[0]["lr"])
+    assert rates == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * min(k, 4) / 4)) for k in range(5)])
+    assert policy.critic_optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)

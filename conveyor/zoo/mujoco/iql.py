@@ -8,8 +8,9 @@ Build the dataset (as for mujoco/bc), then train:
 Hyperparameters: the IQL paper's for the MuJoCo locomotion tasks (Kostrikov et al. 2021, arXiv:2110.06169,
 appendix B): 256-256 networks, Adam 3e-4 for every network, batch 256, tau 0.005, gamma 0.99, expectile 0.7,
 inverse temperature 3, advantage weights clipped at 100, and rewards scaled by 1000 / (the dataset's best minus
-worst episode return) (``policy.other.dataset.reward_scale='returns_range'``). Not here: the paper's cosine decay
-of the actor's learning rate. The paper trains 1M gradient steps; the default here is 100k.
+worst episode return) (``policy.other.dataset.reward_scale='returns_range'``) and the actor's learning rate decayed
+to 0 on a cosine over the run (``learn.actor_lr_decay='cosine'``). The paper trains 1M gradient steps; the default
+here is 100k.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ main_config = EasyDict(dict(
         discount_factor=0.99,
         model=dict(hidden_sizes=[256, 256]),
         learn=dict(batch_size=256, learning_rate=3e-4, target_theta=0.005, expectile=0.7, beta=3.0,
-                   max_weight=100.0, max_train_iter=100_000),
+                   max_weight=100.0, actor_lr_decay="cosine", max_train_iter=100_000),
         eval=dict(evaluator=dict(eval_freq=10_000)),
         other=dict(dataset=dict(id="conveyor/halfcheetah/medium-replay-s0-v0", reward_scale="returns_range")),
     ),
