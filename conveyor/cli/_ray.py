@@ -1,0 +1,116 @@
+"""``conveyor train ENTRY --collectors C --launcher ray [--ray-address ADDR]``: every node of the layout a Ray actor.
+
+Ray only places the nodes (one actor per node, with the CPUs, and with ``--device cuda`` the GPU, of its role)
+and restarts a collector or evaluator actor that dies; the nodes still talk over nng with the run's secret,
+nothing of the run goes through Ray's object store. The driver (this process) asks each actor for its host,
+gives node ``r`` the port ``P + r`` (``--ports P``, default ``DEFAULT_PORT``) and every other node's address,
+and hands each actor the secret as an argument of the call that runs its node. Each actor then runs the same
+per-node code path as a Slurm task or a pod (:func:`~conveyor.cli._distributed.node_arguments`,
+:func:`~conveyor.cli._distributed.run_nodes`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import tempfile
+from typing import Any, Dict, List, Optional
+
+from conveyor.cli._distributed import job_port, node_arguments, run_nodes
+from conveyor.schema import ConfigError
+
+__all__ = ["INSTALL", "train_on_ray"]
+
+INSTALL = 'pip install "conveyor[ray]"'
+"""What makes ``--launcher ray`` available."""
+
+_DEFAULT_RESTARTS = 3
+"""Restarts of a collector or evaluator actor when ``--max-retries`` does not say."""
+
+
+class _Node:
+    """One node of the run in a Ray actor: where it is, then its part of the run."""
+
+    def host(self) -> str:
+        """The address other nodes reach this actor's host at (Ray's own address of the host)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def run(self, args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any], job: Any, port: int) -> Any:
+        """Node ``job.rank`` of ``job``: ``where`` (the launch options and the secret) placed as a Slurm task's."""
+        return run_nodes(args, cfg, node_arguments(where, job, port))
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"--launcher ray needs Ray: {INSTALL}") from None
+    return ray
+
+
+def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any]) -> Any:
+    """Run ``args.entry`` with one Ray actor per node, on the cluster at ``args.ray_address``, the one this process
+    is already connected to, or a local one started here (and shut down at the end); returns the learner's
+    :class:`~conveyor.zoo.run.DistributedRun` (``nodes``: every node's summary). SIGTERM or Ctrl-C kills every
+    actor, whose nodes then stop as they do when their launcher disappears."""
+    from conveyor.engine.parallel.cluster import SlurmTask
+    from conveyor.engine.parallel.frame import generate_secret
+    from conveyor.zoo.run import Layout
+
+    ray = _import_ray()
+    layout = Layout(args.collectors, args.evaluators)
+    where = {"secret": generate_secret(), **where}  # --secret-file / $CONVEYOR_SECRET when given
+    port = job_port(args, where, "--launcher ray")
+    started = not ray.is_initialized()
+    if started and args.ray_address is None:
+        ray.init(num_cpus=layout.n_nodes, include_dashboard=False, log_to_driver=False,
+                 _temp_dir=tempfile.mkdtemp(prefix="conveyor-ray-"))
+    elif started:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    actors: List[Any] = []
+    previous = signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        actor_class = ray.remote(_Node)
+        restarts = _DEFAULT_RESTARTS if args.max_retries is None else args.max_retries
+        for node_id in range(layout.n_nodes):
+            learner = node_id == 0
+            actors.append(actor_class.options(
+                num_cpus=1, num_gpus=1 if learner and args.device == "cuda" else 0,
+                max_restarts=0 if learner else restarts, max_task_retries=0 if learner else restarts).remote())
+        hosts = ray.get([actor.host.remote() for actor in actors])
+        calls = [actor.run.remote(args, cfg, where, SlurmTask(rank, hosts), port) for rank, actor in enumerate(actors)]
+        return _gathered(ray, calls)
+    except KeyboardInterrupt:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if started:
+            ray.shutdown()
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _gathered(ray: Any, calls: List[Any]) -> Any:
+    """The learner's result with every node's summary, once every node has ended; ``WorkerError`` naming the
+    nodes whose actor died (restarts spent) and the others' results."""
+    from conveyor.engine.parallel.runner import WorkerError
+
+    results: List[Any] = []
+    lost: List[str] = []
+    for node_id, call in enumerate(calls):
+        try:
+            results.append(ray.get(call))
+        except ray.exceptions.RayActorError as exc:
+            results.append(None)
+            lost.append(f"node {node_id} ({type(exc).__name__})")
+    if lost:
+        raise WorkerError(f"the Ray actor of {', '.join(lost)} died and was not restarted", results)
+    learner = results[0]
+    learner.nodes = [node for result in results for node in result.nodes]
+    return learner
