@@ -11,9 +11,9 @@ per-node code path as a Slurm task or a pod (:func:`~conveyor.cli._distributed.n
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import tempfile
+import threading
 from typing import Any, Dict, List, Optional
 
 from conveyor.cli._distributed import job_port, node_arguments, run_nodes
@@ -70,7 +70,8 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     elif started:
         ray.init(address=args.ray_address, log_to_driver=False)
     actors: List[Any] = []
-    previous = signal.signal(signal.SIGTERM, _interrupted)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may take signals
+    previous = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
     try:
         actor_class = ray.remote(_Node)
         restarts = _DEFAULT_RESTARTS if args.max_retries is None else args.max_retries
@@ -87,7 +88,8 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
             ray.kill(actor, no_restart=True)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         if started:
             ray.shutdown()
 
@@ -97,11 +99,13 @@ def _interrupted(signum: int, frame: Any) -> None:
 
 
 def _gathered(ray: Any, calls: List[Any]) -> Any:
-    """The learner's result with every node's summary, once every node has ended; ``WorkerError`` naming the
-    nodes whose actor died (restarts spent) and the others' results."""
+    """The learner's result with every node's summary, once every node has ended (a node's own exception, the
+    learner's first, is raised then); ``WorkerError`` naming the nodes whose actor died with its restarts spent,
+    with the others' results."""
     from conveyor.engine.parallel.runner import WorkerError
 
     results: List[Any] = []
+    errors: List[BaseException] = []
     lost: List[str] = []
     for node_id, call in enumerate(calls):
         try:
@@ -109,6 +113,11 @@ def _gathered(ray: Any, calls: List[Any]) -> Any:
         except ray.exceptions.RayActorError as exc:
             results.append(None)
             lost.append(f"node {node_id} ({type(exc).__name__})")
+        except ray.exceptions.RayTaskError as exc:  # an instance of the node's exception's class too
+            results.append(None)
+            errors.append(exc)
+    if errors:
+        raise errors[0]
     if lost:
         raise WorkerError(f"the Ray actor of {', '.join(lost)} died and was not restarted", results)
     learner = results[0]
