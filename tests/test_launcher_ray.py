@@ -1,0 +1,109 @@
+"""``conveyor train ... --launcher ray`` on a local Ray cluster started by each test (a private temp dir,
+``ray.shutdown`` at the end; never ``ray stop``, which ends every Ray process on the machine): cartpole/dqn with
+1 learner and 2 collectors as Ray actors over loopback."""
+import builtins
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main as cli_main
+
+from tests.cli_helpers import TINY, assert_usage_error
+from tests.test_cli_task import free_ports
+
+WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
+SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
+
+
+@pytest.fixture
+def ray_cluster(tmp_path, monkeypatch):
+    """A local Ray cluster of 3 CPUs, its workers started in ``tmp_path`` (where the runs go)."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    monkeypatch.chdir(tmp_path)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(Path(os.environ.get("TMPDIR", "/tmp")) / f"conveyor-ray-test-{os.getpid()}"))
+    yield ray
+    ray.shutdown()
+
+
+def train(*argv):
+    return cli_main(["train", "cartpole/dqn", "--collectors", "2", "--launcher", "ray", "--ports", str(free_ports(3)),
+                     *SETS, "--no-progress", *argv])
+
+
+def wait_until(predicate, what):
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)  # polling a file the run writes; nothing here orders processes
+
+
+def rows(run_dir):
+    try:
+        return {row["node_id"]: row for row in json.loads((run_dir / "nodes.json").read_text())}
+    except (OSError, ValueError):
+        return {}
+
+
+def actor_process(pid):
+    """The Ray actor process above the node process ``pid`` (its Parallel.runner launcher)."""
+    while pid > 1:
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
+            return pid
+        pid = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("PPid:")))
+    raise AssertionError("no Ray actor process above the node")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(WAIT)
+def test_ray_actors_train_cartpole_dqn_to_the_final_checkpoint(ray_cluster, tmp_path, capsys):
+    assert train("--max-env-step", "300") == 0, capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+    roles = [row["roles"] for row in rows(run_dir).values()]
+    assert roles == [["evaluator", "learner"], ["collector"], ["collector"]]
+    assert "budget reached" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_a_killed_collector_actor_is_restarted_by_ray_and_rejoins_the_run(ray_cluster, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    codes = []
+    driver = threading.Thread(target=lambda: codes.append(train("--max-env-step", "1000000")))
+    driver.start()
+    try:
+        wait_until(lambda: len(rows(run_dir)) == 3, "every node in nodes.json")
+        first = rows(run_dir)[1]["pid"]
+        os.kill(actor_process(first), signal.SIGKILL)  # the actor process dies: Ray starts it again
+        wait_until(lambda: rows(run_dir)[1]["pid"] != first, "the restarted collector to rejoin")
+    finally:
+        if not codes and 0 in rows(run_dir):  # end the run: SIGTERM to the learner writes its final checkpoint
+            os.kill(rows(run_dir)[0]["pid"], signal.SIGTERM)
+        driver.join(WAIT)
+    assert codes == [143], capsys.readouterr().err
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+
+
+def test_without_ray_the_launcher_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    assert_usage_error(train(*TINY), capsys, '--launcher ray needs Ray: pip install "conveyor[ray]"')
+
+
+def test_ray_address_is_for_the_ray_launcher(capsys):
+    code = cli_main(["train", "cartpole/dqn", "--collectors", "2", "--ray-address", "auto", *TINY])
+    assert_usage_error(code, capsys, "--ray-address is for --launcher ray, not --launcher local")
