@@ -52,13 +52,12 @@ def rows(run_dir):
 
 
 def actor_process(pid):
-    """The Ray actor process above the node process ``pid`` (its Parallel.runner launcher)."""
-    while pid > 1:
-        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
-            return pid
+    """The Ray actor process above the node process ``pid`` (its Parallel.runner launcher, titled ``ray::...``)."""
+    while not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
         pid = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                        if line.startswith("PPid:")))
-    raise AssertionError("no Ray actor process above the node")
+        assert pid > 1, "no Ray actor above the node"
+    return pid
 
 
 @pytest.mark.slow
@@ -72,24 +71,43 @@ def test_ray_actors_train_cartpole_dqn_to_the_final_checkpoint(ray_cluster, tmp_
     assert "budget reached" in capsys.readouterr().out
 
 
+def in_background(*argv):
+    """``train(*argv)`` in a thread; its exit code lands in the returned list."""
+    codes = []
+    driver = threading.Thread(target=lambda: codes.append(train(*argv)), daemon=True)
+    driver.start()
+    return driver, codes
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2 * WAIT)
-def test_a_killed_collector_actor_is_restarted_by_ray_and_rejoins_the_run(ray_cluster, tmp_path, capsys):
+def test_with_auto_recover_a_killed_collector_process_is_restarted_in_its_actor_and_rejoins(ray_cluster, tmp_path,
+                                                                                              capsys):
     run_dir = tmp_path / "runs" / "cartpole_dqn"
-    codes = []
-    driver = threading.Thread(target=lambda: codes.append(train("--max-env-step", "1000000")))
-    driver.start()
-    try:
-        wait_until(lambda: len(rows(run_dir)) == 3, "every node in nodes.json")
-        first = rows(run_dir)[1]["pid"]
-        os.kill(actor_process(first), signal.SIGKILL)  # the actor process dies: Ray starts it again
-        wait_until(lambda: rows(run_dir)[1]["pid"] != first, "the restarted collector to rejoin")
-    finally:
-        if not codes and 0 in rows(run_dir):  # end the run: SIGTERM to the learner writes its final checkpoint
-            os.kill(rows(run_dir)[0]["pid"], signal.SIGTERM)
-        driver.join(WAIT)
-    assert codes == [143], capsys.readouterr().err
+    driver, codes = in_background("--max-env-step", "20000", "--auto-recover")
+    wait_until(lambda: len(rows(run_dir)) == 3 or codes, "every node in nodes.json")
+    first = rows(run_dir)[1]["pid"]
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, "the restarted collector to rejoin")
+    assert rows(run_dir)[1]["pid"] != first, "the run ended before the collector rejoined"
+    driver.join(WAIT)
+    assert codes == [0], capsys.readouterr().err
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_a_killed_collector_actor_ends_the_run_with_its_final_checkpoint_and_one_line(ray_cluster, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    driver, codes = in_background("--max-env-step", "1000000")
+    wait_until(lambda: len(rows(run_dir)) == 3 or codes, "every node in nodes.json")
+    os.kill(actor_process(rows(run_dir)[1]["pid"]), signal.SIGKILL)  # the actor process dies, not just its node
+    driver.join(WAIT)
+    err = capsys.readouterr().err
+    assert codes == [1], err
+    assert "the Ray actor of node 1 (ActorDiedError) died" in err, err
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+    assert not [pid for pid in (row["pid"] for row in rows(run_dir).values()) if Path(f"/proc/{pid}").exists()]
 
 
 def test_without_ray_the_launcher_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):

@@ -1,8 +1,11 @@
 """``conveyor train ENTRY --collectors C --launcher ray [--ray-address ADDR]``: every node of the layout a Ray actor.
 
-Ray only places the nodes (one actor per node, with the CPUs, and with ``--device cuda`` the GPU, of its role)
-and restarts a collector or evaluator actor that dies; the nodes still talk over nng with the run's secret,
-nothing of the run goes through Ray's object store. The driver (this process) asks each actor for its host,
+Ray only places the nodes (one actor per node, with the CPU, and with ``--device cuda`` the learner's GPU, of its
+role); the nodes still talk over nng with the run's secret, nothing of the run goes through Ray's object store.
+Restarts are ``--auto-recover``'s, inside each actor: a node process that dies is started again by its actor's
+``Parallel.runner`` and rejoins. Ray does not restart an actor that dies (``max_restarts=0``): its node process,
+orphaned, stops as on SIGTERM, which ends the run on every node (final checkpoint written), so a restarted actor
+would find no run to rejoin. The driver (this process) asks each actor for its host,
 gives node ``r`` the port ``P + r`` (``--ports P``, default ``DEFAULT_PORT``) and every other node's address,
 and hands each actor the secret as an argument of the call that runs its node. Each actor then runs the same
 per-node code path as a Slurm task or a pod (:func:`~conveyor.cli._distributed.node_arguments`,
@@ -23,10 +26,6 @@ __all__ = ["INSTALL", "train_on_ray"]
 
 INSTALL = 'pip install "conveyor[ray]"'
 """What makes ``--launcher ray`` available."""
-
-_DEFAULT_RESTARTS = 3
-"""Restarts of a collector or evaluator actor when ``--max-retries`` does not say."""
-
 
 class _Node:
     """One node of the run in a Ray actor: where it is, then its part of the run."""
@@ -74,12 +73,9 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     previous = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
     try:
         actor_class = ray.remote(_Node)
-        restarts = _DEFAULT_RESTARTS if args.max_retries is None else args.max_retries
         for node_id in range(layout.n_nodes):
-            learner = node_id == 0
-            actors.append(actor_class.options(
-                num_cpus=1, num_gpus=1 if learner and args.device == "cuda" else 0,
-                max_restarts=0 if learner else restarts, max_task_retries=0 if learner else restarts).remote())
+            gpus = 1 if node_id == 0 and args.device == "cuda" else 0
+            actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=0).remote())
         hosts = ray.get([actor.host.remote() for actor in actors])
         calls = [actor.run.remote(args, cfg, where, SlurmTask(rank, hosts), port) for rank, actor in enumerate(actors)]
         return _gathered(ray, calls)
@@ -119,7 +115,8 @@ def _gathered(ray: Any, calls: List[Any]) -> Any:
     if errors:
         raise errors[0]
     if lost:
-        raise WorkerError(f"the Ray actor of {', '.join(lost)} died and was not restarted", results)
+        raise WorkerError(f"the Ray actor of {', '.join(lost)} died (Ray does not restart it: --auto-recover restarts "
+                          f"a node's process inside its actor); the other nodes ended the run", results)
     learner = results[0]
     learner.nodes = [node for result in results for node in result.nodes]
     return learner
