@@ -24,6 +24,9 @@ from conveyor.schema import ConfigError
 
 __all__ = ["INSTALL", "train_on_ray"]
 
+_GRACE_S = 60.0
+"""How long a stopped run's actors get to end their nodes (each node's own ``grace_s``, 30 s, and a margin)."""
+
 INSTALL = 'pip install "conveyor[ray]"'
 """What makes ``--launcher ray`` available."""
 
@@ -52,11 +55,11 @@ def _import_ray() -> Any:
 def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any]) -> Any:
     """Run ``args.entry`` with one Ray actor per node, on the cluster at ``args.ray_address``, the one this process
     is already connected to, or a local one started here (and shut down at the end); returns the learner's
-    :class:`~conveyor.zoo.run.DistributedRun` (``nodes``: every node's summary). SIGTERM or Ctrl-C kills every
-    actor, whose nodes then stop as they do when their launcher disappears."""
+    :class:`~conveyor.zoo.run.DistributedRun` (``nodes``: every node's summary). SIGTERM or Ctrl-C stops every
+    node as the local launcher does (final checkpoint), ends the actors and raises ``TrainingInterrupted``."""
     from conveyor.engine.parallel.cluster import SlurmTask
     from conveyor.engine.parallel.frame import generate_secret
-    from conveyor.zoo.run import Layout
+    from conveyor.zoo.run import DistributedRun, Layout, TrainingInterrupted
 
     ray = _import_ray()
     layout = Layout(args.collectors, args.evaluators)
@@ -69,6 +72,7 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     elif started:
         ray.init(address=args.ray_address, log_to_driver=False)
     actors: List[Any] = []
+    calls: List[Any] = []
     main_thread = threading.current_thread() is threading.main_thread()  # only it may take signals
     previous = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
     try:
@@ -77,12 +81,12 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
             gpus = 1 if node_id == 0 and args.device == "cuda" else 0
             actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=0).remote())
         hosts = ray.get([actor.host.remote() for actor in actors])
-        calls = [actor.run.remote(args, cfg, where, SlurmTask(rank, hosts), port) for rank, actor in enumerate(actors)]
+        calls += [actor.run.remote(args, cfg, where, SlurmTask(rank, hosts), port) for rank, actor in enumerate(actors)]
         return _gathered(ray, calls)
     except KeyboardInterrupt:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        raise
+        _stop(ray, actors, calls)
+        signum = _signals.pop() if _signals else signal.SIGINT
+        raise TrainingInterrupted(signum, DistributedRun(), _ckpt_dir(args, cfg)) from None
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -90,8 +94,33 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
             ray.shutdown()
 
 
+_signals: List[int] = []
+"""The signals that stopped this process's runs (SIGTERM's handler notes it: Ray re-raises a plain
+KeyboardInterrupt)."""
+
+
 def _interrupted(signum: int, frame: Any) -> None:
+    _signals.append(signum)
     raise KeyboardInterrupt
+
+
+def _stop(ray: Any, actors: List[Any], calls: List[Any]) -> None:
+    """Stop every node as a launcher's Ctrl-C does (``ray.cancel`` raises KeyboardInterrupt in each actor: its
+    ``Parallel.runner`` gives its node ``grace_s`` to end the run, the learner to write its final checkpoint),
+    then end the actors."""
+    for call in calls:
+        ray.cancel(call)
+    if calls:
+        ray.wait(calls, num_returns=len(calls), timeout=_GRACE_S)
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def _ckpt_dir(args: argparse.Namespace, cfg: Optional[Any]) -> Any:
+    from conveyor.zoo import load_entry
+    from conveyor.zoo.run import run_directory
+
+    return run_directory(cfg if cfg is not None else load_entry(args.entry).main_config, args.exp_name) / "ckpt"
 
 
 def _gathered(ray: Any, calls: List[Any]) -> Any:
