@@ -5,7 +5,10 @@ import builtins
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import uuid
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from conveyor.cli import main as cli_main
 
 from tests.cli_helpers import TINY, assert_usage_error
 from tests.test_cli_task import free_ports
+from tests.test_launchers_run import processes_with
 
 WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
@@ -107,7 +111,31 @@ def test_a_killed_collector_actor_ends_the_run_with_its_final_checkpoint_and_one
     assert codes == [1], err
     assert "the Ray actor of node 1 (ActorDiedError) died" in err, err
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
-    assert not [pid for pid in (row["pid"] for row in rows(run_dir).values()) if Path(f"/proc/{pid}").exists()]
+    pids = [row["pid"] for row in rows(run_dir).values()]  # the orphaned node ends on its own, maybe after the driver
+    wait_until(lambda: not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "every node process to end")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process(tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    mark = uuid.uuid4().hex  # every process the driver starts (Ray's own too) inherits it
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "LAUNCHER_TEST": mark}
+    argv = [sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2", "--launcher", "ray",
+            "--ports", str(free_ports(3)), *SETS, "--no-progress", "--max-env-step", "1000000"]
+    with open(tmp_path / "driver.out", "w") as out:
+        driver = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    try:
+        wait_until(lambda: len(rows(run_dir)) == 3 or driver.poll() is not None, "every node in nodes.json")
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=WAIT) == 143, (tmp_path / "driver.out").read_text()
+        assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+        wait_until(lambda: processes_with(mark) == [], "every process of the run to end")
+    finally:
+        for pid in processes_with(mark):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_without_ray_the_launcher_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):

@@ -14,10 +14,11 @@ per-node code path as a Slurm task or a pod (:func:`~conveyor.cli._distributed.n
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import tempfile
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from conveyor.cli._distributed import job_port, node_arguments, run_nodes
 from conveyor.schema import ConfigError
@@ -30,18 +31,28 @@ _GRACE_S = 60.0
 INSTALL = 'pip install "conveyor[ray]"'
 """What makes ``--launcher ray`` available."""
 
+
 class _Node:
     """One node of the run in a Ray actor: where it is, then its part of the run."""
 
-    def host(self) -> str:
-        """The address other nodes reach this actor's host at (Ray's own address of the host)."""
+    def host(self) -> Tuple[str, str, int]:
+        """The address other nodes reach this actor's host at (Ray's own address of the host), the Ray node it
+        runs on and its process id (to interrupt it, see :func:`_stop`)."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
 
     def run(self, args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any], job: Any, port: int) -> Any:
         """Node ``job.rank`` of ``job``: ``where`` (the launch options and the secret) placed as a Slurm task's."""
         return run_nodes(args, cfg, node_arguments(where, job, port))
+
+
+def _interrupt(pid: int) -> None:
+    """Ctrl-C to process ``pid`` (an actor, on this Ray node)."""
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
 
 
 def _import_ray() -> Any:
@@ -56,7 +67,8 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     """Run ``args.entry`` with one Ray actor per node, on the cluster at ``args.ray_address``, the one this process
     is already connected to, or a local one started here (and shut down at the end); returns the learner's
     :class:`~conveyor.zoo.run.DistributedRun` (``nodes``: every node's summary). SIGTERM or Ctrl-C stops every
-    node as the local launcher does (final checkpoint), ends the actors and raises ``TrainingInterrupted``."""
+    node as the local launcher's Ctrl-C does (final checkpoint), ends the actors and raises
+    ``TrainingInterrupted``."""
     from conveyor.engine.parallel.cluster import SlurmTask
     from conveyor.engine.parallel.frame import generate_secret
     from conveyor.zoo.run import DistributedRun, Layout, TrainingInterrupted
@@ -73,6 +85,7 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         ray.init(address=args.ray_address, log_to_driver=False)
     actors: List[Any] = []
     calls: List[Any] = []
+    places: List[Tuple[str, str, int]] = []
     main_thread = threading.current_thread() is threading.main_thread()  # only it may take signals
     previous = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
     try:
@@ -80,11 +93,12 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         for node_id in range(layout.n_nodes):
             gpus = 1 if node_id == 0 and args.device == "cuda" else 0
             actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=0).remote())
-        hosts = ray.get([actor.host.remote() for actor in actors])
+        places = ray.get([actor.host.remote() for actor in actors])
+        hosts = [host for host, _, _ in places]
         calls += [actor.run.remote(args, cfg, where, SlurmTask(rank, hosts), port) for rank, actor in enumerate(actors)]
         return _gathered(ray, calls)
     except KeyboardInterrupt:
-        _stop(ray, actors, calls)
+        _stop(ray, actors, calls, places)
         signum = _signals.pop() if _signals else signal.SIGINT
         raise TrainingInterrupted(signum, DistributedRun(), _ckpt_dir(args, cfg)) from None
     finally:
@@ -104,12 +118,15 @@ def _interrupted(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _stop(ray: Any, actors: List[Any], calls: List[Any]) -> None:
-    """Stop every node as a launcher's Ctrl-C does (``ray.cancel`` raises KeyboardInterrupt in each actor: its
-    ``Parallel.runner`` gives its node ``grace_s`` to end the run, the learner to write its final checkpoint),
-    then end the actors."""
-    for call in calls:
-        ray.cancel(call)
+def _stop(ray: Any, actors: List[Any], calls: List[Any], places: List[Tuple[str, str, int]]) -> None:
+    """Stop every node as a launcher's Ctrl-C does: SIGINT to each actor's process, sent by a task on its Ray node
+    (the actor itself is busy running its node); its ``Parallel.runner`` gives its node ``grace_s`` to end the
+    run, the learner to write its final checkpoint. Then end the actors."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    interrupt = ray.remote(num_cpus=0)(_interrupt)
+    ray.get([interrupt.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid)
+             for _, node, pid in places], timeout=_GRACE_S)
     if calls:
         ray.wait(calls, num_returns=len(calls), timeout=_GRACE_S)
     for actor in actors:
