@@ -4,9 +4,11 @@
 import builtins
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 import time
@@ -29,10 +31,11 @@ def ray_cluster(tmp_path, monkeypatch):
     """A local Ray cluster of 3 CPUs, its workers started in ``tmp_path`` (where the runs go)."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     monkeypatch.chdir(tmp_path)
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(Path(os.environ.get("TMPDIR", "/tmp")) / f"conveyor-ray-test-{os.getpid()}"))
+    temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-test-")  # short: Ray's socket paths must fit in 107 bytes
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def train(*argv):

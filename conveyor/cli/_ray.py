@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -78,9 +79,10 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     where = {"secret": generate_secret(), **where}  # --secret-file / $CONVEYOR_SECRET when given
     port = job_port(args, where, "--launcher ray")
     started = not ray.is_initialized()
+    temp_dir = None  # a local cluster's session folder (its logs, sockets), removed with it
     if started and args.ray_address is None:
-        ray.init(num_cpus=layout.n_nodes, include_dashboard=False, log_to_driver=False,
-                 _temp_dir=tempfile.mkdtemp(prefix="conveyor-ray-"))
+        temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-")
+        ray.init(num_cpus=layout.n_nodes, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     elif started:
         ray.init(address=args.ray_address, log_to_driver=False)
     actors: List[Any] = []
@@ -106,6 +108,8 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
             signal.signal(signal.SIGTERM, previous)
         if started:
             ray.shutdown()
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 _signals: List[int] = []
