@@ -141,6 +141,16 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(WAIT)
+def test_a_layout_the_cluster_cannot_place_is_a_one_line_error(ray_cluster, monkeypatch, capsys):
+    import conveyor.cli._ray as launcher
+
+    monkeypatch.setattr(launcher, "_PLACE_S", 3.0)
+    code = cli_main(["train", "cartpole/dqn", "--collectors", "3", "--launcher", "ray", *TINY])  # 4 actors, 3 CPUs
+    assert_usage_error(code, capsys, "Ray placed not all 4 actors within 3 s", "'CPU': 3.0")
+
+
 def test_without_ray_the_launcher_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
     real_import = builtins.__import__
 

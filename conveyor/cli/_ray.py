@@ -26,6 +26,9 @@ from conveyor.schema import ConfigError
 
 __all__ = ["INSTALL", "train_on_ray"]
 
+_PLACE_S = 120.0
+"""How long Ray may take to start every node's actor (a cluster without the resources never does)."""
+
 _GRACE_S = 60.0
 """How long a stopped run's actors get to end their nodes (each node's own ``grace_s``, 30 s, and a margin)."""
 
@@ -84,7 +87,10 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-")
         ray.init(num_cpus=layout.n_nodes, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     elif started:
-        ray.init(address=args.ray_address, log_to_driver=False)
+        try:
+            ray.init(address=args.ray_address, log_to_driver=False)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ConfigError(f"--ray-address {args.ray_address}: {exc}") from None
     actors: List[Any] = []
     calls: List[Any] = []
     places: List[Tuple[str, str, int]] = []
@@ -95,7 +101,14 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         for node_id in range(layout.n_nodes):
             gpus = 1 if node_id == 0 and args.device == "cuda" else 0
             actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=0).remote())
-        places = ray.get([actor.host.remote() for actor in actors])
+        try:
+            places = ray.get([actor.host.remote() for actor in actors], timeout=_PLACE_S)
+        except ray.exceptions.GetTimeoutError:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise ConfigError(f"--launcher ray: Ray placed not all {layout.n_nodes} actors within {_PLACE_S:g} s (each "
+                              f"asks for 1 CPU, the learner's also for 1 GPU with --device cuda); the cluster has "
+                              f"{ray.cluster_resources()}") from None
         hosts = [host for host, _, _ in places]
         calls += [actor.run.remote(args, cfg, where, SlurmTask(rank, hosts), port) for rank, actor in enumerate(actors)]
         return _gathered(ray, calls)
