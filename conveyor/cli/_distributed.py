@@ -10,6 +10,7 @@
 ``--launcher slurm`` (one ``conveyor train`` per ``srun`` task) and ``--launcher kubernetes`` (one per pod of an
 indexed Job) make this process one node of the layout, the one of its rank (``conveyor.engine.parallel.cluster``
 reads the scheduler's environment); ``conveyor slurm-script`` and ``conveyor k8s-manifest`` write the job.
+``--launcher ray`` starts every node as a Ray actor from here (``conveyor.cli._ray``).
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from typing import Any, ContextManager, Dict, Mapping, Optional
 from conveyor.cli._common import message
 from conveyor.cli.task import add_launch_arguments, launch_options
 
-__all__ = ["LAUNCHERS", "add_arguments", "placed", "requested", "started_ahead", "train"]
+__all__ = ["LAUNCHERS", "add_arguments", "job_port", "node_arguments", "placed", "requested", "run_nodes",
+           "started_ahead", "train"]
 
-LAUNCHERS = ("local", "slurm", "kubernetes")
-"""``--launcher``: this host's processes (local), or one node per Slurm task or per pod of an indexed Job."""
+LAUNCHERS = ("local", "slurm", "kubernetes", "ray")
+"""``--launcher``: this host's processes (local), one node per Slurm task or per pod of an indexed Job, or one
+Ray actor per node started from here."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0: the learner evaluates)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="local",
                        help="local: start the nodes here (default); slurm: this srun task is the node of its rank "
-                            "(SLURM_PROCID); kubernetes: this pod of an indexed Job is (JOB_COMPLETION_INDEX)")
+                            "(SLURM_PROCID); kubernetes: this pod of an indexed Job is (JOB_COMPLETION_INDEX); ray: "
+                            "one Ray actor per node, placed by Ray (pip install \"conveyor[ray]\")")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="with --launcher ray: the running cluster to join (e.g. 10.0.0.1:6379, or auto); "
+                            "default: a local one started for this run")
     add_launch_arguments(group)
 
 
@@ -48,7 +55,7 @@ def requested(args: argparse.Namespace) -> bool:
 def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
     """For a distributed run, its zygote started now (``Parallel.runner``'s zygote_ahead), so that its imports
     (torch among them, about 2 s) overlap those of this process, which reads the entry's config first."""
-    if not requested(args):
+    if not requested(args) or args.launcher == "ray":  # under Ray the nodes start in actors, not from here
         return contextlib.nullcontext()
     from conveyor.engine.parallel.runner import zygote_ahead
     return zygote_ahead(["conveyor.zoo.run"])
@@ -60,28 +67,40 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
     flag) is a ``ConfigError`` with its one-line reason."""
     from conveyor.engine.parallel.runner import RemoteTraceback
     from conveyor.schema import ConfigError
-    from conveyor.zoo.run import train_distributed
 
     if args.collectors is None:
         given = f"--evaluators {args.evaluators}" if args.evaluators else f"--launcher {args.launcher}"
         raise ConfigError(f"{given} needs --collectors N (a distributed run's collectors)")
     if args.async_mode:
         raise ConfigError("--async is for one process; with --collectors, collection already runs beside training")
+    if args.ray_address is not None and args.launcher != "ray":
+        raise ConfigError(f"--ray-address is for --launcher ray, not --launcher {args.launcher}")
     try:
         where = launch_options(args)
         if isinstance(where["node_ids"], int):  # one node here: its id (not the first of a range, as for task)
             where["node_ids"] = [where["node_ids"]]
+        if args.launcher == "ray":
+            from conveyor.cli._ray import train_on_ray
+            return train_on_ray(args, cfg, where)
         if args.launcher != "local":
             where = placed(args, where, 1 + args.collectors + args.evaluators)
-        return train_distributed(args.entry, collectors=args.collectors, evaluators=args.evaluators, cfg=cfg,
-                                 seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
-                                 max_train_iter=args.max_train_iter, resume=args.resume,
-                                 progress=args.progress, ckpt_interval=args.ckpt_interval, no_stop=args.no_stop,
-                                 **where)
+        return run_nodes(args, cfg, where)
     except ValueError as exc:  # the launch refused, not a node's own error (that one has its traceback)
         if isinstance(exc, ConfigError) or isinstance(exc.__cause__, RemoteTraceback):
             raise
         raise ConfigError(message(exc)) from None
+
+
+def run_nodes(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any]) -> Any:
+    """:func:`~conveyor.zoo.run.train_distributed` of ``args.entry`` for the nodes ``where`` starts here (the
+    launch options, after :func:`placed` or :func:`node_arguments` for a launcher's node)."""
+    from conveyor.zoo.run import train_distributed
+
+    return train_distributed(args.entry, collectors=args.collectors, evaluators=args.evaluators, cfg=cfg,
+                             seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
+                             max_train_iter=args.max_train_iter, resume=args.resume,
+                             progress=args.progress, ckpt_interval=args.ckpt_interval, no_stop=args.no_stop,
+                             **where)
 
 
 def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,
@@ -89,7 +108,7 @@ def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,
     """``where`` (the launch options) with this process made the node of its rank in a job of ``n_nodes`` started
     by ``args.launcher`` (one Slurm task or one pod per node): its id, its host and port, every other node to
     dial. ValueError with a one-line reason outside such a job, or for a job of another size or a flag it sets."""
-    from conveyor.engine.parallel.cluster import DEFAULT_PORT, kubernetes_task, slurm_task
+    from conveyor.engine.parallel.cluster import kubernetes_task, slurm_task
 
     env = os.environ if environ is None else environ
     flag = f"--launcher {args.launcher}"
@@ -106,6 +125,15 @@ def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,
         raise ValueError(f"{flag}: the job has {n_tasks} node{'s' * (n_tasks != 1)} but --collectors "
                          f"{args.collectors}" + (f" --evaluators {args.evaluators}" if args.evaluators else "") +
                          f" needs {n_nodes} (1 learner, then collectors and evaluators): {starter.format(n=n_nodes)}")
+    return node_arguments(where, job, job_port(args, where, flag))
+
+
+def job_port(args: argparse.Namespace, where: Dict[str, Any], flag: str) -> int:
+    """The first port of a job whose node ``r`` listens on it + r (``--ports P``, default ``DEFAULT_PORT``);
+    ValueError for a flag the launcher decides itself (``--node-ids``, ``--address``, ``--attach-to``), several
+    ports, or a launch without a secret."""
+    from conveyor.engine.parallel.cluster import DEFAULT_PORT
+
     for given, name in ((args.node_ids, "--node-ids"), (args.address, "--address"), (args.attach_to, "--attach-to")):
         if given is not None:
             raise ValueError(f"{flag}: the job decides {name} (each node is the one of its rank, on its host); "
@@ -116,7 +144,12 @@ def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,
     ports = where["ports"]
     if isinstance(ports, list) and len(ports) != 1:
         raise ValueError(f"{flag}: --ports is the first port (node r listens on it + r), got {args.ports}")
-    port = ports if isinstance(ports, int) else (ports or [DEFAULT_PORT])[0]
+    return ports if isinstance(ports, int) else (ports or [DEFAULT_PORT])[0]
+
+
+def node_arguments(where: Dict[str, Any], job: Any, port: int) -> Dict[str, Any]:
+    """``where`` made the one node ``job.rank`` of ``job`` (a :class:`~conveyor.engine.parallel.cluster.SlurmTask`):
+    its id, its host and ``port + rank``, every other node to dial."""
     arguments = job.runner_arguments(port)
     arguments.pop("n_parallel_workers")
     return {**where, **arguments}

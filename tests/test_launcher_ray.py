@@ -1,0 +1,168 @@
+"""``conveyor train ... --launcher ray`` on a local Ray cluster started by each test (a private temp dir,
+``ray.shutdown`` at the end; never ``ray stop``, which ends every Ray process on the machine): cartpole/dqn with
+1 learner and 2 collectors as Ray actors over loopback."""
+import builtins
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main as cli_main
+
+from tests.cli_helpers import TINY, assert_usage_error
+from tests.test_cli_task import free_ports
+from tests.test_launchers_run import processes_with
+
+WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
+SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
+
+
+@pytest.fixture
+def ray_cluster(tmp_path, monkeypatch):
+    """A local Ray cluster of 3 CPUs, its workers started in ``tmp_path`` (where the runs go)."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    monkeypatch.chdir(tmp_path)
+    temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-test-")  # short: Ray's socket paths must fit in 107 bytes
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def train(*argv):
+    return cli_main(["train", "cartpole/dqn", "--collectors", "2", "--launcher", "ray", "--ports", str(free_ports(3)),
+                     *SETS, "--no-progress", *argv])
+
+
+def wait_until(predicate, what):
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)  # polling a file the run writes; nothing here orders processes
+
+
+def rows(run_dir):
+    try:
+        return {row["node_id"]: row for row in json.loads((run_dir / "nodes.json").read_text())}
+    except (OSError, ValueError):
+        return {}
+
+
+def actor_process(pid):
+    """The Ray actor process above the node process ``pid`` (its Parallel.runner launcher, titled ``ray::...``)."""
+    while not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
+        pid = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("PPid:")))
+        assert pid > 1, "no Ray actor above the node"
+    return pid
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(WAIT)
+def test_ray_actors_train_cartpole_dqn_to_the_final_checkpoint(ray_cluster, tmp_path, capsys):
+    assert train("--max-env-step", "300") == 0, capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+    roles = [row["roles"] for row in rows(run_dir).values()]
+    assert roles == [["evaluator", "learner"], ["collector"], ["collector"]]
+    assert "budget reached" in capsys.readouterr().out
+
+
+def in_background(*argv):
+    """``train(*argv)`` in a thread; its exit code lands in the returned list."""
+    codes = []
+    driver = threading.Thread(target=lambda: codes.append(train(*argv)), daemon=True)
+    driver.start()
+    return driver, codes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_with_auto_recover_a_killed_collector_process_is_restarted_in_its_actor_and_rejoins(ray_cluster, tmp_path,
+                                                                                              capsys):
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    driver, codes = in_background("--max-env-step", "20000", "--auto-recover")
+    wait_until(lambda: len(rows(run_dir)) == 3 or codes, "every node in nodes.json")
+    first = rows(run_dir)[1]["pid"]
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, "the restarted collector to rejoin")
+    assert rows(run_dir)[1]["pid"] != first, "the run ended before the collector rejoined"
+    driver.join(WAIT)
+    assert codes == [0], capsys.readouterr().err
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_a_killed_collector_actor_ends_the_run_with_its_final_checkpoint_and_one_line(ray_cluster, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    driver, codes = in_background("--max-env-step", "1000000")
+    wait_until(lambda: len(rows(run_dir)) == 3 or codes, "every node in nodes.json")
+    os.kill(actor_process(rows(run_dir)[1]["pid"]), signal.SIGKILL)  # the actor process dies, not just its node
+    driver.join(WAIT)
+    err = capsys.readouterr().err
+    assert codes == [1], err
+    assert "the Ray actor of node 1 (ActorDiedError) died" in err, err
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+    pids = [row["pid"] for row in rows(run_dir).values()]  # the orphaned node ends on its own, maybe after the driver
+    wait_until(lambda: not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "every node process to end")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process(tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    mark = uuid.uuid4().hex  # every process the driver starts (Ray's own too) inherits it
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "LAUNCHER_TEST": mark}
+    argv = [sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2", "--launcher", "ray",
+            "--ports", str(free_ports(3)), *SETS, "--no-progress", "--max-env-step", "1000000"]
+    with open(tmp_path / "driver.out", "w") as out:
+        driver = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    try:
+        wait_until(lambda: len(rows(run_dir)) == 3 or driver.poll() is not None, "every node in nodes.json")
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=WAIT) == 143, (tmp_path / "driver.out").read_text()
+        assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+        wait_until(lambda: processes_with(mark) == [], "every process of the run to end")
+    finally:
+        for pid in processes_with(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(WAIT)
+def test_a_layout_the_cluster_cannot_place_is_a_one_line_error(ray_cluster, monkeypatch, capsys):
+    import conveyor.cli._ray as launcher
+
+    monkeypatch.setattr(launcher, "_PLACE_S", 3.0)
+    code = cli_main(["train", "cartpole/dqn", "--collectors", "3", "--launcher", "ray", *TINY])  # 4 actors, 3 CPUs
+    assert_usage_error(code, capsys, "Ray placed not all 4 actors within 3 s", "'CPU': 3.0")
+
+
+def test_without_ray_the_launcher_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    assert_usage_error(train(*TINY), capsys, '--launcher ray needs Ray: pip install "conveyor[ray]"')
+
+
+def test_ray_address_is_for_the_ray_launcher(capsys):
+    code = cli_main(["train", "cartpole/dqn", "--collectors", "2", "--ray-address", "auto", *TINY])
+    assert_usage_error(code, capsys, "--ray-address is for --launcher ray, not --launcher local")
