@@ -21,7 +21,7 @@ import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from conveyor.cli._distributed import job_port, node_arguments, run_nodes
+from conveyor.cli._placement import job_port, node_arguments, run_nodes
 from conveyor.schema import ConfigError
 
 __all__ = ["INSTALL", "train_on_ray"]
