@@ -8,9 +8,21 @@ every node: node 0 the learner, 1..C the collectors, then the evaluators (``conv
 from __future__ import annotations
 
 import argparse
-from typing import Any, List
+from typing import Any, Callable, List
 
-__all__ = ["add_job_arguments", "checked_layout", "default_exp_name", "train_command"]
+from conveyor.cli._common import message, usage_error
+
+__all__ = ["add_job_arguments", "checked_layout", "default_exp_name", "print_job", "train_command"]
+
+
+def print_job(write: Callable[[argparse.Namespace], str], args: argparse.Namespace) -> int:
+    """Print the job ``write(args)`` writes (an sbatch script, a manifest); bad input is one line and exit code 2."""
+    try:
+        text = write(args)
+    except ValueError as exc:
+        return usage_error(message(exc))
+    print(text, end="")
+    return 0
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +35,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collectors", type=int, required=True, metavar="C",
                         help="collector processes (nodes 1..C); the job has 1 + C + M nodes")
     parser.add_argument("--evaluators", type=int, default=0, metavar="M",
-                        help="evaluator processes (nodes C+1..C+M; default 0, as for conveyor train: the learner evaluates)")
+                        help="evaluator processes (nodes C+1..C+M; default 0, as for conveyor train: the learner "
+                             "evaluates)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to conveyor train: override one config value (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="passed to conveyor train (default: the entry's)")

@@ -22,8 +22,7 @@ import argparse
 import re
 from typing import Any, Dict, List, Tuple
 
-from conveyor.cli._common import message, usage_error
-from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, train_command
+from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, print_job, train_command
 
 __all__ = ["register", "run", "manifest", "objects"]
 
@@ -58,12 +57,7 @@ def register(commands: "argparse._SubParsersAction") -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the manifest; bad input is one line and exit code 2."""
-    try:
-        text = manifest(args)
-    except ValueError as exc:
-        return usage_error(message(exc))
-    print(text, end="")
-    return 0
+    return print_job(manifest, args)
 
 
 def manifest(args: argparse.Namespace) -> str:

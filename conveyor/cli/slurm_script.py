@@ -16,8 +16,7 @@ import argparse
 import re
 import shlex
 
-from conveyor.cli._common import message, usage_error
-from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, train_command
+from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, print_job, train_command
 
 __all__ = ["register", "run", "script"]
 
@@ -47,12 +46,7 @@ def register(commands: "argparse._SubParsersAction") -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the script; bad input is one line and exit code 2."""
-    try:
-        text = script(args)
-    except ValueError as exc:
-        return usage_error(message(exc))
-    print(text, end="")
-    return 0
+    return print_job(script, args)
 
 
 def script(args: argparse.Namespace) -> str:
