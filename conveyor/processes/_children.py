@@ -109,6 +109,9 @@ def child_started() -> None:
 
 def _child_main(target: Callable[..., Any], conn: Any, inherited: Any, args: tuple) -> None:
     child_started()
+    # Started daemonic (multiprocessing ends it when the parent exits), but multiprocessing refuses children to a
+    # daemonic process, and a collector process starts its env manager's worker processes (themselves daemonic).
+    mp.current_process().daemon = False
     ignore_stop_signals()  # Ctrl-C and a SIGTERM to the group are for the parent, which stops its children
     if inherited is not None:
         inherited.close()  # the parent's end, copied by the fork: the pipe must break when the parent goes

@@ -1,4 +1,5 @@
 """cartpole/dqn: a smoke run, resume after a clean stop and after a kill, and a run that learns."""
+import copy
 import os
 import signal
 import subprocess
@@ -36,6 +37,14 @@ def test_smoke_run_writes_logs_and_checkpoints(in_tmp):
 def test_smoke_run_in_async_mode(in_tmp):
     ctx = dqn.main(exp_name="smoke_async", max_env_step=600, async_mode=True, progress=False)
     assert ctx.env_step >= 600 and ctx.train_iter > 0
+
+
+def test_async_mode_collects_in_a_process_over_env_worker_processes(in_tmp):
+    """The collector process starts its env manager's worker processes (a daemonic process could not)."""
+    cfg = copy.deepcopy(dqn.main_config)
+    cfg.env.update(manager="subprocess", collector_env_num=2, num_workers=2)
+    ctx = dqn.main(cfg, exp_name="async_subprocess", max_env_step=200, async_mode=True, progress=False)
+    assert ctx.env_step >= 200 and ctx.train_iter > 0
 
 
 def test_resume_continues_env_steps_and_train_iterations(in_tmp):
