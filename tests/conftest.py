@@ -9,6 +9,16 @@ import torch
 from conveyor.engine import task
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run wherever torch sees a CUDA device and are skipped elsewhere, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed_global_generators():
     random.seed(0)

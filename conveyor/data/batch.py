@@ -18,8 +18,8 @@ try:  # builds a tree's storage straight from a dict, skipping ttorch's per-leaf
 except ImportError:  # pragma: no cover - should treevalue move it, trees are still built, only slower
     _create_storage = None
 
-__all__ = ["Nested", "map_nested", "to_tensor", "to_device", "to_numpy", "stack_nested", "as_tree", "tree_of_tensors",
-           "flatten_batch"]
+__all__ = ["Nested", "map_nested", "to_tensor", "to_device", "to_host", "to_numpy", "stack_nested", "as_tree",
+           "tree_of_tensors", "flatten_batch"]
 
 Nested = Any  # an array, or a dict of Nested
 
@@ -66,6 +66,17 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         return tensor.to(device)
     pinned = tensor if tensor.is_pinned() else tensor.pin_memory()
     return pinned.to(device, non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """``tensors`` as numpy arrays, in one trip back from the device: from CUDA every copy is queued non-blocking
+    (into pinned memory) and the stream is synchronised once, so an acting step waits for the GPU once rather
+    than once per output."""
+    cuda = [t.device for t in tensors if t.is_cuda]
+    host = [t.detach().to("cpu", non_blocking=bool(cuda)) for t in tensors]
+    for device in set(cuda):
+        torch.cuda.current_stream(device).synchronize()
+    return tuple(t.numpy() for t in host)
 
 
 def to_numpy(data: Any) -> Nested:

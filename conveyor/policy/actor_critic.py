@@ -156,12 +156,13 @@ class ActionDist:
     raw_key: str | None = None
     """The trajectory key :meth:`log_prob` scores (``None``: ``action`` itself)."""
 
-    def sample(self, params: Params, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor | None, torch.Tensor]:
-        """``(env action as numpy, raw action to store or None, log-probability [B])``."""
+    def sample(self, params: Params, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(env action, raw action to store or None, log-probability [B])``, on the params' device: the caller
+        brings what it keeps back to the host in one trip (:func:`~conveyor.data.to_host`)."""
         raise NotImplementedError
 
-    def mode(self, params: Params) -> np.ndarray:
-        """The deterministic env action (numpy)."""
+    def mode(self, params: Params) -> torch.Tensor:
+        """The deterministic env action, on the params' device."""
         raise NotImplementedError
 
     def log_prob_entropy(self, params: Params, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,14 +174,14 @@ class ActionDist:
 class CategoricalDist(ActionDist):
     """Discrete actions from logits; sampling by inverse CDF on one uniform draw per env."""
 
-    def sample(self, params: Params, rng: np.random.Generator) -> tuple[np.ndarray, None, torch.Tensor]:
+    def sample(self, params: Params, rng: np.random.Generator) -> tuple[torch.Tensor, None, torch.Tensor]:
         log_probs = torch.log_softmax(params, -1)
         u = torch.from_numpy(rng.random((*log_probs.shape[:-1], 1), dtype=np.float32)).to(log_probs.device)
         action = (log_probs.exp().cumsum(-1) < u).sum(-1).clamp_(max=log_probs.shape[-1] - 1)
-        return action.cpu().numpy(), None, log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+        return action, None, log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1)
 
-    def mode(self, params: Params) -> np.ndarray:
-        return params.argmax(-1).cpu().numpy()
+    def mode(self, params: Params) -> torch.Tensor:
+        return params.argmax(-1)
 
     def log_prob_entropy(self, params: Params, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs = torch.log_softmax(params, -1)
@@ -210,19 +211,19 @@ class GaussianDist(ActionDist):
     def _noise(self, mean: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
         return torch.from_numpy(rng.standard_normal(tuple(mean.shape), dtype=np.float32)).to(mean.device)
 
-    def _to_env(self, raw: torch.Tensor) -> np.ndarray:
+    def _to_env(self, raw: torch.Tensor) -> torch.Tensor:
         if self.low is not None or self.high is not None:
             raw = raw.clamp(self.low, self.high)
-        return raw.cpu().numpy()
+        return raw
 
-    def sample(self, params: Params, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def sample(self, params: Params, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mean, log_std = params
         noise = self._noise(mean, rng)
         raw = mean + torch.exp(log_std) * noise
         log_prob = (-0.5 * noise.pow(2) - log_std - _HALF_LOG_2PI).sum(-1)
         return self._to_env(raw), raw, log_prob
 
-    def mode(self, params: Params) -> np.ndarray:
+    def mode(self, params: Params) -> torch.Tensor:
         return self._to_env(params[0])
 
     def log_prob_entropy(self, params: Params, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,15 +242,15 @@ class TanhGaussianDist(GaussianDist):
         super().__init__(action_dim, device=device)
         self.scaler = ActionScaler(action_dim, low, high, device=device)
 
-    def sample(self, params: Params, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def sample(self, params: Params, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mean, log_std = params
         noise = self._noise(mean, rng)
         raw = mean + torch.exp(log_std) * noise
         log_prob = (-0.5 * noise.pow(2) - log_std - _HALF_LOG_2PI - tanh_log_det_jacobian(raw)).sum(-1)
         return self._to_env(raw), raw, log_prob
 
-    def _to_env(self, raw: torch.Tensor) -> np.ndarray:
-        return self.scaler.to_env(torch.tanh(raw)).cpu().numpy()
+    def _to_env(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.scaler.to_env(torch.tanh(raw))
 
     def log_prob_entropy(self, params: Params, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean, log_std = params

@@ -45,6 +45,7 @@ from torch import nn
 from conveyor import schema
 from conveyor.data.batch import to_tensor
 from conveyor.policy.data_parallel import DataParallel
+from conveyor.policy.encoders import ImageEncoder
 from conveyor.policy.learning import (LazyOptimizer, LearnResult, TargetSync, fused_adam, hard_update,  # noqa: F401
                                       make_target, soft_update)
 from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, encoder_option,  # noqa: F401
@@ -104,6 +105,10 @@ class Policy(abc.ABC):
         self.device = torch.device(device)
         self._input_device = None if self.device.type == "cpu" else self.device
         self.model: nn.Module = (model if model is not None else self.build_model(self.cfg.model)).to(self.device)
+        if self.device.type == "cuda" and self.cfg.model.mixed_precision:
+            for module in self.model.modules():
+                if isinstance(module, ImageEncoder):
+                    module.use_mixed_precision()
         if seed is None:  # follow torch's global generator, so torch.manual_seed also fixes exploration
             seed = int(torch.randint(0, 2**62, ()).item())
         self.rng = np.random.default_rng(seed)
@@ -137,6 +142,11 @@ class Policy(abc.ABC):
                 "hidden_sizes": Option([64, 64], "Widths of the hidden layers of each encoder.", type=list,
                                        check=_hidden_sizes_check),
                 "encoder": encoder_option(),
+                "mixed_precision": Option(False, "On CUDA, run image encoders under bf16 autocast (their features "
+                                                 "come out float32: heads and losses stay full precision); no effect "
+                                                 "on CPU or on MLP encoders. Off by default: on an H100 it made the "
+                                                 "Nature CNN's updates slower (benchmarks/device_path.py).",
+                                          type=bool),
             },
             "learn": {
                 "batch_size": Option(64, "Transitions per gradient step.", check=schema.positive),
@@ -283,6 +293,9 @@ class Policy(abc.ABC):
         the same number, so an acting replica follows the learner's versions (and records them). From then on this
         policy is a replica: statistics of what it collects are the learner's to gather (see :meth:`_gather`)."""
         self._replica = True
+        extras = state.get("extras")
+        if callable(getattr(extras, "to", None)):  # statistics sent from a learner on another device
+            state = {**state, "extras": extras.to(self.device)}
         self._weights.load(state)
 
     # --- learning rate ---------------------------------------------------------------------------

@@ -47,11 +47,18 @@ class ImageEncoder(nn.Module):
     channels_last: bool
     output_dim: int
     memory_format: torch.memory_format | None = None
+    autocast_dtype: torch.dtype | None = None
 
     def use_channels_last(self) -> None:
         """Lay the convolution weights out channels-last, and every image before the convolutions."""
         self.memory_format = torch.channels_last
         self.to(memory_format=torch.channels_last)
+
+    def use_mixed_precision(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        """On CUDA, run the convolutions and the feature layer under autocast in ``dtype``; the features come out
+        float32, so the heads and losses after them stay full precision. bf16 keeps float32's range, so no loss
+        scaling is needed."""
+        self.autocast_dtype = dtype
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -66,6 +73,10 @@ class ImageEncoder(nn.Module):
             # .contiguous(memory_format=torch.channels_last), which takes another kernel
         if not x.is_floating_point():
             x = x.float().div_(255.0)
+        if self.autocast_dtype is not None and x.is_cuda:
+            with torch.autocast("cuda", dtype=self.autocast_dtype):
+                out = self.features(x)
+            return out.float().reshape(*lead, self.output_dim)
         return self.features(x).reshape(*lead, self.output_dim)
 
 

@@ -87,6 +87,18 @@ class FrozenNormaliser:
         """Plain data for a codec (see :data:`conveyor.policy.weights.WIRE_TYPES`)."""
         return {name: getattr(self, name) for name in self.__slots__}
 
+    def to(self, device: torch.device | str) -> "FrozenNormaliser":
+        """These statistics with their tensors on ``device`` (``self`` when they are there already)."""
+        if self.mean is None or self.mean.device == torch.device(device):
+            return self
+        return FrozenNormaliser(self.mean.to(device), self.inv_std.to(device), self.clip, self.reward_scale,
+                                self.reward_clip)
+
+    def __reduce__(self) -> tuple:
+        """Pickled with host tensors, so a process it is sent to (a collector process) needs no CUDA."""
+        cpu = self.to("cpu")
+        return FrozenNormaliser, (cpu.mean, cpu.inv_std, cpu.clip, cpu.reward_scale, cpu.reward_clip)
+
 
 class ObsNormaliser:
     """``clip((obs - mean) / sqrt(var + eps), -clip, clip)`` with running statistics of observed data.

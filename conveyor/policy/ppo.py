@@ -25,6 +25,7 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
+from conveyor.data.batch import to_host
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
 from conveyor.policy.base import Acting, ActorCriticCollectMode, ActorCriticLearnMode, Policy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
@@ -274,17 +275,19 @@ class PPOPolicy(Policy):
             out["obs_gathered"] = np.full(obs.shape[0], not self._replica)
             obs = acting.extras(obs)
         model = acting.model
+        kept: dict[str, torch.Tensor] = {}
         if self.recurrent:
             hidden = self._initial_state(acting.memory.get("hidden"), obs.shape[0])
             params, value, next_hidden = model(obs, hidden)
             acting.memory["hidden"] = next_hidden
-            out["hidden"], out["next_hidden"] = hidden.cpu().numpy(), next_hidden.cpu().numpy()
+            kept.update(hidden=hidden, next_hidden=next_hidden)
         else:
             params, value, _ = model(obs)
         action, raw_action, logp = self.action_dist.sample(params, self.rng)
-        out.update(action=action, logp=logp.cpu().numpy(), value=value.cpu().numpy())
+        kept.update(action=action, logp=logp, value=value)
         if raw_action is not None:
-            out["raw_action"] = raw_action.cpu().numpy()
+            kept["raw_action"] = raw_action
+        out.update(zip(kept, to_host(*kept.values())))  # one trip back from the device per step
         return out
 
     def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
@@ -296,7 +299,7 @@ class PPOPolicy(Policy):
             params, _, acting.memory["hidden"] = acting.model(obs, hidden)
         else:
             params = acting.model.actor(obs)  # the critic is not needed to act
-        return {"action": self.action_dist.mode(params)}
+        return {"action": to_host(self.action_dist.mode(params))[0]}
 
     def _scale_reward(self, acting: Acting, reward: np.ndarray,
                       done: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -337,8 +340,8 @@ class PPOPolicy(Policy):
             if hidden is None:
                 raise ValueError("PPOPolicy.collect_mode.value: a recurrent policy needs hidden= (the state before "
                                  "obs, e.g. the trajectory's next_hidden)")
-            return acting.model.value(obs, hidden.float()).cpu().numpy()
-        return acting.model.value(obs).cpu().numpy()
+            return to_host(acting.model.value(obs, hidden.float()))[0]
+        return to_host(acting.model.value(obs))[0]
 
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:

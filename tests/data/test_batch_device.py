@@ -6,8 +6,6 @@ import treetensor.torch as ttorch
 
 from conveyor.data import to_device, to_tensor
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason="needs a CUDA device: pinned-memory host-to-device copies only happen to CUDA")
 
 
 def batch():
@@ -24,7 +22,7 @@ def test_to_a_cpu_device_nothing_is_pinned_or_changed():
     assert to_device(tensor, torch.device("cpu")) is tensor
 
 
-@CUDA
+@pytest.mark.cuda
 @pytest.mark.parametrize("as_tree", [False, True], ids=["dict", "ttorch"])
 def test_to_cuda_every_leaf_goes_through_pinned_memory_once(monkeypatch, as_tree):
     pinned = []
@@ -44,7 +42,7 @@ def test_to_cuda_every_leaf_goes_through_pinned_memory_once(monkeypatch, as_tree
     assert out.reward.dtype == torch.float32
 
 
-@CUDA
+@pytest.mark.cuda
 def test_an_already_pinned_tensor_is_not_pinned_again(monkeypatch):
     tensor = torch.arange(6.0).pin_memory()
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pytest.fail("pinned twice"))

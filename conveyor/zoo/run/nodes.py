@@ -92,11 +92,13 @@ class Layout:
 @dataclass
 class Node:
     """This worker's part of a distributed run: its layout, whether a lost learner is restarted, and what the
-    node did (``ran``: its main() trained in a Run; ``collected`` env steps from ``first_step_at``)."""
+    node did (``ran``: its main() trained in a Run, its policy on ``device``; ``collected`` env steps from
+    ``first_step_at``)."""
 
     layout: Layout
     auto_recover: bool = False
     ran: bool = False
+    device: Optional[str] = None
     collected: int = 0
     first_step_at: Optional[float] = None
 
@@ -108,8 +110,9 @@ _node: Optional[Node] = None
 class DistributedRun:
     """What :func:`train_distributed` returns: the learner's counters and last evaluation (when the learner
     ran on another host: the newest the nodes here heard of), and a summary of every node started here
-    (``node_id``, ``role``, ``pid``, ``env_step``, ``train_iter``, ``last_eval_value``, ``collected``: env
-    steps a collector collected, ``first_step_at``: the ``time.time()`` of its first collected step)."""
+    (``node_id``, ``role``, ``pid``, ``device``: where its policy ran, ``env_step``, ``train_iter``,
+    ``last_eval_value``, ``collected``: env steps a collector collected, ``first_step_at``: the ``time.time()`` of
+    its first collected step)."""
 
     env_step: Optional[int] = None
     train_iter: Optional[int] = None
@@ -193,8 +196,8 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     if not node.ran:
         raise ConfigError(f"entry '{entry_name}' has no distributed mode: only online entries (those whose main() "
                           f"trains in a conveyor.zoo.run.Run) split into learner, collectors and evaluators")
-    return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "restarts": task.router.restarts,
-            "env_step": int(ctx.env_step),
+    return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "device": node.device,
+            "restarts": task.router.restarts, "env_step": int(ctx.env_step),
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
             "first_step_at": node.first_step_at}
 
@@ -210,7 +213,7 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool) -> LearnerClo
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
     entry) and ``ContextExchanger``. Returns the clock."""
     node = current_node()
-    node.ran = True
+    node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
     if task.has_role(Role.LEARNER):
         NodeTable(run_dir / NODES_FILE, keep=task.router.restarts > 0)
     else:

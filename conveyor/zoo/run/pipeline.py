@@ -92,7 +92,7 @@ class Run:
         if self._capture is not None:  # in an async run's collector process: build the collection middleware
             self.cfg = self._capture.cfg
             seed_everything(self.cfg.seed)
-            self.policy = self._policy_cls(self.cfg.policy)
+            self.policy = self._policy_cls(self.cfg.policy, device="cpu")  # collectors act on CPU; learners may not
             self._env_stack = self._resources.enter_context(contextlib.ExitStack())
             self._resources.enter_context(task.start(ctx=OnlineRLContext()))
             task.add_role(Role.COLLECTOR)
@@ -110,7 +110,8 @@ class Run:
         if self._no_stop:
             cfg.env.stop_value = None  # the evaluators never end the run; the saved config keeps the value
         seed_everything(cfg.seed)
-        self.policy = self._policy_cls(cfg.policy)
+        self.policy = self._policy_cls(cfg.policy, device=None if owner else "cpu")  # collector and evaluator
+        # nodes act on CPU; the learner takes policy.cuda
         self.run_dir = experiment_dir(cfg)
         self._owner = owner
         if owner:

@@ -117,7 +117,7 @@ def test_tensors_arrive_without_grad_and_parameters_as_plain_tensors():
     assert torch.equal(out["y"], torch.full((3,), 2.0))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.cuda
 def test_cuda_tensors_arrive_on_the_cpu():
     assert_same(torch.arange(4.0), roundtrip(torch.arange(4.0, device="cuda")))
 
