@@ -27,6 +27,15 @@ def ensure_package(requirement: str, module: str) -> None:
     importlib.invalidate_caches()
 
 
+def device_name(device: str) -> str:
+    """What ``device`` is on this machine, for a benchmark's table: the GPU's name, or the CPU's core count."""
+    if device == "cuda":
+        import torch
+
+        return f"CUDA {torch.cuda.get_device_name(0)}"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
 def run_worker(script: str, args: Sequence[str], timeout: float = 1800) -> Dict:
     """Run ``script --worker ...`` in a fresh interpreter (its own threads, imports and allocator) and return the
     JSON object it prints as its last line."""

@@ -4,9 +4,10 @@ Three measurements, each side by side in one run, alternating (this machine is s
 interpreter where torch or envs could differ:
 
 - ``ppo_vs_sb3``: agent steps/s while training PPO, CleanRL's Atari settings (Nature CNN shared by actor and
-  critic, 8 envs x 128 steps, 4 epochs of 256-transition minibatches, clip 0.1, entropy 0.01), CPU. Ours is
+  critic, 8 envs x 128 steps, 4 epochs of 256-transition minibatches, clip 0.1, entropy 0.01), on CPU or with
+  ``--device cuda`` both models on the GPU (ours with its image encoder under bf16 autocast). Ours is
   the ``atari/ppo`` zoo entry as ``conveyor train`` runs it, sync and ``--async``, with ``env.manager``
-  envpool (2 threads); evaluation is off after its opening
+  envpool (2 threads; ``--manager`` for another); evaluation is off after its opening
   round, which the clock excludes (its timed window runs from the end of the first rollout's update to the end
   of the last, from the wall times of the run's TensorBoard points). SB3's ``PPO("CnnPolicy")`` gets the same
   hyperparameters on ``make_atari_env`` + ``VecFrameStack(4)`` (ALE v5, frame skip 4 by its wrapper, sticky
@@ -26,6 +27,7 @@ Where the time goes (env / inference / update / handover) is printed from our ru
     python benchmarks/atari_throughput.py                   # 15 rollouts per PPO run, 2 rounds
     python benchmarks/atari_throughput.py --rollouts 8 --rounds 1   # what docs/benchmarks.md reports
     python benchmarks/atari_throughput.py --quick           # a smoke run: tiny PPO, short loops, no SB3
+    python benchmarks/atari_throughput.py --device cuda --manager subprocess --parts ppo   # the GPU table
 """
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-from _peers import (alternate, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events,
-                    tensorboard_scalars)
+from _peers import (alternate, device_name, ensure_package, print_sides, run_worker, scratch_dir,
+                    tensorboard_events, tensorboard_scalars)
 
 ENV_ID = "ALE/Breakout-v5"
 ENVS = 8
@@ -47,9 +49,9 @@ THREADS = 2  # envpool threads, as the issue's bare-envpool figure
 
 
 # --- PPO training --------------------------------------------------------------------------------------
-def ppo_config(quick: bool) -> Tuple[str, Any, Any]:
-    """``(entry name, entry module, config)``: atari/ppo on 8 envpool envs (2 threads), evaluation reduced to one
-    short opening round; ``quick``: a tiny rollout."""
+def ppo_config(quick: bool, manager: str = "envpool", device: str = "cpu") -> Tuple[str, Any, Any]:
+    """``(entry name, entry module, config)``: atari/ppo on 8 envs of ``manager`` (envpool: 2 threads), evaluation
+    reduced to one short opening round, the policy on ``device``; ``quick``: a tiny rollout."""
     from conveyor.zoo import load_entry
 
     name = "atari/ppo"
@@ -59,7 +61,9 @@ def ppo_config(quick: bool) -> Tuple[str, Any, Any]:
     # The untrained policy may never press FIRE, so the opening evaluation's game is capped (training
     # episodes, one life each, end far sooner); no evaluation after it.
     cfg.env.update(env_id=ENV_ID, collector_env_num=ENVS, evaluator_env_num=1, n_evaluator_episode=1,
-                   stop_value=None, manager="envpool", num_workers=THREADS, max_episode_steps=100 if quick else 500)
+                   stop_value=None, manager=manager, num_workers=THREADS if manager == "envpool" else None,
+                   max_episode_steps=100 if quick else 500)  # subprocess: a worker process per env, up to the CPUs
+    cfg.policy.cuda = device == "cuda"
     cfg.policy.setdefault("eval", {}).setdefault("evaluator", {})
     cfg.policy.eval.evaluator.eval_freq = 10**9
     if quick:
@@ -69,10 +73,11 @@ def ppo_config(quick: bool) -> Tuple[str, Any, Any]:
     return name, entry, cfg
 
 
-def ours_ppo(rollouts: int, quick: bool, async_mode: bool) -> Dict[str, Any]:
+def ours_ppo(rollouts: int, quick: bool, async_mode: bool, manager: str = "envpool",
+             device: str = "cpu") -> Dict[str, Any]:
     """Train ``rollouts`` rollouts; agent steps/s between the logger's first point (end of rollout 1) and its
     last (end of the last rollout), with the mean time per iteration of each middleware."""
-    name, entry, cfg = ppo_config(quick)
+    name, entry, cfg = ppo_config(quick, manager, device)
     size = cfg.policy.collect.n_sample
     with scratch_dir():
         start = time.perf_counter()
@@ -96,7 +101,7 @@ def _stage_times(logdir: Path) -> Dict[str, float]:
             for tag, points in tensorboard_scalars(logdir).items() if tag.startswith("time/")}
 
 
-def sb3_ppo(rollouts: int, quick: bool, threads: int) -> Dict[str, Any]:
+def sb3_ppo(rollouts: int, quick: bool, threads: int, device: str = "cpu") -> Dict[str, Any]:
     """SB3's PPO with the same settings, timed from the start of rollout 2 to the end of the last update; the
     rollout (collection) and update phases timed apart."""
     import ale_py
@@ -130,7 +135,7 @@ def sb3_ppo(rollouts: int, quick: bool, threads: int) -> Dict[str, Any]:
     model = PPO("CnnPolicy", venv, n_steps=n_steps, batch_size=learn.batch_size, n_epochs=learn.epoch_per_collect,
                 learning_rate=learn.learning_rate, gamma=cfg.policy.discount_factor,
                 gae_lambda=cfg.policy.gae_lambda, clip_range=learn.clip_ratio, ent_coef=learn.entropy_coef,
-                vf_coef=learn.value_coef, max_grad_norm=learn.grad_clip, seed=0, device="cpu")
+                vf_coef=learn.value_coef, max_grad_norm=learn.grad_clip, seed=0, device=device)
     model.learn(total_timesteps=rollouts * n_steps * envs, callback=Phases())
     end = time.perf_counter()
     marks.append(("end", end))
@@ -244,9 +249,10 @@ PPO_SIDES = {"ours": "Conveyor {entry}, sync", "ours_async": "Conveyor {entry}, 
 
 def worker(side: str, args: argparse.Namespace) -> Dict[str, Any]:
     if side in ("ours", "ours_async"):
-        return ours_ppo(args.rollouts, args.quick, async_mode=side == "ours_async")
+        return ours_ppo(args.rollouts, args.quick, async_mode=side == "ours_async", manager=args.manager,
+                        device=args.device)
     if side in ("sb3", "sb3_1t"):
-        return sb3_ppo(args.rollouts, args.quick, threads=1 if side == "sb3_1t" else 0)
+        return sb3_ppo(args.rollouts, args.quick, threads=1 if side == "sb3_1t" else 0, device=args.device)
     return {"side": side, "steps_per_s": LOOPS[side](args.loop_steps, args.quick)}
 
 
@@ -261,6 +267,11 @@ def main() -> None:
     parser.add_argument("--parts", default="ppo,loops",
                         help="what to measure: 'ppo' (PPO training), 'loops' (collectors against bare env loops), "
                              "or both")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both sides' PPO models train (the loops part is CPU only)")
+    parser.add_argument("--manager", default="envpool",
+                        help="our env manager in the PPO part (envpool, subprocess, sync): subprocess where envpool "
+                             "is not installed")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -272,7 +283,8 @@ def main() -> None:
         + ([] if args.no_sb3 else ["sb3"])
     if not args.no_sb3:
         ensure_package("stable-baselines3", "stable_baselines3")
-    common = ["--rollouts", str(args.rollouts), "--loop-steps", str(args.loop_steps)]
+    common = ["--rollouts", str(args.rollouts), "--loop-steps", str(args.loop_steps), "--device", args.device,
+              "--manager", args.manager]
 
     def measure(side: str) -> Dict[str, Any]:
         return worker(side, args) if args.quick else run_worker(__file__, ["--worker", side, *common], timeout=3600)
@@ -287,7 +299,8 @@ def main() -> None:
 
 def report(args: argparse.Namespace, ppo: Dict[str, List[Dict]], loops: Dict[str, List[Dict]]) -> None:
     summary: Dict[str, Any] = {"ppo_vs_sb3": None, "ppo_vs_sb3_one_thread": None, "collector_vs_envpool": None,
-                               "collector_vs_gym_vector": None, "rollouts": args.rollouts, "rounds": args.rounds}
+                               "collector_vs_gym_vector": None, "rollouts": args.rollouts, "rounds": args.rounds,
+                               "device": device_name(args.device), "manager": args.manager}
     if ppo:
         summary.update(report_ppo(args, ppo))
     if loops:
@@ -297,14 +310,16 @@ def report(args: argparse.Namespace, ppo: Dict[str, List[Dict]], loops: Dict[str
 
 def report_ppo(args: argparse.Namespace, ppo: Dict[str, List[Dict]]) -> Dict[str, Any]:
     entry = ppo["ours"][0]["entry"]
-    print(f"PPO on {ENV_ID}, Nature CNN, CPU: {args.rollouts} rollouts of 8 x 128 agent steps, 4 epochs, batch 256; "
-          f"agent steps/s while training, {args.rounds} rounds alternating")
+    print(f"PPO on {ENV_ID}, Nature CNN, {device_name(args.device)}, our envs {args.manager}: {args.rollouts} rollouts "
+          f"of 8 x 128 agent steps, 4 epochs, batch 256; agent steps/s while training, {args.rounds} rounds "
+          f"alternating")
     median = print_sides(ppo, {side: label.format(entry=entry) for side, label in PPO_SIDES.items()})
     best_ours = max(median["ours"], median.get("ours_async", 0.0))
     ratio = best_ours / median["sb3"] if "sb3" in median else None
     ratio_1t = best_ours / median["sb3_1t"] if "sb3_1t" in median else None
     if ratio is not None:
-        print(f"ppo_vs_sb3 {ratio:.2f} (bar on CPU: >= 1.3; best of ours sync/async against SB3 as it runs); "
+        print(f"ppo_vs_sb3 {ratio:.2f} (bar: >= 1.3 on CPU, >= 2 on a GPU; best of ours sync/async against SB3 as it "
+              f"runs); "
               f"against SB3 on one thread {ratio_1t:.2f}")
     print("\nwhere the time goes, mean ms per iteration (one rollout and its update):")
     for side, runs in ppo.items():

@@ -4,7 +4,7 @@ Ours is the ``mujoco/sac`` zoo entry (256-256 networks, batch 256, one gradient 
 as ``conveyor train`` runs it, in one process, with evaluation off; SB3's ``SAC("MlpPolicy")`` gets the same
 network (actor and critics ``hidden_sizes``), batch, learning rate, discount, Polyak rate, replay size,
 random warm-up (``learning_starts``) and replay ratio (``train_freq`` = our ``n_sample`` env steps,
-``gradient_steps`` = our ``update_per_collect``), on one env, CPU. The figure is env steps/s while training:
+``gradient_steps`` = our ``update_per_collect``), on one env, on CPU (or both on the GPU with ``--device cuda``). The figure is env steps/s while training:
 from the first 100 gradient steps after the warm-up to the end (ours from the wall times of the run's
 TensorBoard points, SB3's from a callback). Each measurement runs in a fresh interpreter (torch threads as each
 framework sets them: ours one intra-op thread, SB3 torch's default; SB3 on one thread too), alternating ours and
@@ -14,6 +14,7 @@ interpreter when missing.
 
     python benchmarks/mujoco_throughput.py                    # 1000 random + 3000 training steps, 2 rounds
     python benchmarks/mujoco_throughput.py --quick            # a short smoke run of ours only (no SB3)
+    python benchmarks/mujoco_throughput.py --device cuda      # both sides' networks on the GPU
 """
 from __future__ import annotations
 
@@ -26,14 +27,15 @@ from pathlib import Path
 import statistics
 from typing import Any, Dict, Tuple
 
-from _peers import alternate, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events
+from _peers import alternate, device_name, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events
 
 ENV_ID = "HalfCheetah-v5"
 MEASURE_FROM = 100  # gradient steps after the warm-up before the clock starts (first logger point)
 
 
-def our_config(warmup: int, steps: int) -> Tuple[str, Any, Any]:
-    """The entry's config for this benchmark: HalfCheetah, one collector env, evaluation off, warm-up ``warmup``."""
+def our_config(warmup: int, steps: int, device: str = "cpu") -> Tuple[str, Any, Any]:
+    """The entry's config for this benchmark: HalfCheetah, one collector env, evaluation off, warm-up ``warmup``,
+    the policy on ``device``."""
     from conveyor.zoo import load_entry
 
     name = "mujoco/sac"
@@ -42,6 +44,7 @@ def our_config(warmup: int, steps: int) -> Tuple[str, Any, Any]:
     cfg.exp_name = "mujoco_throughput"
     cfg.env.update(env_id=ENV_ID, collector_env_num=1, evaluator_env_num=1, n_evaluator_episode=1, stop_value=None)
     policy = cfg.policy
+    policy.cuda = device == "cuda"
     policy.learn.learning_starts = warmup
     policy.collect.random_collect_size = warmup
     policy.other.replay_buffer.size = warmup + steps
@@ -51,10 +54,10 @@ def our_config(warmup: int, steps: int) -> Tuple[str, Any, Any]:
     return name, entry, cfg
 
 
-def ours(warmup: int, steps: int, seed: int) -> Dict[str, Any]:
+def ours(warmup: int, steps: int, seed: int, device: str = "cpu") -> Dict[str, Any]:
     """Train the entry for ``warmup + steps`` env steps; env steps/s between the logger's first point after
     ``MEASURE_FROM`` gradient steps and its last."""
-    name, entry, cfg = our_config(warmup, steps)
+    name, entry, cfg = our_config(warmup, steps, device)
     cfg.seed = seed
     with scratch_dir():
         start = time.perf_counter()
@@ -71,7 +74,7 @@ def ours(warmup: int, steps: int, seed: int) -> Dict[str, Any]:
             "wall_s": wall}
 
 
-def sb3(warmup: int, steps: int, seed: int, threads: int = 0) -> Dict[str, Any]:
+def sb3(warmup: int, steps: int, seed: int, threads: int = 0, device: str = "cpu") -> Dict[str, Any]:
     """SB3's SAC with our config's settings; env steps/s from ``MEASURE_FROM`` gradient steps after the warm-up
     to the end. ``threads``: torch intra-op threads (0: torch's default, what SB3 runs with)."""
     import gymnasium as gym
@@ -96,7 +99,7 @@ def sb3(warmup: int, steps: int, seed: int, threads: int = 0) -> Dict[str, Any]:
                 learning_starts=warmup, batch_size=learn.batch_size, tau=learn.target_theta,
                 gamma=cfg.policy.discount_factor, train_freq=collect.n_sample,
                 gradient_steps=learn.update_per_collect,
-                policy_kwargs=dict(net_arch=list(cfg.policy.model.hidden_sizes)), seed=seed, device="cpu")
+                policy_kwargs=dict(net_arch=list(cfg.policy.model.hidden_sizes)), seed=seed, device=device)
     start = time.perf_counter()
     model.learn(total_timesteps=warmup + steps, callback=Clock())
     end = time.perf_counter()
@@ -162,8 +165,8 @@ def measure(side: str, args: argparse.Namespace) -> Dict[str, Any]:
     if side == "learn_step":
         return learn_steps()
     if side == "ours":
-        return ours(args.warmup, args.steps, args.seed)
-    return sb3(args.warmup, args.steps, args.seed, threads=1 if side == "sb3_1t" else 0)
+        return ours(args.warmup, args.steps, args.seed, args.device)
+    return sb3(args.warmup, args.steps, args.seed, threads=1 if side == "sb3_1t" else 0, device=args.device)
 
 
 def main() -> None:
@@ -175,6 +178,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="measurements per side, alternating")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sb3", action="store_true", help="measure ours only")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides' networks train "
+                        "(the one-gradient-step comparison stays on CPU)")
     parser.add_argument("--worker", choices=sorted(SIDES) + ["learn_step"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -185,11 +190,12 @@ def main() -> None:
     sides = ["ours"] if args.no_sb3 else list(SIDES)
     if not args.no_sb3:
         ensure_package("stable-baselines3", "stable_baselines3")
-    worker_args = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
+    worker_args = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
+                   "--device", args.device]
     results = alternate(sides, args.rounds, lambda side: measure(side, args) if args.quick
                         else run_worker(__file__, ["--worker", side, *worker_args]))
     entry = results["ours"][0]["entry"]
-    print(f"SAC on {ENV_ID}, 1 env, CPU: {args.warmup} random env steps, then {args.steps} training env steps; "
+    print(f"SAC on {ENV_ID}, 1 env, {device_name(args.device)}: {args.warmup} random env steps, then {args.steps} training env steps; "
           f"env steps/s while training, {args.rounds} rounds alternating")
     median = print_sides(results, {side: label.format(entry=entry) for side, label in SIDES.items()})
     ratio = median["ours"] / median["sb3"] if "sb3" in median else None
@@ -206,7 +212,7 @@ def main() -> None:
               f"{max(0.0, per_step - learn['ours_ms']):.1f} ms")
     summary = {"sac_vs_sb3": None if ratio is None else round(ratio, 3),
                "sac_vs_sb3_one_thread": None if ratio_1t is None else round(ratio_1t, 3),
-               "entry": entry, "env_id": ENV_ID, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+               "entry": entry, "env_id": ENV_ID, "device": device_name(args.device), "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
                **{f"{side}_steps_per_s": [round(r["steps_per_s"], 1) for r in runs] for side, runs in results.items()},
                "sb3_torch_threads": results["sb3"][0]["torch_threads"] if "sb3" in results else None,
                "learn_step_ms": None if learn is None else {k: learn[k] for k in ("ours_ms", "sb3_ms")}}

@@ -64,3 +64,20 @@ def test_benchmark_runs_and_ends_with_its_json_line(name, runs):
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert CASES[name][1] <= set(summary), sorted(summary)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the next test runs it")
+def test_the_device_path_benchmark_without_a_gpu_is_one_line():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "device_path.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_the_device_path_benchmark_reports_cuda_against_cpu(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "device_path.py"), "--quick", "--parts", "updates"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"device", "updates_per_s", "cuda_vs_cpu"} <= set(summary) and "CUDA" in summary["device"]
