@@ -45,7 +45,7 @@ def test_a_run_on_the_device_writes_a_checkpoint_that_loads_on_either_device(in_
     assert cli_main(["train", "cartpole/dqn", *TINY, "--device", device, "--exp-name", "dev"]) == 0, \
         capsys.readouterr().err
     saved = json.loads((in_tmp / "runs" / "dev" / "config.json").read_text())["config"]
-    assert saved["policy"]["cuda"] is (device == "cuda")
+    assert saved["policy"]["device"] == device
     state = load_checkpoint(in_tmp / "runs" / "dev" / "ckpt" / "final.pth.tar")["objects"]["policy"]
     obs = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
     greedy = []
@@ -64,7 +64,7 @@ def test_a_run_on_the_device_writes_a_checkpoint_that_loads_on_either_device(in_
 @pytest.mark.parametrize("device", DEVICES)
 def test_distributed_the_learner_runs_on_the_device_and_the_collector_on_cpu(in_tmp, device):
     cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
-    cfg.policy.cuda = device == "cuda"
+    cfg.policy.device = device
     run = train_distributed("cartpole/dqn", collectors=1, cfg=cfg, exp_name="dist", max_env_step=300,
                             progress=False)
     assert run.env_step >= 300 and run.train_iter > 0

@@ -106,8 +106,8 @@ def _load_policy(ckpt: Path, run_dir: Path) -> Tuple[Any, Any]:
         raise ConfigError(f"{run_dir / 'config.json'} names the policy {saved.get('policy')!r}, which "
                           f"conveyor.policy does not have")
     cfg = compile_config(saved["config"], policy=policy_cls)
-    cfg.policy.cuda = bool(cfg.policy.cuda) and torch.cuda.is_available()
-    policy = policy_cls(cfg.policy)
+    device = policies.configured_device(cfg.policy)
+    policy = policy_cls(cfg.policy, device=device if device.type == "cpu" or torch.cuda.is_available() else "cpu")
     try:
         restore(ckpt, policy)
     except (pickle.UnpicklingError, EOFError, KeyError, RuntimeError, ValueError) as exc:

@@ -46,7 +46,7 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--seed", type=int, default=None, help="seed (default: the entry's config)")
     train.add_argument("--exp-name", default=None, help="run name (default: the entry's config)")
     train.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                       help="where the policy runs (sets policy.cuda; default: the entry's config)")
+                       help="where the learner's policy runs (sets policy.device; default: the entry's config)")
     train.add_argument("--max-env-step", type=int, default=None,
                        help="stop after this many env steps in total (a resumed run counts the steps before it)")
     train.add_argument("--max-train-iter", type=int, default=None,
@@ -160,7 +160,7 @@ def _config(entry: ModuleType, args: argparse.Namespace) -> Optional[Any]:
         cfg = merge_config(cfg, load_config_file(args.config))
     overrides = list(args.overrides)
     if args.device is not None:
-        overrides.append(f"policy.cuda={args.device == 'cuda'}")
+        overrides.append(f"policy.device={args.device}")
     return apply_overrides(cfg, overrides)
 
 

@@ -15,6 +15,7 @@ from conveyor.policy.base import (
     Snapshot,
     Stateful,
     TargetSync,
+    configured_device,
     hard_update,
     make_target,
     soft_update,
@@ -48,6 +49,7 @@ from conveyor.policy.vtrace import VTrace, vtrace
 
 __all__ = [
     "Policy",
+    "configured_device",
     "LearnResult",
     "LazyOptimizer",
     "DataParallel",

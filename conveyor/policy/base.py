@@ -83,12 +83,25 @@ class GeneratorState:
         self.rng.bit_generator.state = dict(state_dict)
 
 
+def _device_check(value: str) -> str | None:
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError):
+        return "must be a torch device such as 'cpu', 'cuda' or 'cuda:1'"
+    return None
+
+
+def configured_device(cfg: Mapping[str, Any]) -> torch.device:
+    """Where ``cfg.policy`` asks a policy to run: ``device`` when set, else CUDA if ``cuda``, else the CPU."""
+    return torch.device(cfg.get("device") or ("cuda" if cfg.get("cuda") else "cpu"))
+
+
 class Policy(abc.ABC):
     """Base class of all policies: builds the model, validates the config, owns counters and checkpoints.
 
     ``cfg`` is the ``cfg.policy`` section; keys it leaves out take their defaults and unknown keys are
     errors (see :meth:`config_schema`). ``model`` overrides the one :meth:`build_model` makes from
-    ``cfg.model``. ``device`` defaults to ``"cuda"`` if ``cfg.cuda`` else ``"cpu"``. ``seed`` seeds
+    ``cfg.model``. ``device`` defaults to ``cfg.device``, else ``"cuda"`` if ``cfg.cuda``, else ``"cpu"``. ``seed`` seeds
     :attr:`rng`, the generator for exploration noise (drawn from torch's global generator when
     ``None``, so ``torch.manual_seed`` makes a run reproducible). The published acting copies of the model
     are its :class:`~conveyor.policy.weights.VersionedWeights`.
@@ -98,10 +111,10 @@ class Policy(abc.ABC):
                  device: str | torch.device | None = None, seed: int | None = None) -> None:
         self.cfg: EasyDict = schema.validate(cfg, self.config_schema(), path="policy")
         if device is None:
-            device = "cuda" if self.cfg.cuda else "cpu"
+            device = configured_device(self.cfg)
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"{type(self).__name__} was asked to run on {device} (policy.cuda or device=) but "
-                              "torch sees no CUDA device: set policy.cuda=False")
+            raise ConfigError(f"{type(self).__name__} was asked to run on {device} (policy.device, policy.cuda or "
+                              "device=) but torch sees no CUDA device: set policy.device=cpu and policy.cuda=False")
         self.device = torch.device(device)
         self._input_device = None if self.device.type == "cpu" else self.device
         self.model: nn.Module = (model if model is not None else self.build_model(self.cfg.model)).to(self.device)
@@ -131,7 +144,11 @@ class Policy(abc.ABC):
     def config_schema(cls) -> dict:
         """The options of ``cfg.policy``; subclasses extend it with ``schema.merge_schemas``."""
         return {
-            "cuda": Option(False, "Run the policy on CUDA (unless built with an explicit device=)."),
+            "cuda": Option(False, "Run the policy on CUDA (unless built with an explicit device=, or policy.device "
+                                  "says where)."),
+            "device": Option(None, "Where the learner's policy runs: 'cpu', 'cuda' or 'cuda:N' (None: 'cuda' if "
+                                   "policy.cuda, else 'cpu'). Collector processes and nodes act on CPU.", type=str,
+                             check=_device_check),
             "discount_factor": Option(0.99, "Discount factor gamma of future rewards.", type=float,
                                       check=schema.unit_interval),
             "model": {
