@@ -5,9 +5,11 @@
 
 Trains the pipeline of cartpole/impala (docs/impala.md) with atari/ppo's envs: 8 envs, a training episode ends at
 each lost life, training rewards clipped to their sign, FIRE pressed at each game start and after each lost life.
-Hyperparameters: Espeholt et al. 2018 (arXiv:1802.01561), the appendix's Atari table: unroll length 20, discount 0.99,
-entropy 0.01, baseline loss 0.5, global gradient norm clipped to 40, learning rate annealed linearly to 0 over
-the run, rho-bar = c-bar = 1. Where this differs, and why:
+Hyperparameters: Espeholt et al. 2018 (arXiv:1802.01561), Table G.1 ("Hyperparameters for Atari experiments"): 84x84
+grey frames, 4 action repeats max-pooled over the last 2, 4 stacked frames, life loss ends an episode, rewards
+clipped to [-1, 1], unroll length 20, discount 0.99, entropy 0.01, baseline loss 0.5, global gradient norm clipped
+to 40, learning rate annealed linearly to 0 over the run; rho-bar = c-bar = 1 (the paper's V-trace default).
+Where this differs, and why:
 
 - Adam 2.5e-4 (atari/ppo's, which trains this CNN here) instead of RMSProp 6e-4 (decay 0.99, epsilon 0.01):
   IMPALAPolicy's optimizer is Adam, and Adam's steps are larger than RMSProp's with that epsilon at one rate.
