@@ -1,0 +1,122 @@
+"""IMPALA against PPO on Breakout over the same agent-step budget: what each has learned, and in what wall time.
+
+Per seed, one after the other on this machine, each in a fresh interpreter, no early stop, one evaluation at the
+end of the budget:
+
+- IMPALA: the ``atari/impala`` entry as it ships, distributed with ``--collectors`` collector processes (2 by
+  default) and no evaluator node; its learner records every full-game training episode the collectors report
+  (``_impala_episodes_entry.py``);
+- PPO: the ``atari/ppo`` entry as it ships, in one process (``atari_learning.py``'s "ours" side).
+
+The figures are the mean return of the last 20 full-game training episodes (unclipped) and the wall time of the
+run, start-up included. The issue's bar: IMPALA at or above PPO on the same seeds, in less wall time. Ends with one
+JSON line: ``impala_final_train_returns``, ``ppo_final_train_returns``, ``impala_wall_s``, ``ppo_wall_s``,
+``seeds_at_or_above``, ``seeds_faster``. ``--no-ppo`` runs IMPALA alone (to compare with PPO runs taken before).
+
+    python benchmarks/impala_learning.py --seeds 3 --first-seed 1      # 250k agent steps a run: hours on CPU
+    python benchmarks/impala_learning.py --quick                       # 1 seed, 3200 agent steps, IMPALA only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+from _peers import run_worker, scratch_dir
+
+HERE = Path(__file__).resolve().parent
+TRAIN_EPISODES = 20
+
+
+def impala(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dict[str, Any]:
+    """atari/impala, distributed, for ``budget`` agent steps; the mean of its last full-game training episodes."""
+    from conveyor.config import apply_overrides
+    from conveyor.zoo import load_entry
+    from conveyor.zoo.run import train_distributed
+
+    entry_file = str(HERE / "_impala_episodes_entry.py")
+    cfg = apply_overrides(load_entry(entry_file).main_config, overrides)
+    cfg.seed = seed
+    cfg.env.stop_value = None  # spend the whole budget
+    cfg.policy.eval.evaluator.eval_freq = 10**9  # one evaluation, at the end of the budget (as the PPO side)
+    cfg.policy.eval.evaluator.eval_env_step_freq = budget
+    with scratch_dir() as workdir:
+        os.environ["IMPALA_LEARNING_EPISODES"] = str(workdir / "episodes.txt")
+        start = time.perf_counter()
+        run = train_distributed(entry_file, collectors=collectors, cfg=cfg, exp_name=f"impala_seed{seed}",
+                                max_env_step=budget + 1, progress=False)
+        wall = time.perf_counter() - start
+        path = workdir / "episodes.txt"
+        returns = [float(line) for line in path.read_text().split()] if path.exists() else []
+    last = returns[-TRAIN_EPISODES:]
+    return {"side": "impala", "seed": seed, "final_train_return": statistics.fmean(last) if last else None,
+            "train_episodes": len(returns), "wall_s": round(wall, 1), "env_step": run.env_step,
+            "train_iter": run.train_iter}
+
+
+def ppo(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dict[str, Any]:
+    """atari/ppo in one process, as ``atari_learning.py`` trains it."""
+    from atari_learning import ours
+
+    return {**ours(seed, budget, overrides), "side": "ppo"}
+
+
+SIDES = {"impala": impala, "ppo": ppo}
+
+
+def _cell(value: Any, width: int) -> str:
+    return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=1, help="seeds run are first-seed, first-seed + 1, ...")
+    parser.add_argument("--max-env-step", type=int, default=250_000, help="agent steps per run")
+    parser.add_argument("--collectors", type=int, default=2, help="IMPALA's collector processes")
+    parser.add_argument("--no-ppo", action="store_true", help="IMPALA only (ppo_* keys are null)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change atari/impala's config, as `conveyor train --set`")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 3200 agent steps, IMPALA only")
+    parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    budget = 3200 if args.quick else args.max_env_step
+    if args.worker is not None:
+        overrides = args.overrides if args.worker == "impala" else []
+        print(json.dumps(SIDES[args.worker](args.seed, budget, args.collectors, overrides)))
+        return
+    sides = ["impala"] if args.quick or args.no_ppo else list(SIDES)
+    seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
+    extra = ["--max-env-step", str(budget), "--collectors", str(args.collectors),
+             *(["--quick"] if args.quick else []), *(word for pair in args.overrides for word in ("--set", pair))]
+    rows = {side: [run_worker(__file__, ["--worker", side, "--seed", str(seed), *extra], timeout=6 * 3600)
+                   if side in sides else {"seed": seed, "final_train_return": None, "wall_s": None}
+                   for seed in seeds] for side in SIDES}
+    print(f"Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game training episodes, "
+          f"atari/impala with {args.collectors} collectors against atari/ppo in one process")
+    print(f"{'seed':>5} {'IMPALA':>9} {'PPO':>9} {'IMPALA wall s':>14} {'PPO wall s':>11}")
+    for a, b in zip(rows["impala"], rows["ppo"]):
+        print(f"{a['seed']:>5} {_cell(a['final_train_return'], 9)} {_cell(b['final_train_return'], 9)} "
+              f"{_cell(a['wall_s'], 14)} {_cell(b['wall_s'], 11)}")
+    finals = {side: [r["final_train_return"] for r in rows[side]] for side in SIDES}
+    walls = {side: [r["wall_s"] for r in rows[side]] for side in SIDES}
+    pairs = list(zip(rows["impala"], rows["ppo"]))
+    summary = {"max_env_step": budget, "seeds": seeds, "collectors": args.collectors, "overrides": args.overrides,
+               "impala_final_train_returns": finals["impala"], "ppo_final_train_returns": finals["ppo"],
+               "impala_wall_s": walls["impala"], "ppo_wall_s": walls["ppo"],
+               "impala_train_episodes": [r.get("train_episodes") for r in rows["impala"]],
+               "seeds_at_or_above": sum(a["final_train_return"] is not None and b["final_train_return"] is not None
+                                        and a["final_train_return"] >= b["final_train_return"] for a, b in pairs),
+               "seeds_faster": sum(a["wall_s"] is not None and b["wall_s"] is not None and a["wall_s"] < b["wall_s"]
+                                   for a, b in pairs)}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
