@@ -9,7 +9,13 @@ after the current iteration (a ``CkptSaver`` writes its final checkpoint) and ``
 ``task.run``, or a second SIGTERM, raises ``SystemExit(143)``, so ``finally`` blocks and ``with task.start()``
 exit run. When its ``main`` returns, a worker tells its peers and waits until each has finished too or is
 gone, before closing its router: no message it sent is cut off by closing early. Once its result or error is
-sent, a SIGTERM ends the worker at once. A worker whose launcher disappears stops itself.
+sent, a SIGTERM ends the worker at once.
+
+A worker whose launcher disappears (killed, its host or its Ray actor lost) stops itself. Without
+``auto_recover`` it stops as on SIGTERM, which ends the run on every node. With ``auto_recover`` the job's
+nodes outlive the loss of one, so it dies at once as a killed worker would (exit code 143, nothing told to its
+peers, its address freed): they go on without it, and a launcher started again in its place (Ray restarts an
+actor) starts it again with the same node id and address, and it rejoins.
 """
 from __future__ import annotations
 
@@ -139,7 +145,8 @@ def serve(conn: Any) -> int:
         conn.send(("ready",))
         if conn.recv() != ("go",):
             raise RuntimeError("the launcher sent something other than 'go'")
-        threading.Thread(target=_stop_when_orphaned, args=(conn,), name="conveyor-launcher-watch", daemon=True).start()
+        threading.Thread(target=_stop_when_orphaned, args=(conn, spec["node_id"], spec["auto_recover"]),
+                         name="conveyor-launcher-watch", daemon=True).start()
         signal.signal(signal.SIGTERM, _GracefulStop().handle)
         result = main(*args)
         node._finish()
@@ -205,9 +212,15 @@ class _GracefulStop:
             task.emit(STOP_EVENT, only_local=True)
 
 
-def _stop_when_orphaned(conn: Any) -> None:
-    """The launcher never writes after 'go': end of file here means it is gone, so stop this worker."""
+def _stop_when_orphaned(conn: Any, node_id: Any, leave: bool) -> None:
+    """The launcher never writes after 'go': end of file here means it is gone, so stop this worker: ``leave``
+    (``auto_recover``) at once, without ending the run on the others, else as on SIGTERM (see the module
+    docstring)."""
     try:
         conn.recv()
     except (EOFError, OSError):
+        if leave:
+            log.warning("worker %s: its launcher is gone; it leaves the run at once (auto_recover: the others go on "
+                        "without it)", node_id)
+            os._exit(128 + signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
