@@ -122,7 +122,7 @@ def test_with_auto_recover_ray_restarts_a_killed_collector_actor_and_its_node_re
     real = launcher.train_on_ray
     monkeypatch.setattr(launcher, "train_on_ray", lambda *a: runs.append(real(*a)) or runs[-1])
     run_dir = tmp_path / "runs" / "cartpole_dqn"
-    driver, codes = in_background("--max-env-step", "20000", "--auto-recover", "--max-retries", "1")
+    driver, codes = in_background("--max-env-step", "12000", "--no-stop", "--auto-recover", "--max-retries", "1")
     wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, "the learner's first evaluation")
     first = rows(run_dir)[1]["pid"]
     os.kill(actor_process(first), signal.SIGKILL)  # the actor process dies, its node with it
@@ -133,7 +133,25 @@ def test_with_auto_recover_ray_restarts_a_killed_collector_actor_and_its_node_re
     restarted = next(node for node in runs[0].nodes if node["node_id"] == 1)
     assert restarted["restarts"] == 1 and restarted["pid"] == rows(run_dir)[1]["pid"] != first
     assert restarted["collected"] > 0
-    assert runs[0].env_step >= 20000 and (run_dir / "ckpt" / "final.pth.tar").is_file()
+    assert runs[0].env_step >= 12000 and (run_dir / "ckpt" / "final.pth.tar").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_a_collector_actor_dead_beyond_max_retries_is_done_without_then_named_in_one_line(ray_cluster, tmp_path,
+                                                                                          capsys):
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    driver, codes = in_background("--max-env-step", "3000", "--no-stop", "--auto-recover", "--max-retries", "0")
+    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, "the learner's first evaluation")
+    os.kill(actor_process(rows(run_dir)[1]["pid"]), signal.SIGKILL)
+    driver.join(WAIT)
+    err = capsys.readouterr().err
+    assert codes == [1], err
+    assert err.strip().splitlines()[-1] == ("conveyor: error: the Ray actor of node 1 (ActorDiedError) died after 0 "
+                                            "restarts (--max-retries 0); the other nodes ended the run; run "
+                                            "directory runs/cartpole_dqn"), err
+    ended = re.findall(r"run ended at env_step=(\d+)", (run_dir / "log.txt").read_text())
+    assert int(ended[-1]) >= 3000 and (run_dir / "ckpt" / "final.pth.tar").is_file()  # on the other collector
 
 
 @pytest.mark.slow

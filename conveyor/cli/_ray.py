@@ -25,6 +25,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from conveyor.cli._placement import job_port, node_arguments, run_nodes
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 _PLACE_S = 120.0
 """How long Ray may take to start every node's actor (a cluster without the resources never does)."""
+
+_RETRY_S = 0.5
+"""Between two calls to an actor that Ray is restarting (no event tells when it is back)."""
 
 _GRACE_S = 60.0
 """How long a stopped run's actors get to end their nodes (each node's own ``grace_s``, 30 s, and a margin)."""
@@ -114,7 +118,8 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         actor_class = ray.remote(_Node)
         for node_id in range(layout.n_nodes):
             gpus = 1 if node_id == 0 and args.device == "cuda" else 0
-            actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=bound if node_id else 0).remote())
+            restarts = (bound or 0) if node_id else 0  # Ray restarts no learner's actor
+            actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=restarts).remote())
         try:
             places = ray.get([actor.host.remote() for actor in actors], timeout=_PLACE_S)
         except ray.exceptions.GetTimeoutError:
@@ -175,13 +180,13 @@ def _ckpt_dir(args: argparse.Namespace, cfg: Optional[Any]) -> Any:
     return run_directory(cfg if cfg is not None else load_entry(args.entry).main_config, args.exp_name) / "ckpt"
 
 
-def _restarts(args: argparse.Namespace) -> int:
+def _restarts(args: argparse.Namespace) -> Optional[int]:
     """How many times Ray may restart a collector's or an evaluator's actor: ``--max-retries`` (default
-    ``DEFAULT_MAX_RETRIES``) with ``--auto-recover``, else none."""
+    ``DEFAULT_MAX_RETRIES``) with ``--auto-recover``, else None (never)."""
     from conveyor.engine.parallel.runner import DEFAULT_MAX_RETRIES
 
     if not args.auto_recover:
-        return 0
+        return None
     return DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries
 
 
@@ -190,7 +195,7 @@ class _Restarts:
     actor (``run(node_id, restarts)``) once Ray has started it, and notes its new process for :func:`_stop`."""
 
     def __init__(self, ray: Any, actors: List[Any], calls: List[Any], places: List[Tuple[str, str, int]],
-                 run: Any, bound: int) -> None:
+                 run: Any, bound: Optional[int]) -> None:
         self.ray, self.actors, self.calls, self.places, self.run, self.bound = ray, actors, calls, places, run, bound
         self.counts = [0] * len(actors)
 
@@ -198,22 +203,30 @@ class _Restarts:
         """Whether node ``node_id`` runs again in its restarted actor (False: its restarts are spent, or Ray
         could not restart it within ``_PLACE_S``)."""
         ray = self.ray
-        if not node_id or self.counts[node_id] >= self.bound:
+        if not node_id or self.counts[node_id] >= (self.bound or 0):
             return False
         self.counts[node_id] += 1
         log.warning("the Ray actor of node %d died; Ray restarts it (restart %d of %d) and its node rejoins the run",
                     node_id, self.counts[node_id], self.bound)
-        try:
-            self.places[node_id] = ray.get(self.actors[node_id].host.remote(), timeout=_PLACE_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
+        deadline = time.monotonic() + _PLACE_S
+        while True:  # until the restarted actor answers: calls sent before Ray saw it die fail as unavailable
+            try:
+                self.places[node_id] = ray.get(self.actors[node_id].host.remote(),
+                                               timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(_RETRY_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return False
         self.calls[node_id] = self.run(node_id, self.counts[node_id])
         return True
 
     def why(self, node_id: int, exc: BaseException) -> str:
         """Node ``node_id``, whose actor died of ``exc`` for good, and why it was not restarted (again)."""
         what = f"node {node_id} ({type(exc).__name__}) died"
-        if not self.bound:
+        if self.bound is None:
             return f"{what} (Ray restarts actors only with --auto-recover)"
         if not node_id:
             return f"{what} (a learner's actor is not restarted)"

@@ -145,9 +145,9 @@ def serve(conn: Any) -> int:
         conn.send(("ready",))
         if conn.recv() != ("go",):
             raise RuntimeError("the launcher sent something other than 'go'")
-        threading.Thread(target=_stop_when_orphaned, args=(conn, spec["node_id"], spec["auto_recover"]),
-                         name="conveyor-launcher-watch", daemon=True).start()
-        signal.signal(signal.SIGTERM, _GracefulStop().handle)
+        orphaned = _Orphaned(conn, spec["node_id"], spec["auto_recover"])
+        threading.Thread(target=orphaned.watch, name="conveyor-launcher-watch", daemon=True).start()
+        signal.signal(signal.SIGTERM, _GracefulStop(orphaned).handle)
         result = main(*args)
         node._finish()
         conn.send(("result", dumps_or_none(result)))
@@ -191,15 +191,18 @@ class _GracefulStop:
     """A worker's SIGTERM handler while ``main`` runs: inside ``task.run`` the first SIGTERM sets ``task.finish``
     and emits :data:`~conveyor.engine.task.STOP_EVENT` (from a thread: a signal handler must not take the
     event bus's lock), so the run ends normally after this iteration; outside it, or a second time,
-    it raises ``SystemExit(143)`` at once."""
+    it raises ``SystemExit(143)`` at once. With ``auto_recover``, a SIGTERM once the launcher is gone (a Ray
+    node's cleanup of a dead actor's processes) makes the worker leave as :class:`_Orphaned` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, orphaned: "_Orphaned") -> None:
+        self._orphaned = orphaned
         self._read, self._write = os.pipe()
         self._asked = False
         threading.Thread(target=self._serve, name="conveyor-stop", daemon=True).start()
 
     def handle(self, signum: int, frame: Any) -> None:
         from conveyor.engine.task import task
+        self._orphaned.leave_if_gone()
         if self._asked or not task.running:
             raise Terminated(128 + signum)
         self._asked = task.finish = True
@@ -212,15 +215,26 @@ class _GracefulStop:
             task.emit(STOP_EVENT, only_local=True)
 
 
-def _stop_when_orphaned(conn: Any, node_id: Any, leave: bool) -> None:
-    """The launcher never writes after 'go': end of file here means it is gone, so stop this worker: ``leave``
-    (``auto_recover``) at once, without ending the run on the others, else as on SIGTERM (see the module
-    docstring)."""
-    try:
-        conn.recv()
-    except (EOFError, OSError):
-        if leave:
+class _Orphaned:
+    """What a worker does once its launcher is gone (end of file on ``conn``: the launcher never writes after
+    'go'): with ``leave`` (``auto_recover``) it dies at once without ending the run on the others, else it
+    stops as on SIGTERM (see the module docstring)."""
+
+    def __init__(self, conn: Any, node_id: Any, leave: bool) -> None:
+        self._conn, self._node_id, self._leave = conn, node_id, leave
+
+    def watch(self) -> None:
+        """Wait for the launcher to be gone, then stop this worker."""
+        try:
+            self._conn.recv()
+        except (EOFError, OSError):
+            self.leave_if_gone()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def leave_if_gone(self) -> None:
+        """With ``leave``, and the launcher gone (its end of ``conn`` closed, so ``poll`` answers at once), exit
+        now as a killed worker would: no ``task.finish`` told to the peers, every socket closed."""
+        if self._leave and self._conn.poll():
             log.warning("worker %s: its launcher is gone; it leaves the run at once (auto_recover: the others go on "
-                        "without it)", node_id)
+                        "without it)", self._node_id)
             os._exit(128 + signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
