@@ -198,6 +198,7 @@ class _Restarts:
                  run: Any, bound: Optional[int]) -> None:
         self.ray, self.actors, self.calls, self.places, self.run, self.bound = ray, actors, calls, places, run, bound
         self.counts = [0] * len(actors)
+        self.failed: Dict[int, str] = {}  # node id -> why Ray's restart of its actor did not answer
 
     def again(self, node_id: int) -> bool:
         """Whether node ``node_id`` runs again in its restarted actor (False: its restarts are spent, or Ray
@@ -216,9 +217,14 @@ class _Restarts:
                 break
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline:
+                    self.failed[node_id] = f"still unavailable {_PLACE_S:g} s after restart {self.counts[node_id]}"
                     return False
                 time.sleep(_RETRY_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            except ray.exceptions.GetTimeoutError:
+                self.failed[node_id] = f"not restarted within {_PLACE_S:g} s"
+                return False
+            except ray.exceptions.RayActorError as exc:
+                self.failed[node_id] = f"{type(exc).__name__} at restart {self.counts[node_id]}"
                 return False
         self.calls[node_id] = self.run(node_id, self.counts[node_id])
         return True
@@ -230,7 +236,11 @@ class _Restarts:
             return f"{what} (Ray restarts actors only with --auto-recover)"
         if not node_id:
             return f"{what} (a learner's actor is not restarted)"
+        if node_id in self.failed:
+            return f"{what} ({self.failed[node_id]})"
         count = self.counts[node_id]
+        if count < self.bound:
+            return f"{what} as the run was ending"
         return f"{what} after {count} restart{'s' * (count != 1)} (--max-retries {self.bound})"
 
 
