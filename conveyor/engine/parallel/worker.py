@@ -234,7 +234,11 @@ class _Orphaned:
     def leave_if_gone(self) -> None:
         """With ``leave``, and the launcher gone (its end of ``conn`` closed, so ``poll`` answers at once), exit
         now as a killed worker would: no ``task.finish`` told to the peers, every socket closed."""
-        if self._leave and self._conn.poll():
+        try:
+            gone = self._leave and self._conn.poll()
+        except (OSError, ValueError):  # closed here: the result is sent, the worker ends anyway
+            gone = False
+        if gone:
             log.warning("worker %s: its launcher is gone; it leaves the run at once (auto_recover: the others go on "
                         "without it)", self._node_id)
             os._exit(128 + signal.SIGTERM)
