@@ -4,6 +4,7 @@
 import builtins
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -102,6 +103,57 @@ def test_with_auto_recover_a_killed_collector_process_is_restarted_in_its_actor_
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
 
 
+def trained(run_dir):
+    """Whether the learner has evaluated after training on collected steps (its log's evaluation lines)."""
+    try:
+        text = (run_dir / "log.txt").read_text()
+    except OSError:
+        return False
+    return any(int(train_iter) > 0 for train_iter in re.findall(r"evaluation at train_iter (\d+),", text))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_with_auto_recover_ray_restarts_a_killed_collector_actor_and_its_node_rejoins(ray_cluster, tmp_path, capsys,
+                                                                                       caplog, monkeypatch):
+    import conveyor.cli._ray as launcher
+
+    runs = []  # what the driver returns: every node's summary
+    real = launcher.train_on_ray
+    monkeypatch.setattr(launcher, "train_on_ray", lambda *a: runs.append(real(*a)) or runs[-1])
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    driver, codes = in_background("--max-env-step", "12000", "--no-stop", "--auto-recover", "--max-retries", "1")
+    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, "the learner's first evaluation")
+    first = rows(run_dir)[1]["pid"]
+    os.kill(actor_process(first), signal.SIGKILL)  # the actor process dies, its node with it
+    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, "the collector of the restarted actor to rejoin")
+    driver.join(WAIT)
+    assert codes == [0], capsys.readouterr().err
+    assert "the Ray actor of node 1 died; Ray restarts it (restart 1 of 1)" in caplog.text
+    restarted = next(node for node in runs[0].nodes if node["node_id"] == 1)
+    assert restarted["restarts"] == 1 and restarted["pid"] == rows(run_dir)[1]["pid"] != first
+    assert restarted["collected"] > 0
+    assert runs[0].env_step >= 12000 and (run_dir / "ckpt" / "final.pth.tar").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_a_collector_actor_dead_beyond_max_retries_is_done_without_then_named_in_one_line(ray_cluster, tmp_path,
+                                                                                          capsys):
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    driver, codes = in_background("--max-env-step", "3000", "--no-stop", "--auto-recover", "--max-retries", "0")
+    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, "the learner's first evaluation")
+    os.kill(actor_process(rows(run_dir)[1]["pid"]), signal.SIGKILL)
+    driver.join(WAIT)
+    err = capsys.readouterr().err
+    assert codes == [1], err
+    assert err.strip().splitlines()[-1] == ("conveyor: error: the Ray actor of node 1 (ActorDiedError) died after 0 "
+                                            "restarts (--max-retries 0); the other nodes ended the run; run "
+                                            "directory runs/cartpole_dqn"), err
+    ended = re.findall(r"run ended at env_step=(\d+)", (run_dir / "log.txt").read_text())
+    assert int(ended[-1]) >= 3000 and (run_dir / "ckpt" / "final.pth.tar").is_file()  # on the other collector
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2 * WAIT)
 def test_a_killed_collector_actor_ends_the_run_with_its_final_checkpoint_and_one_line(ray_cluster, tmp_path, capsys):
@@ -112,7 +164,7 @@ def test_a_killed_collector_actor_ends_the_run_with_its_final_checkpoint_and_one
     driver.join(WAIT)
     err = capsys.readouterr().err
     assert codes == [1], err
-    assert "the Ray actor of node 1 (ActorDiedError) died" in err, err
+    assert "the Ray actor of node 1 (ActorDiedError) died (Ray restarts actors only with --auto-recover)" in err, err
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
     pids = [row["pid"] for row in rows(run_dir).values()]  # the orphaned node ends on its own, maybe after the driver
     wait_until(lambda: not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "every node process to end")

@@ -2,23 +2,30 @@
 
 Ray only places the nodes (one actor per node, with the CPU, and with ``--device cuda`` the learner's GPU, of its
 role); the nodes still talk over nng with the run's secret, nothing of the run goes through Ray's object store.
-Restarts are ``--auto-recover``'s, inside each actor: a node process that dies is started again by its actor's
-``Parallel.runner`` and rejoins. Ray does not restart an actor that dies (``max_restarts=0``): its node process,
-orphaned, stops as on SIGTERM, which ends the run on every node (final checkpoint written), so a restarted actor
-would find no run to rejoin. The driver (this process) asks each actor for its host,
-gives node ``r`` the port ``P + r`` (``--ports P``, default ``DEFAULT_PORT``) and every other node's address,
-and hands each actor the secret as an argument of the call that runs its node. Each actor then runs the same
-per-node code path as a Slurm task or a pod (:func:`~conveyor.cli._distributed.node_arguments`,
-:func:`~conveyor.cli._distributed.run_nodes`).
+The driver (this process) asks each actor for its host, gives node ``r`` the port ``P + r`` (``--ports P``,
+default ``DEFAULT_PORT``) and every other node's address, and hands each actor the secret as an argument of the
+call that runs its node. Each actor then runs the same per-node code path as a Slurm task or a pod
+(:func:`~conveyor.cli._distributed.node_arguments`, :func:`~conveyor.cli._distributed.run_nodes`).
+
+Restarts are ``--auto-recover``'s (bounded by ``--max-retries``, default 3), at two levels. Inside each actor,
+its ``Parallel.runner`` starts a node process that dies again. And Ray restarts the actor of a collector or an
+evaluator that dies (``max_restarts``): its node process, orphaned, leaves the run at once without ending it
+(``auto_recover``'s rule for a worker whose launcher is gone), the others go on without it, and the driver
+calls the restarted actor's ``run`` again, whose node starts with the same node id and address and rejoins as
+an auto-recover restart does. The learner's actor is not restarted: its death ends the run. Without
+``--auto-recover`` no actor is restarted and the orphaned node stops as on SIGTERM, which ends the run on
+every node (final checkpoint written).
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
 import tempfile
 import threading
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from conveyor.cli._placement import job_port, node_arguments, run_nodes
@@ -26,8 +33,13 @@ from conveyor.schema import ConfigError
 
 __all__ = ["INSTALL", "train_on_ray"]
 
+log = logging.getLogger(__name__)
+
 _PLACE_S = 120.0
 """How long Ray may take to start every node's actor (a cluster without the resources never does)."""
+
+_RETRY_S = 0.5
+"""Between two calls to an actor that Ray is restarting (no event tells when it is back)."""
 
 _GRACE_S = 60.0
 """How long a stopped run's actors get to end their nodes (each node's own ``grace_s``, 30 s, and a margin)."""
@@ -46,9 +58,14 @@ class _Node:
 
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def run(self, args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any], job: Any, port: int) -> Any:
-        """Node ``job.rank`` of ``job``: ``where`` (the launch options and the secret) placed as a Slurm task's."""
-        return run_nodes(args, cfg, node_arguments(where, job, port))
+    def run(self, args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any], job: Any, port: int,
+            restarts: int = 0) -> Any:
+        """Node ``job.rank`` of ``job``: ``where`` (the launch options and the secret) placed as a Slurm task's.
+        ``restarts``: how many times Ray restarted this actor, added to its node's ``restarts`` in the summary."""
+        run = run_nodes(args, cfg, node_arguments(where, job, port))
+        for node in run.nodes:
+            node["restarts"] += restarts
+        return run
 
 
 def _interrupt(pid: int) -> None:
@@ -91,8 +108,9 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
             ray.init(address=args.ray_address, log_to_driver=False)
         except (ConnectionError, RuntimeError) as exc:
             raise ConfigError(f"--ray-address {args.ray_address}: {exc}") from None
+    bound = _restarts(args)
     actors: List[Any] = []
-    calls: List[Any] = []
+    calls: List[Any] = []  # the call running each node, by node id (a restarted actor's replaces its first)
     places: List[Tuple[str, str, int]] = []
     main_thread = threading.current_thread() is threading.main_thread()  # only it may take signals
     previous = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
@@ -100,7 +118,8 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         actor_class = ray.remote(_Node)
         for node_id in range(layout.n_nodes):
             gpus = 1 if node_id == 0 and args.device == "cuda" else 0
-            actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=0).remote())
+            restarts = (bound or 0) if node_id else 0  # Ray restarts no learner's actor
+            actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=restarts).remote())
         try:
             places = ray.get([actor.host.remote() for actor in actors], timeout=_PLACE_S)
         except ray.exceptions.GetTimeoutError:
@@ -110,8 +129,12 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
                               f"asks for 1 CPU, the learner's also for 1 GPU with --device cuda); the cluster has "
                               f"{ray.cluster_resources()}") from None
         hosts = [host for host, _, _ in places]
-        calls += [actor.run.remote(args, cfg, where, SlurmTask(rank, hosts), port) for rank, actor in enumerate(actors)]
-        return _gathered(ray, calls)
+
+        def run(rank: int, restarts: int = 0) -> Any:
+            return actors[rank].run.remote(args, cfg, where, SlurmTask(rank, hosts), port, restarts)
+
+        calls += [run(rank) for rank in range(layout.n_nodes)]
+        return _gathered(ray, _Restarts(ray, actors, calls, places, run, bound))
     except KeyboardInterrupt:
         _stop(ray, actors, calls, places)
         signum = _signals.pop() if _signals else signal.SIGINT
@@ -157,29 +180,103 @@ def _ckpt_dir(args: argparse.Namespace, cfg: Optional[Any]) -> Any:
     return run_directory(cfg if cfg is not None else load_entry(args.entry).main_config, args.exp_name) / "ckpt"
 
 
-def _gathered(ray: Any, calls: List[Any]) -> Any:
+def _restarts(args: argparse.Namespace) -> Optional[int]:
+    """How many times Ray may restart a collector's or an evaluator's actor: ``--max-retries`` (default
+    ``DEFAULT_MAX_RETRIES``) with ``--auto-recover``, else None (never)."""
+    from conveyor.engine.parallel.runner import DEFAULT_MAX_RETRIES
+
+    if not args.auto_recover:
+        return None
+    return DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries
+
+
+class _Restarts:
+    """The driver's side of Ray's actor restarts: ``again(node_id)`` calls ``run`` of node ``node_id``'s restarted
+    actor (``run(node_id, restarts)``) once Ray has started it, and notes its new process for :func:`_stop`."""
+
+    def __init__(self, ray: Any, actors: List[Any], calls: List[Any], places: List[Tuple[str, str, int]],
+                 run: Any, bound: Optional[int]) -> None:
+        self.ray, self.actors, self.calls, self.places, self.run, self.bound = ray, actors, calls, places, run, bound
+        self.counts = [0] * len(actors)
+        self.failed: Dict[int, str] = {}  # node id -> why Ray's restart of its actor did not answer
+
+    def again(self, node_id: int) -> bool:
+        """Whether node ``node_id`` runs again in its restarted actor (False: its restarts are spent, or Ray
+        could not restart it within ``_PLACE_S``)."""
+        ray = self.ray
+        if not node_id or self.counts[node_id] >= (self.bound or 0):
+            return False
+        self.counts[node_id] += 1
+        log.warning("the Ray actor of node %d died; Ray restarts it (restart %d of %d) and its node rejoins the run",
+                    node_id, self.counts[node_id], self.bound)
+        deadline = time.monotonic() + _PLACE_S
+        while True:  # until the restarted actor answers: calls sent before Ray saw it die fail as unavailable
+            try:
+                self.places[node_id] = ray.get(self.actors[node_id].host.remote(),
+                                               timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    self.failed[node_id] = f"still unavailable {_PLACE_S:g} s after restart {self.counts[node_id]}"
+                    return False
+                time.sleep(_RETRY_S)
+            except ray.exceptions.GetTimeoutError:
+                self.failed[node_id] = f"not restarted within {_PLACE_S:g} s"
+                return False
+            except ray.exceptions.RayActorError as exc:
+                self.failed[node_id] = f"{type(exc).__name__} at restart {self.counts[node_id]}"
+                return False
+        self.calls[node_id] = self.run(node_id, self.counts[node_id])
+        return True
+
+    def why(self, node_id: int, exc: BaseException) -> str:
+        """Node ``node_id``, whose actor died of ``exc`` for good, and why it was not restarted (again)."""
+        what = f"node {node_id} ({type(exc).__name__}) died"
+        if self.bound is None:
+            return f"{what} (Ray restarts actors only with --auto-recover)"
+        if not node_id:
+            return f"{what} (a learner's actor is not restarted)"
+        if node_id in self.failed:
+            return f"{what} ({self.failed[node_id]})"
+        count = self.counts[node_id]
+        if count < self.bound:
+            return f"{what} as the run was ending"
+        return f"{what} after {count} restart{'s' * (count != 1)} (--max-retries {self.bound})"
+
+
+def _gathered(ray: Any, restarts: _Restarts) -> Any:
     """The learner's result with every node's summary, once every node has ended (a node's own exception, the
-    learner's first, is raised then); ``WorkerError`` naming the nodes whose actor died with its restarts spent,
-    with the others' results."""
+    learner's first, is raised then). A collector's or an evaluator's actor that dies runs its node again once
+    Ray has restarted it, while the learner runs and its restarts last; ``WorkerError`` naming the nodes whose
+    actor died for good, with the others' results, once the others have ended."""
     from conveyor.engine.parallel.runner import WorkerError
 
-    results: List[Any] = []
-    errors: List[BaseException] = []
+    calls = restarts.calls
+    results: List[Any] = [None] * len(calls)
+    errors: Dict[int, BaseException] = {}
     lost: List[str] = []
-    for node_id, call in enumerate(calls):
+    pending = set(range(len(calls)))
+    while pending:
+        running = {calls[node_id]: node_id for node_id in pending}
+        ready, _ = ray.wait(list(running), num_returns=1)
+        node_id = running[ready[0]]
+        pending.discard(node_id)
         try:
-            results.append(ray.get(call))
+            results[node_id] = ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:
-            results.append(None)
-            lost.append(f"node {node_id} ({type(exc).__name__})")
+            if 0 in pending and restarts.again(node_id):
+                pending.add(node_id)
+            else:
+                lost.append(restarts.why(node_id, exc))
         except ray.exceptions.RayTaskError as exc:  # an instance of the node's exception's class too
-            results.append(None)
-            errors.append(exc)
+            if restarts.counts[node_id] and 0 not in pending:
+                log.warning("node %d, restarted by Ray, found the run ended: %s", node_id, exc)
+            else:
+                errors[node_id] = exc
     if errors:
-        raise errors[0]
+        raise errors[min(errors)]
     if lost:
-        raise WorkerError(f"the Ray actor of {', '.join(lost)} died (Ray does not restart it: --auto-recover restarts "
-                          f"a node's process inside its actor); the other nodes ended the run", results)
+        raise WorkerError(f"the Ray actor of {'; of '.join(lost)}; the other nodes ended the run", results)
     learner = results[0]
-    learner.nodes = [node for result in results for node in result.nodes]
+    learner.nodes = [node for result in results if result is not None for node in result.nodes]
     return learner

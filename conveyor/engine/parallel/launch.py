@@ -81,7 +81,8 @@ def launch(plan: Any, main: Callable[..., Any], args: tuple) -> List[Any]:
             for i, node_id in enumerate(plan.node_ids):
                 spec = {"node_id": node_id, "n_workers": plan.n, "topology": plan.topology, "listen": listens[i],
                         "secret": secret, "labels": plan.labels, "ready_timeout_s": plan.ready_timeout_s,
-                        "router_options": plan.router_options, "restarts": 0}
+                        "router_options": plan.router_options, "restarts": 0,
+                        "auto_recover": plan.auto_recover}
                 workers.append(_Worker.start(spec, program, zygote))
             return _supervise(plan, workers, program, zygote)
     finally:

@@ -43,7 +43,8 @@ The launcher then supervises. Faults, two kinds:
 
 SIGTERM to the launcher (from its main thread) or Ctrl-C stops every worker with SIGTERM (each ends its
 run gracefully, see below; SIGKILL after ``grace_s``), removes the ipc files, and ends the launcher with
-``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself. The ipc
+``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself: as on SIGTERM,
+or with ``auto_recover`` at once, leaving the others to go on (see :mod:`~conveyor.engine.parallel.worker`). The ipc
 files of a launch go in ``$TMPDIR/conveyor-run-<launcher pid>-*``; a launch removes such directories
 of this user whose launcher is gone (one killed by SIGKILL cannot remove its own).
 

@@ -9,7 +9,13 @@ after the current iteration (a ``CkptSaver`` writes its final checkpoint) and ``
 ``task.run``, or a second SIGTERM, raises ``SystemExit(143)``, so ``finally`` blocks and ``with task.start()``
 exit run. When its ``main`` returns, a worker tells its peers and waits until each has finished too or is
 gone, before closing its router: no message it sent is cut off by closing early. Once its result or error is
-sent, a SIGTERM ends the worker at once. A worker whose launcher disappears stops itself.
+sent, a SIGTERM ends the worker at once.
+
+A worker whose launcher disappears (killed, its host or its Ray actor lost) stops itself. Without
+``auto_recover`` it stops as on SIGTERM, which ends the run on every node. With ``auto_recover`` the job's
+nodes outlive the loss of one, so it dies at once as a killed worker would (exit code 143, nothing told to its
+peers, its address freed): they go on without it, and a launcher started again in its place (Ray restarts an
+actor) starts it again with the same node id and address, and it rejoins.
 """
 from __future__ import annotations
 
@@ -139,8 +145,9 @@ def serve(conn: Any) -> int:
         conn.send(("ready",))
         if conn.recv() != ("go",):
             raise RuntimeError("the launcher sent something other than 'go'")
-        threading.Thread(target=_stop_when_orphaned, args=(conn,), name="conveyor-launcher-watch", daemon=True).start()
-        signal.signal(signal.SIGTERM, _GracefulStop().handle)
+        orphaned = _Orphaned(conn, spec["node_id"], spec["auto_recover"])
+        threading.Thread(target=orphaned.watch, name="conveyor-launcher-watch", daemon=True).start()
+        signal.signal(signal.SIGTERM, _GracefulStop(orphaned).handle)
         result = main(*args)
         node._finish()
         conn.send(("result", dumps_or_none(result)))
@@ -184,15 +191,18 @@ class _GracefulStop:
     """A worker's SIGTERM handler while ``main`` runs: inside ``task.run`` the first SIGTERM sets ``task.finish``
     and emits :data:`~conveyor.engine.task.STOP_EVENT` (from a thread: a signal handler must not take the
     event bus's lock), so the run ends normally after this iteration; outside it, or a second time,
-    it raises ``SystemExit(143)`` at once."""
+    it raises ``SystemExit(143)`` at once. With ``auto_recover``, a SIGTERM once the launcher is gone (a Ray
+    node's cleanup of a dead actor's processes) makes the worker leave as :class:`_Orphaned` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, orphaned: "_Orphaned") -> None:
+        self._orphaned = orphaned
         self._read, self._write = os.pipe()
         self._asked = False
         threading.Thread(target=self._serve, name="conveyor-stop", daemon=True).start()
 
     def handle(self, signum: int, frame: Any) -> None:
         from conveyor.engine.task import task
+        self._orphaned.leave_if_gone()
         if self._asked or not task.running:
             raise Terminated(128 + signum)
         self._asked = task.finish = True
@@ -205,9 +215,30 @@ class _GracefulStop:
             task.emit(STOP_EVENT, only_local=True)
 
 
-def _stop_when_orphaned(conn: Any) -> None:
-    """The launcher never writes after 'go': end of file here means it is gone, so stop this worker."""
-    try:
-        conn.recv()
-    except (EOFError, OSError):
-        os.kill(os.getpid(), signal.SIGTERM)
+class _Orphaned:
+    """What a worker does once its launcher is gone (end of file on ``conn``: the launcher never writes after
+    'go'): with ``leave`` (``auto_recover``) it dies at once without ending the run on the others, else it
+    stops as on SIGTERM (see the module docstring)."""
+
+    def __init__(self, conn: Any, node_id: Any, leave: bool) -> None:
+        self._conn, self._node_id, self._leave = conn, node_id, leave
+
+    def watch(self) -> None:
+        """Wait for the launcher to be gone, then stop this worker."""
+        try:
+            self._conn.recv()
+        except (EOFError, OSError):
+            self.leave_if_gone()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def leave_if_gone(self) -> None:
+        """With ``leave``, and the launcher gone (its end of ``conn`` closed, so ``poll`` answers at once), exit
+        now as a killed worker would: no ``task.finish`` told to the peers, every socket closed."""
+        try:
+            gone = self._leave and self._conn.poll()
+        except (OSError, ValueError):  # closed here: the result is sent, the worker ends anyway
+            gone = False
+        if gone:
+            log.warning("worker %s: its launcher is gone; it leaves the run at once (auto_recover: the others go on "
+                        "without it)", self._node_id)
+            os._exit(128 + signal.SIGTERM)
