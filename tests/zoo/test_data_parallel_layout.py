@@ -1,0 +1,98 @@
+"""Data-parallel learners in the zoo's distributed layout (``--learners L``): one group, rank 0 owns the run."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main as cli_main
+from conveyor.engine import Role
+from conveyor.middleware import load_checkpoint
+from conveyor.schema import ConfigError
+from conveyor.zoo.run import Layout, train_distributed
+
+RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_learners_come_first_and_each_collector_sends_to_one_learner():
+    layout = Layout(collectors=3, evaluators=1, learners=2)
+    assert [layout.role(i) for i in range(layout.n_nodes)] == [Role.LEARNER, Role.LEARNER, Role.COLLECTOR,
+                                                               Role.COLLECTOR, Role.COLLECTOR, Role.EVALUATOR]
+    assert [layout.learner_of(i) for i in range(5)] == [0, 1, 0, 1, 0]
+    assert layout.roles(0) == [Role.LEARNER] and Layout(2, 0, 2).roles(0) == [Role.LEARNER, Role.EVALUATOR]
+    assert Layout(2, 0, 2).roles(1) == [Role.LEARNER]  # only rank 0 evaluates
+    # collectors and evaluators seed as with one learner
+    assert [Layout(2, 2, 2).seed_offset(i) for i in range(6)] == [0, 0, 1, 2, 0, 1]
+    with pytest.raises(ConfigError, match="nodes 0..5"):
+        layout.role(6)
+
+
+@pytest.mark.parametrize("learners", [0, -1, True, 1.5])
+def test_a_bad_learner_count_is_a_config_error(learners):
+    with pytest.raises(ConfigError, match=f"--learners {learners!r}: must be an int >= 1"):
+        Layout(collectors=2, learners=learners)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["cartpole/dqn", "--collectors", "2", "--learners", "0"], "--learners 0: must be an int >= 1"),
+    (["cartpole/ppo", "--collectors", "2", "--learners", "2"], "learns on-policy"),
+    (["cartpole/dqn", "--collectors", "2", "--learners", "2", "--auto-recover"], "cannot rejoin"),
+    (["cartpole/dqn", "--learners", "2"], "needs --collectors"),
+])
+def test_bad_learner_flags_are_one_line_errors_before_any_process_starts(in_tmp, capsys, argv, fragment):
+    assert cli_main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+    assert not (in_tmp / "runs").exists()
+
+
+def test_resuming_several_learners_is_refused_in_one_line(in_tmp, capsys):
+    assert cli_main(["train", "cartpole/dqn", "--collectors", "2", "--learners", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be resumed yet" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes(in_tmp):
+    run = train_distributed("cartpole/dqn", learners=2, collectors=2, exp_name="dp", max_env_step=1500,
+                            progress=False)
+    learners = sorted((n for n in run.nodes if n["role"] == "learner"), key=lambda n: n["rank"])
+    collectors = {str(n["node_id"]): n for n in run.nodes if n["role"] == "collector"}
+    assert [n["rank"] for n in learners] == [0, 1] and sorted(collectors) == ["2", "3"]
+    # one group: the same weights and optimizer state, the same gradient steps, the run's env steps on both
+    assert learners[0]["params_sha256"] == learners[1]["params_sha256"]
+    assert learners[0]["train_iter"] == learners[1]["train_iter"] == run.train_iter > 0
+    assert learners[0]["env_step"] == learners[1]["env_step"] == run.env_step >= 1500
+    # collector 2 (the first) sends to rank 0 only, collector 3 to rank 1 only: nothing received twice
+    assert list(learners[0]["received_from"]) == ["2"] and list(learners[1]["received_from"]) == ["3"]
+    assert sum(n["received"] for n in learners) == run.env_step  # the run counts what the learners received
+    for learner in learners:  # and they received what their collector collected, but for what was in flight
+        collected = collectors[str(learner["rank"] + 2)]["collected"]
+        assert 0 < learner["received"] <= collected <= learner["received"] + 3 * 16
+    rows = json.loads((in_tmp / "runs" / "dp" / "nodes.json").read_text())
+    assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["evaluator", "learner"]), (1, ["learner"]),
+                                                          (2, ["collector"]), (3, ["collector"])]
+    assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == ["dp"]  # rank 1 made no run directory
+    final = load_checkpoint(in_tmp / "runs" / "dp" / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["env_step"] == run.env_step
+    log = (in_tmp / "runs" / "dp" / "log.txt").read_text()
+    assert log.count("run 'dp' started") == 1
+
+
+@pytest.mark.slow
+def test_a_killed_learner_ends_the_run_with_a_clear_error_and_rank0s_final_checkpoint(in_tmp):
+    from conveyor.engine.parallel.runner import WorkerError
+    from conveyor.policy import DataParallelError
+    started = time.monotonic()
+    with pytest.raises((WorkerError, DataParallelError), match="worker 1 .* killed by SIGKILL|learners' group failed"):
+        train_distributed(RANK1_DIES, learners=2, collectors=2, exp_name="dpdies", max_env_step=10**6,
+                          progress=False)
+    assert time.monotonic() - started < 60  # not ended by a wait running out (the group's timeout is 120 s)
+    final = load_checkpoint(in_tmp / "runs" / "dpdies" / "ckpt" / "final.pth.tar")
+    assert 400 <= final["ctx"]["env_step"] < 10**6
