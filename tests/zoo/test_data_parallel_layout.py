@@ -71,8 +71,11 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
     assert learners[0]["env_step"] == learners[1]["env_step"] == run.env_step >= 1500
     # collector 2 (the first) sends to rank 0 only, collector 3 to rank 1 only: nothing received twice
     assert list(learners[0]["received_from"]) == ["2"] and list(learners[1]["received_from"]) == ["3"]
-    assert sum(n["received"] for n in learners) == run.env_step  # the run counts what the learners received
-    for learner in learners:  # and they received what their collector collected, but for what was in flight
+    # the run trained on what the learners received, but for the batch a learner took as the run ended (at most
+    # COLLECTOR_LEAD + 1 = 3 batches of 16, a collector's n_sample), and they received what their collector
+    # collected, but for what was in flight then
+    assert run.env_step <= sum(n["received"] for n in learners) <= run.env_step + 2 * 3 * 16
+    for learner in learners:
         collected = collectors[str(learner["rank"] + 2)]["collected"]
         assert 0 < learner["received"] <= collected <= learner["received"] + 3 * 16
     rows = json.loads((in_tmp / "runs" / "dp" / "nodes.json").read_text())
@@ -87,10 +90,10 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
 
 @pytest.mark.slow
 def test_a_killed_learner_ends_the_run_with_a_clear_error_and_rank0s_final_checkpoint(in_tmp):
-    from conveyor.engine.parallel.runner import WorkerError
     from conveyor.policy import DataParallelError
     started = time.monotonic()
-    with pytest.raises((WorkerError, DataParallelError), match="worker 1 .* killed by SIGKILL|learners' group failed"):
+    with pytest.raises(DataParallelError, match=r"node 0 \(learner rank 0\): the learners' group failed, so this "
+                                                r"learner ended its run and wrote its final checkpoint: .*all-reduce"):
         train_distributed(RANK1_DIES, learners=2, collectors=2, exp_name="dpdies", max_env_step=10**6,
                           progress=False)
     assert time.monotonic() - started < 60  # not ended by a wait running out (the group's timeout is 120 s)

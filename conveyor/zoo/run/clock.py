@@ -177,11 +177,16 @@ class LearnerClock:
         self.collected += ctx.env_step - before
 
     def _stop_others(self, error: Optional[BaseException]) -> None:
-        peers = self._router.peers()
-        try:
-            self._router.wait_for_subscribers(PROGRESS_TOPIC, len(peers), timeout=self.timeout_s)
-        except TimeoutError as e:
-            log.warning("learner: telling the nodes that listen to stop; not every peer does: %s", e)
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # the live peers are counted again each second: one may be found lost meanwhile
+            try:
+                self._router.wait_for_subscribers(PROGRESS_TOPIC, len(self._router.peers()),
+                                                  timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                break
+            except TimeoutError as e:
+                if time.monotonic() >= deadline:
+                    log.warning("learner: telling the nodes that listen to stop; not every peer does: %s", e)
+                    break
         self._router.publish(PROGRESS_TOPIC, self._progress(task.ctx, stop=True))
 
     def _progress(self, ctx: OnlineRLContext, stop: bool) -> Dict[str, Any]:

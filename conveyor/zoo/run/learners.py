@@ -141,7 +141,8 @@ class ShardBuffer:
 class LearnerSync:
     """Every learner's agreement once per iteration, after the exchangers and before the entry's middleware (see
     the module docstring): the run's ``env_step`` and ``env_episode`` (the sums of what each learner received),
-    whether to end (any learner's ``task.finish``), and the replay shards' agreed size (:meth:`shard`).
+    whether to end (any learner's ``task.finish``: the iteration then ends on every learner before anything
+    trains, and what came in it is left out of the counters), and the replay shards' agreed size (:meth:`shard`).
     :attr:`received` counts the env steps this learner received; :attr:`error` holds the group's failure, if any.
 
     Reads / writes ctx: ``env_step``, ``env_episode`` (this learner's, then the run's).
@@ -182,14 +183,17 @@ class LearnerSync:
             task.end_iteration()
             yield
             return
+        if end:  # what came in this iteration is not trained on: the run's counters stay as every learner has them
+            ctx.env_step, ctx.env_episode = self._step, self._episode
+            self._ended = True
+            task.finish = True
+            task.end_iteration()
+            yield
+            return
         self._step = ctx.env_step = self._step + total_steps
         self._episode = ctx.env_episode = self._episode + total_episodes
         if self._buffer is not None:
             self._buffer.agreed = smallest * self.group.world_size
-        if end:
-            self._ended = True
-            task.finish = True
-            task.end_iteration()
         try:
             yield
         except DataParallelError as exc:  # a gradient all-reduce: the step failed before it stepped
