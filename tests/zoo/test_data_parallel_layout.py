@@ -1,4 +1,5 @@
 """Data-parallel learners in the zoo's distributed layout (``--learners L``): one group, rank 0 owns the run."""
+import copy
 import json
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ from conveyor.cli import main as cli_main
 from conveyor.engine import Role
 from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
+from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
 
 RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
@@ -52,6 +54,19 @@ def test_bad_learner_flags_are_one_line_errors_before_any_process_starts(in_tmp,
     assert not (in_tmp / "runs").exists()
 
 
+def test_job_writers_place_the_learners_first_and_pass_them_to_every_node(capsys):
+    assert cli_main(["slurm-script", "cartpole/dqn", "--learners", "2", "--collectors", "3", "--evaluators", "1",
+                     "--nodes", "2"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --ntasks=6" in script and "conveyor train cartpole/dqn --collectors 3 --learners 2" in script
+    assert cli_main(["k8s-manifest", "cartpole/dqn", "--learners", "2", "--collectors", "2", "--image", "c:1"]) == 0
+    manifest = capsys.readouterr().out
+    assert "completions: 4" in manifest and "--learners" in manifest
+    assert cli_main(["slurm-script", "cartpole/ppo", "--learners", "2", "--collectors", "2", "--nodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "learns on-policy" in err and err.count("\n") == 1
+
+
 def test_resuming_several_learners_is_refused_in_one_line(in_tmp, capsys):
     assert cli_main(["train", "cartpole/dqn", "--collectors", "2", "--learners", "2", "--resume"]) == 2
     err = capsys.readouterr().err
@@ -86,6 +101,20 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
     assert final["ctx"]["env_step"] == run.env_step
     log = (in_tmp / "runs" / "dp" / "log.txt").read_text()
     assert log.count("run 'dp' started") == 1
+
+
+@pytest.mark.slow
+def test_without_evaluator_nodes_rank0_evaluates_and_the_stop_value_ends_every_learner_at_once(in_tmp):
+    cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
+    cfg.env.stop_value = 0.0  # the first evaluation reaches it
+    run = train_distributed("cartpole/dqn", learners=2, collectors=2, cfg=cfg, exp_name="dpstop",
+                            max_env_step=10**6, progress=False)
+    learners = [n for n in run.nodes if n["role"] == "learner"]
+    assert run.last_eval_value is not None and run.env_step < 10**6
+    assert learners[0]["params_sha256"] == learners[1]["params_sha256"]
+    assert learners[0]["train_iter"] == learners[1]["train_iter"]
+    final = load_checkpoint(in_tmp / "runs" / "dpstop" / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["last_eval_value"] == run.last_eval_value
 
 
 @pytest.mark.slow

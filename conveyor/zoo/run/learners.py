@@ -71,7 +71,8 @@ def join_learners(policy: Any, rank: int, world_size: int, timeout_s: float) -> 
         rejections = Rejections(f"the learners' rendezvous on node {router.node_id}")
 
         def got(payload: Any) -> None:
-            check_fields(payload, host=lambda v: isinstance(v, str), port=lambda v: isinstance(v, int) and 0 < v < 65536,
+            check_fields(payload, host=lambda v: isinstance(v, str),
+                         port=lambda v: isinstance(v, int) and 0 < v < 65536,
                          session=lambda v: isinstance(v, str) and len(v) == 32)
             found.update(payload)
             arrived.set()

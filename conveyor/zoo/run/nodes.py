@@ -142,7 +142,8 @@ class DistributedRun:
     nodes: List[Dict[str, Any]] = field(default_factory=list)
 
 
-def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learners: int = 1, cfg: Optional[Mapping[str, Any]] = None,
+def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learners: int = 1,
+                      cfg: Optional[Mapping[str, Any]] = None,
                       seed: Optional[int] = None, exp_name: Optional[str] = None, max_env_step: Optional[int] = None,
                       max_train_iter: Optional[int] = None, resume: bool = False, progress: bool = True,
                       ckpt_interval: Optional[float] = None, no_stop: bool = False,
