@@ -40,5 +40,5 @@ from conveyor.zoo.run.pipeline import DatasetMissing, Run
 __all__ = ["COLLECTOR_LEAD", "CONFIG_FILE", "DatasetMissing", "DistributedRun", "EXCHANGE_TIMEOUT_S",
            "EvaluatedWeights", "GlobalRNG", "LOG_FILE", "Layout", "LearnerClock", "NODES_FILE", "PROGRESS_TOPIC",
            "RemoteEvaluations", "Run", "RunDirError", "TrainingInterrupted", "check_exp_name", "check_layout",
-           "check_learners", "config_differences", "counters", "experiment_dir", "is_offline", "prepare", "read_run_config",
-           "run_directory", "seed_everything", "stop_on_signals", "train_distributed"]
+           "check_learners", "config_differences", "counters", "experiment_dir", "is_offline", "prepare",
+           "read_run_config", "run_directory", "seed_everything", "stop_on_signals", "train_distributed"]
