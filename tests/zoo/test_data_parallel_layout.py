@@ -100,7 +100,8 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
     final = load_checkpoint(in_tmp / "runs" / "dp" / "ckpt" / "final.pth.tar")
     assert final["ctx"]["env_step"] == run.env_step
     log = (in_tmp / "runs" / "dp" / "log.txt").read_text()
-    assert log.count("run 'dp' started") == 1
+    assert log.count("run 'dp' started") == 1  # rank 1 shares the working directory, and wrote no log
+    assert len(list((in_tmp / "runs" / "dp" / "tb").iterdir())) == 1  # nor TensorBoard events (its tail: no saver)
 
 
 @pytest.mark.slow
