@@ -1,6 +1,10 @@
 """Data-parallel learners in the zoo's distributed layout (``--learners L``): one group, rank 0 owns the run."""
 import copy
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +16,7 @@ from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
+from tests.zoo.test_distributed import wait_for
 
 RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
 
@@ -75,8 +80,8 @@ def test_resuming_several_learners_is_refused_in_one_line(in_tmp, capsys):
 
 @pytest.mark.slow
 def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes(in_tmp):
-    run = train_distributed("cartpole/dqn", learners=2, collectors=2, exp_name="dp", max_env_step=1500,
-                            progress=False)
+    run = train_distributed("cartpole/dqn", learners=2, collectors=2, evaluators=1, exp_name="dp",
+                            max_env_step=1500, progress=False)
     learners = sorted((n for n in run.nodes if n["role"] == "learner"), key=lambda n: n["rank"])
     collectors = {str(n["node_id"]): n for n in run.nodes if n["role"] == "collector"}
     assert [n["rank"] for n in learners] == [0, 1] and sorted(collectors) == ["2", "3"]
@@ -94,8 +99,9 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
         collected = collectors[str(learner["rank"] + 2)]["collected"]
         assert 0 < learner["received"] <= collected <= learner["received"] + 3 * 16
     rows = json.loads((in_tmp / "runs" / "dp" / "nodes.json").read_text())
-    assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["evaluator", "learner"]), (1, ["learner"]),
-                                                          (2, ["collector"]), (3, ["collector"])]
+    assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["learner"]), (1, ["learner"]), (2, ["collector"]),
+                                                          (3, ["collector"]), (4, ["evaluator"])]
+    assert run.last_eval_value is not None  # the evaluator node's results reach rank 0
     assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == ["dp"]  # rank 1 made no run directory
     final = load_checkpoint(in_tmp / "runs" / "dp" / "ckpt" / "final.pth.tar")
     assert final["ctx"]["env_step"] == run.env_step
@@ -129,3 +135,27 @@ def test_a_killed_learner_ends_the_run_with_a_clear_error_and_rank0s_final_check
     assert time.monotonic() - started < 60  # not ended by a wait running out (the group's timeout is 120 s)
     final = load_checkpoint(in_tmp / "runs" / "dpdies" / "ckpt" / "final.pth.tar")
     assert 400 <= final["ctx"]["env_step"] < 10**6
+
+
+@pytest.mark.slow
+def test_sigterm_to_conveyor_train_with_two_learners_writes_rank0s_final_checkpoint_and_leaves_no_process(in_tmp):
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                             "--learners", "2", "--exp-name", "dpsig", "--no-progress"], cwd=in_tmp,
+                            env={**os.environ, "PYTHONPATH": str(root)}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ckpt = in_tmp / "runs" / "dpsig" / "ckpt"
+        nodes = in_tmp / "runs" / "dpsig" / "nodes.json"
+        wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
+        wait_for(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, err[-2000:]
+    assert load_checkpoint(ckpt / "final.pth.tar")["ctx"]["env_step"] > 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)

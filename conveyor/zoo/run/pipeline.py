@@ -138,6 +138,8 @@ class Run:
             task.add_role(Role.LEARNER).add_role(Role.EVALUATOR)
         if self._distributed:
             on_policy = getattr(self._policy_cls, "learns_on_policy", "replay_buffer" not in cfg.policy.other)
+            if owner:  # listening before node 0 sends its first weights: an evaluator node's first result is kept
+                self._evaluations = RemoteEvaluations(self.policy, stop_value=self._stop_here)
             self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy)
 
     def _check_options(self) -> None:
@@ -219,7 +221,7 @@ class Run:
         node = current_node() if self._distributed else None
         if self._owner:
             if self._distributed:  # before the saver and the loggers: it sees each result first
-                task.use(RemoteEvaluations(self.policy, stop_value=self._stop_here))
+                task.use(self._evaluations)
             saver = self._use_tail()
             if node is not None and node.auto_recover and not self._resume:
                 saver.save(LATEST)  # a restarted learner always finds a checkpoint to resume
