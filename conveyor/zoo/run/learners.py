@@ -168,9 +168,11 @@ class LearnerSync:
         return self._buffer
 
     def _agree(self, steps: int, episodes: int, end: bool) -> tuple:
-        sums = torch.tensor([steps, episodes, int(end)], dtype=torch.float64)
+        device = self.group.device  # NCCL reduces tensors on the GPU only
+        sums = torch.tensor([steps, episodes, int(end)], dtype=torch.float64, device=device)
         self.group.all_reduce(sums, "sum", "the learners' agreement on the iteration")
-        shard = torch.tensor([len(self._buffer.shard) if self._buffer is not None else 0], dtype=torch.float64)
+        shard = torch.tensor([len(self._buffer.shard) if self._buffer is not None else 0], dtype=torch.float64,
+                             device=device)
         self.group.all_reduce(shard, "min", "the learners' agreement on the replay shards")
         return int(sums[0]), int(sums[1]), bool(sums[2] > 0), int(shard[0])
 

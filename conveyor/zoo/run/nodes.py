@@ -11,9 +11,9 @@ the middleware of the other roles, and ``run.env(kind)`` starts only the envs th
 - all: :class:`~conveyor.zoo.run.clock.LearnerClock`, ``ModelExchanger``, ``ContextExchanger`` first
   (:func:`use_node_links`), then the entry's middleware of the node's role.
 - learner: trains on what the collectors send (with several, each on its collectors' share, as one
-  data-parallel group: conveyor/zoo/run/learners.py); node 0 (rank 0) owns the checkpoints (saver, logger, progress bar,
-  ``--resume``), ``runs/<exp>/nodes.json`` (every node's id, roles, pid, host and address) and the end of the
-  run (its budget, or an evaluation at the stop value), which it tells the others.
+  data-parallel group: conveyor/zoo/run/learners.py); node 0 (rank 0) owns the checkpoints (saver, logger,
+  progress bar, ``--resume``), ``runs/<exp>/nodes.json`` (every node's id, roles, pid, host and address) and
+  the end of the run (its budget, or an evaluation at the stop value), which it tells the others.
 - collector: its share of the collection (``collector_env_num`` and ``n_sample`` divided by N, rounded up,
   so the collectors together bring per learner iteration what one process would collect), seed + node id.
   A collector runs at most ``COLLECTOR_LEAD`` iterations per learner iteration (collection overlaps
