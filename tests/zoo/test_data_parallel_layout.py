@@ -46,6 +46,11 @@ def test_a_bad_learner_count_is_a_config_error(learners):
         Layout(collectors=2, learners=learners)
 
 
+def test_a_learner_without_a_collector_of_its_own_is_a_config_error():
+    with pytest.raises(ConfigError, match="--learners 3 with --collectors 2: .* at least as many collectors"):
+        Layout(collectors=2, learners=3)
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["cartpole/dqn", "--collectors", "2", "--learners", "0"], "--learners 0: must be an int >= 1"),
     (["cartpole/ppo", "--collectors", "2", "--learners", "2"], "learns on-policy"),

@@ -66,6 +66,10 @@ class Layout:
                                    ("learners", self.learners, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"--{name} {value!r}: must be an int >= {least}")
+        if self.learners > self.collectors:
+            raise ConfigError(f"--learners {self.learners} with --collectors {self.collectors}: each learner trains on "
+                              f"its own collectors' data (the i-th collector sends to learner i mod L), so give at "
+                              f"least as many collectors as learners")
 
     @property
     def n_nodes(self) -> int:
