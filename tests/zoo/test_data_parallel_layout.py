@@ -83,6 +83,16 @@ def test_resuming_several_learners_is_refused_in_one_line(in_tmp, capsys):
     assert "cannot be resumed yet" in err and err.count("\n") == 1
 
 
+def test_a_run_that_two_learners_trained_is_not_resumed_by_one(in_tmp, capsys):
+    run_dir = in_tmp / "runs" / "cartpole_dqn"
+    run_dir.mkdir(parents=True)
+    (run_dir / "nodes.json").write_text(json.dumps([{"node_id": i, "roles": roles} for i, roles in enumerate(
+        [["evaluator", "learner"], ["learner"], ["collector"], ["collector"]])]))
+    assert cli_main(["train", "cartpole/dqn", "--collectors", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "2 data-parallel learners trained it" in err and err.count("\n") == 1
+
+
 @pytest.mark.slow
 def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes(in_tmp):
     run = train_distributed("cartpole/dqn", learners=2, collectors=2, evaluators=1, exp_name="dp",

@@ -27,6 +27,7 @@ the middleware of the other roles, and ``run.env(kind)`` starts only the envs th
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 from pathlib import Path
@@ -185,7 +186,9 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
         check_learners(entry, cfg if cfg is not None else loaded.main_config, resume=resume,
                        auto_recover=auto_recover)
     if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
-        check_layout(run_directory(cfg if cfg is not None else loaded.main_config, exp_name), distributed=True)
+        run_dir = run_directory(cfg if cfg is not None else loaded.main_config, exp_name)
+        check_layout(run_dir, distributed=True)
+        _check_one_learner(run_dir)
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
@@ -201,6 +204,20 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
     if newest is None:
         return DistributedRun()
     return DistributedRun(newest["env_step"], newest["train_iter"], newest["last_eval_value"], nodes)
+
+
+def _check_one_learner(run_dir: Path) -> None:
+    """Refuse to resume a run that several learners trained (its ``nodes.json`` lists more than one): its
+    checkpoints hold rank 0's replay shard alone, and the pipeline of another layout."""
+    try:
+        rows = json.loads((run_dir / NODES_FILE).read_text())
+        learners = sum("learner" in row["roles"] for row in rows)
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # no readable table: check_layout has judged the run
+    if learners > 1:
+        raise ConfigError(f"cannot resume '{run_dir.name}': {learners} data-parallel learners trained it, and a run "
+                          f"of several learners cannot be resumed yet (its checkpoints hold rank 0's replay shard "
+                          f"alone); start a new run")
 
 
 def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict[str, Any]:
@@ -284,7 +301,7 @@ def check_learners(entry: str, config: Mapping[str, Any], *, resume: bool, auto_
                           f"only off-policy entries (DQN, SAC...) run with several learners so far: use --learners 1")
     if resume:
         raise ConfigError("--learners > 1 with --resume: a run of several learners cannot be resumed yet (only rank "
-                          "0's replay shard is in its checkpoints); start a new run, or resume with --learners 1")
+                          "0's replay shard is in its checkpoints); start a new run")
     if auto_recover:
         raise ConfigError("--learners > 1 with --auto-recover: a restarted learner cannot rejoin the learners' group; "
                           "leave --auto-recover out")
