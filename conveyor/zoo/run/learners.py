@@ -182,6 +182,7 @@ class LearnerSync:
         try:
             total_steps, total_episodes, end, smallest = self._agree(steps, episodes, bool(task.finish))
         except DataParallelError as exc:
+            ctx.env_step, ctx.env_episode = self._step, self._episode  # the run's counters as the group last agreed
             self._failed(exc)
             task.end_iteration()
             yield
