@@ -124,7 +124,7 @@ def test_without_a_secret_file_the_script_makes_one_readable_by_its_owner_only_o
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--learners", "2"], "--learners 2: the distributed layout does not place data-parallel learners yet"),
+    (["--learners", "0"], "--learners 0: must be an int >= 1"),
     (["--collectors", "0"], "--collectors 0: must be an int >= 1"),
     (["--nodes", "4"], "--nodes 4: the job has 3 tasks"),
     (["--nodes", "0"], "--nodes 0"),
@@ -205,7 +205,7 @@ def test_pods_of_the_manifest_read_the_layout_the_local_one_has(capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--learners", "3"], "does not place data-parallel learners yet"),
+    (["--learners", "0"], "--learners 0: must be an int >= 1"),
     (["--cpu", "lots"], "--cpu 'lots'"),
     (["--exp-name", "a" * 70], "DNS label"),
     (["--secret-name", "My_Secret"], "--secret-name 'My_Secret'"),

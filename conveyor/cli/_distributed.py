@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("distributed (docs/distributed.md)")
     group.add_argument("--collectors", type=int, default=None, metavar="N",
                        help="train with 1 learner and N collector processes (node 0 learns, 1..N collect)")
+    group.add_argument("--learners", type=int, default=1, metavar="L",
+                       help="with --collectors: L data-parallel learner processes (nodes 0..L-1, then the collectors; "
+                            "default 1); off-policy entries only")
     group.add_argument("--evaluators", type=int, default=0, metavar="M",
                        help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0: the learner evaluates)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="local",
@@ -48,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def requested(args: argparse.Namespace) -> bool:
     """Whether the command line asks for a distributed run."""
-    return args.collectors is not None or args.evaluators != 0 or args.launcher != "local"
+    return args.collectors is not None or args.evaluators != 0 or args.learners != 1 or args.launcher != "local"
 
 
 def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
@@ -68,7 +71,8 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
     from conveyor.schema import ConfigError
 
     if args.collectors is None:
-        given = f"--evaluators {args.evaluators}" if args.evaluators else f"--launcher {args.launcher}"
+        given = f"--evaluators {args.evaluators}" if args.evaluators else f"--learners {args.learners}" \
+            if args.learners != 1 else f"--launcher {args.launcher}"
         raise ConfigError(f"{given} needs --collectors N (a distributed run's collectors)")
     if args.async_mode:
         raise ConfigError("--async is for one process; with --collectors, collection already runs beside training")
@@ -82,7 +86,7 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
             from conveyor.cli._ray import train_on_ray
             return train_on_ray(args, cfg, where)
         if args.launcher != "local":
-            where = placed(args, where, 1 + args.collectors + args.evaluators)
+            where = placed(args, where, args.learners + args.collectors + args.evaluators)
         return run_nodes(args, cfg, where)
     except ValueError as exc:  # the launch refused, not a node's own error (that one has its traceback)
         if isinstance(exc, ConfigError) or isinstance(exc.__cause__, RemoteTraceback):

@@ -31,7 +31,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("entry", help="zoo entry as <env>/<algo> (`conveyor list` shows them), or an entry file's "
                                       "path as the nodes see it")
     parser.add_argument("--learners", type=int, default=1, metavar="L",
-                        help="learner processes: 1 (the layout does not place data-parallel learners yet)")
+                        help="data-parallel learner processes (default 1; off-policy entries only): nodes 0..L-1, "
+                             "then the collectors and evaluators, L + C + M nodes in all")
     parser.add_argument("--collectors", type=int, required=True, metavar="C",
                         help="collector processes (nodes 1..C); the job has 1 + C + M nodes")
     parser.add_argument("--evaluators", type=int, default=0, metavar="M",
@@ -54,13 +55,9 @@ def checked_layout(args: argparse.Namespace) -> Any:
     ``ValueError`` (a ``ConfigError`` or the entry's ``UnknownEntryError`` as a ValueError) with one line."""
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
-    from conveyor.zoo.run import Layout, is_offline
+    from conveyor.zoo.run import Layout, check_learners, is_offline
 
-    if args.learners != 1:
-        raise ConfigError(f"--learners {args.learners}: the distributed layout does not place data-parallel learners "
-                          f"yet (conveyor.policy.DataParallel is the mechanism); a job has one learner (node 0), "
-                          f"leave --learners out")
-    layout = Layout(args.collectors, args.evaluators)
+    layout = Layout(args.collectors, args.evaluators, args.learners)
     for flag, value, least in (("--max-env-step", args.max_env_step, 1), ("--port", args.port, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be >= {least}, got {value}")
@@ -76,6 +73,8 @@ def checked_layout(args: argparse.Namespace) -> Any:
     if is_offline(entry.main_config):
         raise ConfigError(f"{args.entry} trains offline from a dataset, in one process: it has no collectors to "
                           f"spread over a job's nodes")
+    if args.learners > 1:  # a requeued job resumes: refused there, so a job of several learners is not requeued
+        check_learners(args.entry, entry.main_config, resume=False, auto_recover=False)
     return layout
 
 
@@ -90,6 +89,8 @@ def default_exp_name(entry: str) -> str:
 def train_command(args: argparse.Namespace, launcher: str, exp_name: str, secret_file: str) -> List[str]:
     """The ``conveyor train`` command line of every node (words, unquoted)."""
     command = ["conveyor", "train", args.entry, "--collectors", str(args.collectors)]
+    if args.learners != 1:
+        command += ["--learners", str(args.learners)]
     if args.evaluators:
         command += ["--evaluators", str(args.evaluators)]
     command += ["--launcher", launcher, "--secret-file", secret_file, "--exp-name", exp_name, "--resume-if-exists",

@@ -15,7 +15,8 @@ def run_nodes(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any
     launch options, after :func:`placed` or :func:`node_arguments` for a launcher's node)."""
     from conveyor.zoo.run import train_distributed
 
-    return train_distributed(args.entry, collectors=args.collectors, evaluators=args.evaluators, cfg=cfg,
+    return train_distributed(args.entry, collectors=args.collectors, evaluators=args.evaluators,
+                             learners=getattr(args, "learners", 1), cfg=cfg,
                              seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
                              max_train_iter=args.max_train_iter, resume=args.resume,
                              progress=args.progress, ckpt_interval=args.ckpt_interval, no_stop=args.no_stop,
@@ -43,7 +44,9 @@ def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,
     if n_tasks != n_nodes:
         raise ValueError(f"{flag}: the job has {n_tasks} node{'s' * (n_tasks != 1)} but --collectors "
                          f"{args.collectors}" + (f" --evaluators {args.evaluators}" if args.evaluators else "") +
-                         f" needs {n_nodes} (1 learner, then collectors and evaluators): {starter.format(n=n_nodes)}")
+                         (f" --learners {args.learners}" if getattr(args, "learners", 1) != 1 else "") +
+                         f" needs {n_nodes} (the learners, then collectors and evaluators): "
+                         f"{starter.format(n=n_nodes)}")
     return node_arguments(where, job, job_port(args, where, flag))
 
 

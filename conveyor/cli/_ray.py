@@ -95,7 +95,7 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     from conveyor.zoo.run import DistributedRun, Layout, TrainingInterrupted
 
     ray = _import_ray()
-    layout = Layout(args.collectors, args.evaluators)
+    layout = Layout(args.collectors, args.evaluators, args.learners)
     where = {"secret": generate_secret(), **where}  # --secret-file / $CONVEYOR_SECRET when given
     port = job_port(args, where, "--launcher ray")
     started = not ray.is_initialized()
@@ -117,8 +117,9 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     try:
         actor_class = ray.remote(_Node)
         for node_id in range(layout.n_nodes):
-            gpus = 1 if node_id == 0 and args.device == "cuda" else 0
-            restarts = (bound or 0) if node_id else 0  # Ray restarts no learner's actor
+            learner = node_id < layout.learners
+            gpus = 1 if learner and args.device == "cuda" else 0
+            restarts = 0 if learner else (bound or 0)  # Ray restarts no learner's actor
             actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=restarts).remote())
         try:
             places = ray.get([actor.host.remote() for actor in actors], timeout=_PLACE_S)

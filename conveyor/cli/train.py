@@ -88,6 +88,7 @@ def _train(args: argparse.Namespace) -> int:
     from conveyor.engine.parallel.runner import RemoteTraceback, WorkerError
     from conveyor.envs import EnvCrashedError
     from conveyor.middleware import EvaluationError
+    from conveyor.policy import DataParallelError
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
     from conveyor.zoo.run import CONFIG_FILE, RunDirError, TrainingInterrupted, run_directory
@@ -114,7 +115,7 @@ def _train(args: argparse.Namespace) -> int:
         return usage_error(message(exc))
     except OSError as exc:  # disk errors: the path and the cause
         return usage_error(os_message(exc))
-    except (EnvCrashedError, EvaluationError) as exc:
+    except (EnvCrashedError, EvaluationError, DataParallelError) as exc:  # the last: a learner of several failed
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
         return 1
     except WorkerError as exc:  # a node died; the others ended their runs without it (docs/distributed.md)

@@ -47,9 +47,15 @@ from conveyor.middleware.messages import BadMessage, Rejections, check_fields, l
 from conveyor.middleware.model_exchanger import ModelExchanger
 
 __all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "COLLECTOR_TOPIC", "DATA_TOPIC",
-           "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout"]
+           "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout", "shard_topics"]
 
 log = logging.getLogger(__name__)
+
+
+def shard_topics(shard: int) -> tuple:
+    """The data and collector topics of learner rank ``shard``: :data:`DATA_TOPIC` and :data:`COLLECTOR_TOPIC` for
+    rank 0 (every single-learner run), suffixed with the rank for the others."""
+    return (DATA_TOPIC, COLLECTOR_TOPIC) if shard == 0 else (f"{DATA_TOPIC}.{shard}", f"{COLLECTOR_TOPIC}.{shard}")
 
 
 def _ignore(payload: Any) -> None:
@@ -126,10 +132,17 @@ class ContextExchanger(Exchanger):
     waits at most ``timeout_s`` for a learner to subscribe before its first send, and ends its run when
     the learners it sent to are gone, after waiting ``rejoin_s`` (default 0) for one to (re)subscribe
     unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
+
+    ``shard``: with data-parallel learners (conveyor/zoo/run/learners.py), the rank of the learner this
+    collector sends to, or of this learner: each rank has its own data and collector topics
+    (:func:`shard_topics`), so a batch reaches one learner only. A learner's :attr:`received` counts the env
+    steps it took from each collector, by node id.
     """
 
     def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0,
-                 skip_n_iter: Optional[int] = None) -> None:
+                 skip_n_iter: Optional[int] = None, shard: int = 0) -> None:
+        if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
+            raise ValueError(f"ContextExchanger(shard={shard!r}): must be an int >= 0 (the learner's rank)")
         if skip_n_iter is not None and (not isinstance(skip_n_iter, int) or isinstance(skip_n_iter, bool)
                                         or skip_n_iter < 0):
             raise ValueError(f"ContextExchanger(skip_n_iter={skip_n_iter!r}): must be an int >= 0 (iterations that "
@@ -148,9 +161,13 @@ class ContextExchanger(Exchanger):
         self._finished: Set[str] = set()  # learner: nodes that finished (gone for good)
         self._layouts: Dict[str, Any] = {}  # learner: the layout of the first batch accepted, by field
         self._had_learner = False  # collector: a send reached a learner
-        super().__init__("ContextExchanger", DATA_TOPIC, self._got_data, TRAIN_ITER_TOPIC, self._got_train_iter)
+        self.shard = shard
+        self._data_topic, self._collector_topic = shard_topics(shard)
+        self.received: Dict[str, int] = {}  # learner: env steps taken from each collector's batches, by node id
+        super().__init__("ContextExchanger", self._data_topic, self._got_data, TRAIN_ITER_TOPIC,
+                         self._got_train_iter)
         if self._collector:
-            self._subscribe(COLLECTOR_TOPIC, _ignore)
+            self._subscribe(self._collector_topic, _ignore)
 
     def __repr__(self) -> str:
         side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
@@ -203,7 +220,7 @@ class ContextExchanger(Exchanger):
     def _note_collectors(self) -> None:
         """Learner: count the collectors subscribed to :data:`COLLECTOR_TOPIC` as live (a lost one is listed
         again only once restarted; one that finished, never)."""
-        found = self._router.subscribers(COLLECTOR_TOPIC)
+        found = self._router.subscribers(self._collector_topic)
         with self._cond:
             self._collectors.update(node for node in found if node not in self._finished)
 
@@ -248,7 +265,7 @@ class ContextExchanger(Exchanger):
             got = self._wait(lambda: bool(self._inbox) or bool(self._left and not self._collectors), self.timeout_s,
                              self._note_collectors)
             if got is None:
-                raise self._timeout(f"collected data on {DATA_TOPIC!r}", "collector", self.timeout_s)
+                raise self._timeout(f"collected data on {self._data_topic!r}", "collector", self.timeout_s)
             if got and not self._inbox:
                 lost = [node for node, finished in self._left.items() if not finished]
                 done = [node for node, finished in self._left.items() if finished]
@@ -263,6 +280,8 @@ class ContextExchanger(Exchanger):
                                      "asked to stop" if self._stopping else
                                      f"no collector joined within grace_s={self.grace_s}s; the learner stops")
             got, self._inbox = self._inbox, []  # a loss stays noted until the wait above has seen it
+        for p in got:
+            self.received[p["node"]] = self.received.get(p["node"], 0) + p["env_step"]
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
@@ -286,25 +305,25 @@ class ContextExchanger(Exchanger):
         return False
 
     def _note_learners(self) -> None:
-        if self._router.subscribers(DATA_TOPIC):
+        if self._router.subscribers(self._data_topic):
             self._learners_seen = True
 
     def _learners_gone(self) -> bool:
-        return self._learners_seen and not self._router.subscribers(DATA_TOPIC)
+        return self._learners_seen and not self._router.subscribers(self._data_topic)
 
     def _send(self, payload: Dict[str, Any]) -> None:
-        if self._router.publish(DATA_TOPIC, payload) > 0:
+        if self._router.publish(self._data_topic, payload) > 0:
             self._had_learner = True
             return
         if self._had_learner:  # every learner it sent to has left: unsubscribed (finished), or lost
-            if self._rejoined() and self._router.publish(DATA_TOPIC, payload) > 0:
+            if self._rejoined() and self._router.publish(self._data_topic, payload) > 0:
                 return
             log.info("node %s: no learner left to send collected data to; the collector stops",
                      self._router.node_id)
             task.finish = True
             return
-        self._router.wait_for_subscribers(DATA_TOPIC, 1, timeout=self.timeout_s)  # no learner has subscribed yet
-        if self._router.publish(DATA_TOPIC, payload) == 0:
+        self._router.wait_for_subscribers(self._data_topic, 1, timeout=self.timeout_s)  # no learner has subscribed yet
+        if self._router.publish(self._data_topic, payload) == 0:
             raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
                                f"to (live peers: {self._router.peers()})")
         self._had_learner = True
@@ -314,7 +333,7 @@ class ContextExchanger(Exchanger):
         if not self.rejoin_s or task.finish or self._stopping:
             return False
         try:
-            self._router.wait_for_subscribers(DATA_TOPIC, 1, timeout=self.rejoin_s)
+            self._router.wait_for_subscribers(self._data_topic, 1, timeout=self.rejoin_s)
         except TimeoutError:
             return False
         return True

@@ -176,6 +176,15 @@ class DataParallel:
         self._call(dist.all_reduce, "an all-reduce of batch statistics", sums)
         return sums[0] / sums[1].clamp(min=1)
 
+    def all_reduce(self, x: torch.Tensor, op: str, what: str = "an all-reduce") -> torch.Tensor:
+        """Reduce ``x`` in place over the group with ``op`` (``"sum"``, ``"min"`` or ``"max"``), under the group's
+        timeout; returns it. ``what`` names the collective in a failure's message."""
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"DataParallel.all_reduce(op={op!r}): must be one of {sorted(ops)}")
+        self._call(dist.all_reduce, what, x, op=ops[op])
+        return x
+
     def mean_std(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and (population) standard deviation of ``x`` over every learner's share, as :meth:`mean`, for
         statistics a loss takes over its batch (PPO's advantage normalisation); two all-reduces."""

@@ -20,7 +20,8 @@ run in a child process, ``env.async_collector``) and distributed (:func:`train_d
 - :mod:`~conveyor.zoo.run.control`: seeding, the global generators as saved state, signals, the log file.
 - :mod:`~conveyor.zoo.run.pipeline`: :class:`Run`.
 - :mod:`~conveyor.zoo.run.nodes` and :mod:`~conveyor.zoo.run.clock`: distributed runs (:class:`Layout`,
-  :func:`train_distributed`, :class:`LearnerClock`, :class:`RemoteEvaluations`).
+  :func:`train_distributed`, :class:`LearnerClock`, :class:`RemoteEvaluations`); :mod:`~conveyor.zoo.run.learners`:
+  several data-parallel learners in one run (``--learners L``).
 
 Rules (docs/checkpoints.md): a new run refuses a name that already holds a run (continue it with
 ``resume=True``, or pick another name); ``resume=True`` reads the saved config and ``ckpt/latest.pth.tar``
@@ -33,11 +34,11 @@ from conveyor.zoo.run.clock import (COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, PROGRESS
 from conveyor.zoo.run.control import GlobalRNG, TrainingInterrupted, counters, seed_everything, stop_on_signals
 from conveyor.zoo.run.directory import (CONFIG_FILE, LOG_FILE, NODES_FILE, RunDirError, check_exp_name, check_layout,
                                         config_differences, experiment_dir, prepare, read_run_config, run_directory)
-from conveyor.zoo.run.nodes import DistributedRun, Layout, is_offline, train_distributed
+from conveyor.zoo.run.nodes import DistributedRun, Layout, check_learners, is_offline, train_distributed
 from conveyor.zoo.run.pipeline import DatasetMissing, Run
 
 __all__ = ["COLLECTOR_LEAD", "CONFIG_FILE", "DatasetMissing", "DistributedRun", "EXCHANGE_TIMEOUT_S",
            "EvaluatedWeights", "GlobalRNG", "LOG_FILE", "Layout", "LearnerClock", "NODES_FILE", "PROGRESS_TOPIC",
            "RemoteEvaluations", "Run", "RunDirError", "TrainingInterrupted", "check_exp_name", "check_layout",
-           "config_differences", "counters", "experiment_dir", "is_offline", "prepare", "read_run_config",
-           "run_directory", "seed_everything", "stop_on_signals", "train_distributed"]
+           "check_learners", "config_differences", "counters", "experiment_dir", "is_offline", "prepare",
+           "read_run_config", "run_directory", "seed_everything", "stop_on_signals", "train_distributed"]

@@ -72,20 +72,23 @@ class LearnerClock:
     node is asked to stop (:data:`~conveyor.engine.STOP_EVENT`) or the learner is lost (a warning; the
     node's run then ends, as it does on ``stop``: there is nothing left to collect or evaluate for). With
     ``rejoin_s`` > 0 (the zoo's under ``auto_recover``) a lost learner instead restarts the count of
-    iterations, and the exchangers (given the same ``rejoin_s``) wait for it to come back.
+    iterations, and the exchangers (given the same ``rejoin_s``) wait for it to come back. ``publish=False``: a
+    learner that is not rank 0 of data-parallel learners; it sends nothing and only listens (every peer is
+    counted as a listener of the final ``stop``).
 
     Reads / writes ctx: ``train_iter``, ``env_step``. Place it first, before the exchangers.
     """
 
     def __init__(self, lead: int = COLLECTOR_LEAD, timeout_s: float = EXCHANGE_TIMEOUT_S,
-                 rejoin_s: float = 0.0) -> None:
+                 rejoin_s: float = 0.0, publish: bool = True) -> None:
         if not isinstance(lead, int) or lead < 1:
             raise ValueError(f"LearnerClock(lead={lead!r}): must be an int >= 1")
         self.timeout_s, self.rejoin_s = timeout_s, rejoin_s
         self.collected = 0
         self.first_step_at: Optional[float] = None
         self._router = task.router
-        self._learner = task.has_role(Role.LEARNER)
+        self._learner = task.has_role(Role.LEARNER) and publish
+        self._quiet = task.has_role(Role.LEARNER) and not publish
         self._lead = lead if task.has_role(Role.COLLECTOR) else 1
         self._since = 0  # iterations since the learner's counters last moved
         self._changed = threading.Condition()
@@ -93,7 +96,9 @@ class LearnerClock:
         self._seen: Optional[tuple] = None
         self._ended = False  # asked to stop, or the learner is lost
         self._rejections = Rejections(f"LearnerClock on node {self._router.node_id}")
-        if self._learner:
+        if self._quiet:
+            self._router.on(PROGRESS_TOPIC, lambda progress: None)  # counted among those told to stop
+        elif self._learner:
             task.on(FINISH_EVENT, self._stop_others)
         else:
             self._router.on(PROGRESS_TOPIC, self._rejections(self._got, PROGRESS_TOPIC))
@@ -142,6 +147,9 @@ class LearnerClock:
                                                       (latest["train_iter"], latest["env_step"]) != self._seen)
 
     def __call__(self, ctx: OnlineRLContext) -> Iterator[None]:
+        if self._quiet:
+            yield
+            return
         if self._learner:
             yield
             self._router.publish(PROGRESS_TOPIC, self._progress(ctx, stop=False))
@@ -169,11 +177,16 @@ class LearnerClock:
         self.collected += ctx.env_step - before
 
     def _stop_others(self, error: Optional[BaseException]) -> None:
-        peers = self._router.peers()
-        try:
-            self._router.wait_for_subscribers(PROGRESS_TOPIC, len(peers), timeout=self.timeout_s)
-        except TimeoutError as e:
-            log.warning("learner: telling the nodes that listen to stop; not every peer does: %s", e)
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # the live peers are counted again each second: one may be found lost meanwhile
+            try:
+                self._router.wait_for_subscribers(PROGRESS_TOPIC, len(self._router.peers()),
+                                                  timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                break
+            except TimeoutError as e:
+                if time.monotonic() >= deadline:
+                    log.warning("learner: telling the nodes that listen to stop; not every peer does: %s", e)
+                    break
         self._router.publish(PROGRESS_TOPIC, self._progress(task.ctx, stop=True))
 
     def _progress(self, ctx: OnlineRLContext, stop: bool) -> Dict[str, Any]:
@@ -189,12 +202,15 @@ class RemoteEvaluations:
     final checkpoint at the stop value hold the evaluated weights with the learner's optimizer); one that
     reached the stop value ends the run. Before each iteration, and when the run ends, the newest result
     goes into the context. Make it before the checkpoint saver and the loggers, so it sees each result first.
+    ``stop_value``: the learner's own evaluator runs without one (with data-parallel learners an evaluation must
+    not end rank 0's iteration before the others': conveyor/zoo/run/learners.py), and a result here that reaches
+    it is marked ``stop_value_reached`` (for the saver) and ends the run after the iteration.
 
     Writes ctx: ``last_eval_value``, ``last_eval_iter``.
     """
 
-    def __init__(self, policy: Any) -> None:
-        self._policy = policy
+    def __init__(self, policy: Any, stop_value: Optional[float] = None) -> None:
+        self._policy, self._stop_value = policy, stop_value
         self._lock = threading.Lock()
         self._newest: Optional[Dict[str, Any]] = None
         self._rejections = Rejections("RemoteEvaluations on the learner")
@@ -210,6 +226,8 @@ class RemoteEvaluations:
 
     def _got(self, result: Any) -> None:
         check_fields(result, mean=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), train_iter=int)
+        if self._stop_value is not None and result["mean"] >= self._stop_value:
+            result["stop_value_reached"] = True
         snapshot = result.get("snapshot")
         if isinstance(snapshot, EvaluatedWeights):
             snapshot.policy = self._policy

@@ -1,17 +1,19 @@
-"""Distributed runs: one learner, N collectors and M evaluators as separate processes (``Parallel.runner``).
+"""Distributed runs: L learners, N collectors and M evaluators as separate processes (``Parallel.runner``).
 
     conveyor train cartpole/dqn --collectors 2 --evaluators 1
+    conveyor train cartpole/dqn --collectors 2 --learners 2     # two data-parallel learners (learners.py)
 
 Every node runs the entry's own ``main()``. :func:`train_distributed` starts the nodes; each gets its role
-from its node id (0 the learner, 1..N collectors, then the evaluators) before it calls ``main()``, whose
+from its node id (0..L-1 the learners, then N collectors, then the evaluators) before it calls ``main()``, whose
 :class:`~conveyor.zoo.run.Run` then builds this node's part of the pipeline: ``task.use(..., role=...)`` drops
 the middleware of the other roles, and ``run.env(kind)`` starts only the envs this node uses.
 
 - all: :class:`~conveyor.zoo.run.clock.LearnerClock`, ``ModelExchanger``, ``ContextExchanger`` first
   (:func:`use_node_links`), then the entry's middleware of the node's role.
-- learner: trains on what the collectors send; owns the checkpoints (saver, logger, progress bar,
-  ``--resume``), ``runs/<exp>/nodes.json`` (every node's id, roles, pid, host and address) and the end of the
-  run (its budget, or an evaluation at the stop value), which it tells the others.
+- learner: trains on what the collectors send (with several, each on its collectors' share, as one
+  data-parallel group: conveyor/zoo/run/learners.py); node 0 (rank 0) owns the checkpoints (saver, logger,
+  progress bar, ``--resume``), ``runs/<exp>/nodes.json`` (every node's id, roles, pid, host and address) and
+  the end of the run (its budget, or an evaluation at the stop value), which it tells the others.
 - collector: its share of the collection (``collector_env_num`` and ``n_sample`` divided by N, rounded up,
   so the collectors together bring per learner iteration what one process would collect), seed + node id.
   A collector runs at most ``COLLECTOR_LEAD`` iterations per learner iteration (collection overlaps
@@ -25,6 +27,7 @@ the middleware of the other roles, and ``run.env(kind)`` starts only the envs th
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 from pathlib import Path
@@ -40,8 +43,8 @@ from conveyor.schema import ConfigError
 from conveyor.zoo.run.clock import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
 from conveyor.zoo.run.directory import NODES_FILE, check_layout, run_directory
 
-__all__ = ["DistributedRun", "Layout", "Node", "collector_share", "current_node", "is_offline", "train_distributed",
-           "use_node_links"]
+__all__ = ["DistributedRun", "Layout", "Node", "check_learners", "collector_share", "current_node", "is_offline",
+           "train_distributed", "use_node_links"]
 
 
 def is_offline(config: Mapping[str, Any]) -> bool:
@@ -51,49 +54,68 @@ def is_offline(config: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """Which node does what: node 0 learns, nodes ``1..collectors`` collect, the next ``evaluators`` evaluate; with
-    no evaluator nodes the learner evaluates too (between its updates, as in one process), so ``stop_value`` still
-    ends the run."""
+    """Which node does what: nodes ``0..learners-1`` learn (data-parallel, rank = node id; node 0, rank 0, owns the
+    run), the next ``collectors`` collect, the next ``evaluators`` evaluate; with no evaluator nodes node 0 evaluates
+    too (between its updates, as in one process), so ``stop_value`` still ends the run."""
 
     collectors: int
     evaluators: int = 0
+    learners: int = 1
 
     def __post_init__(self) -> None:
-        for name, value, least in (("collectors", self.collectors, 1), ("evaluators", self.evaluators, 0)):
+        for name, value, least in (("collectors", self.collectors, 1), ("evaluators", self.evaluators, 0),
+                                   ("learners", self.learners, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"--{name} {value!r}: must be an int >= {least}")
+        if self.learners > self.collectors:
+            raise ConfigError(f"--learners {self.learners} with --collectors {self.collectors}: each learner trains on "
+                              f"its own collectors' data (the i-th collector sends to learner i mod L), so give at "
+                              f"least as many collectors as learners")
 
     @property
     def n_nodes(self) -> int:
-        """Learner, collectors and evaluators together."""
-        return 1 + self.collectors + self.evaluators
+        """Learners, collectors and evaluators together."""
+        return self.learners + self.collectors + self.evaluators
 
     def role(self, node_id: int) -> Role:
         """The role of node ``node_id``."""
         if not isinstance(node_id, int) or not 0 <= node_id < self.n_nodes:
-            raise ConfigError(f"node id {node_id!r}: this run has nodes 0..{self.n_nodes - 1} (0 the learner, "
-                              f"1..{self.collectors} collectors, then {self.evaluators} evaluators)")
-        if node_id == 0:
+            learners = "0 the learner" if self.learners == 1 else f"0..{self.learners - 1} the learners"
+            raise ConfigError(f"node id {node_id!r}: this run has nodes 0..{self.n_nodes - 1} ({learners}, "
+                              f"{self.learners}..{self.learners + self.collectors - 1} collectors, then "
+                              f"{self.evaluators} evaluators)")
+        if node_id < self.learners:
             return Role.LEARNER
-        return Role.COLLECTOR if node_id <= self.collectors else Role.EVALUATOR
+        return Role.COLLECTOR if node_id < self.learners + self.collectors else Role.EVALUATOR
 
     def roles(self, node_id: int) -> List[Role]:
-        """The roles node ``node_id`` takes: :meth:`role`, and the learner also evaluates when no node does."""
+        """The roles node ``node_id`` takes: :meth:`role`, and node 0 also evaluates when no node does."""
         role = self.role(node_id)
-        return [role, Role.EVALUATOR] if role is Role.LEARNER and self.evaluators == 0 else [role]
+        return [role, Role.EVALUATOR] if node_id == 0 and self.evaluators == 0 else [role]
+
+    def learner_of(self, node_id: int) -> int:
+        """The rank (node id) of the learner that collector ``node_id`` sends to: the i-th collector's is ``i mod
+        learners``; a learner's is its own."""
+        if self.role(node_id) is Role.LEARNER:
+            return node_id
+        return (node_id - self.learners) % self.learners
 
     def seed_offset(self, node_id: int) -> int:
-        """What node ``node_id`` adds to the run's seed: a collector its node id (each its own env stream), the
-        k-th evaluator k (the first evaluates on the episodes one process would), the learner 0."""
+        """What node ``node_id`` adds to the run's seed: the i-th collector (from 0) i + 1 (each its own env stream,
+        its node id with one learner), the k-th evaluator k (the first evaluates on the episodes one process would),
+        a learner 0."""
         role = self.role(node_id)
-        return node_id if role is Role.COLLECTOR else node_id - 1 - self.collectors if role is Role.EVALUATOR else 0
+        if role is Role.COLLECTOR:
+            return node_id - self.learners + 1
+        return node_id - self.learners - self.collectors if role is Role.EVALUATOR else 0
 
 
 @dataclass
 class Node:
     """This worker's part of a distributed run: its layout, whether a lost learner is restarted, and what the
     node did (``ran``: its main() trained in a Run, its policy on ``device``; ``collected`` env steps from
-    ``first_step_at``)."""
+    ``first_step_at``; a learner: ``received`` env steps by collector node id, ``params_sha256`` of its final
+    weights, and ``sync``, the learners' agreement where there are several)."""
 
     layout: Layout
     auto_recover: bool = False
@@ -101,6 +123,9 @@ class Node:
     device: Optional[str] = None
     collected: int = 0
     first_step_at: Optional[float] = None
+    received: Dict[str, int] = field(default_factory=dict)
+    params_sha256: Optional[str] = None
+    sync: Any = None
 
 
 _node: Optional[Node] = None
@@ -112,7 +137,9 @@ class DistributedRun:
     ran on another host: the newest the nodes here heard of), and a summary of every node started here
     (``node_id``, ``role``, ``pid``, ``device``: where its policy ran, ``env_step``, ``train_iter``,
     ``last_eval_value``, ``collected``: env steps a collector collected, ``first_step_at``: the ``time.time()`` of
-    its first collected step)."""
+    its first collected step; a learner's ``rank``, ``received``: the env steps it received, ``received_from``: those
+    by collector node id, and ``params_sha256``: a hash of its final weights and optimizer state, equal on every
+    learner of the group)."""
 
     env_step: Optional[int] = None
     train_iter: Optional[int] = None
@@ -120,7 +147,8 @@ class DistributedRun:
     nodes: List[Dict[str, Any]] = field(default_factory=list)
 
 
-def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: Optional[Mapping[str, Any]] = None,
+def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learners: int = 1,
+                      cfg: Optional[Mapping[str, Any]] = None,
                       seed: Optional[int] = None, exp_name: Optional[str] = None, max_env_step: Optional[int] = None,
                       max_train_iter: Optional[int] = None, resume: bool = False, progress: bool = True,
                       ckpt_interval: Optional[float] = None, no_stop: bool = False,
@@ -130,8 +158,10 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
                       secret: Optional[bytes] = None, auto_recover: bool = False,
                       max_retries: Optional[int] = None, ready_timeout_s: float = 60.0,
                       grace_s: float = 30.0) -> DistributedRun:
-    """Train zoo ``entry`` with 1 learner, ``collectors`` collectors and ``evaluators`` evaluators, each its
-    own process; the other arguments are the entry ``main()``'s and ``Parallel.runner``'s.
+    """Train zoo ``entry`` with ``learners`` data-parallel learners (conveyor/zoo/run/learners.py), ``collectors``
+    collectors and ``evaluators`` evaluators, each its own process; the other arguments are the entry ``main()``'s
+    and ``Parallel.runner``'s. Several learners need an off-policy entry (a replay buffer) and refuse
+    ``resume`` and ``auto_recover``.
 
     ``node_ids``: the nodes to start here (default all); give each host its share and the others'
     addresses (``attach_to``), with the same secret on every host, to spread one run over several.
@@ -144,7 +174,7 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     from conveyor.engine import Parallel
     from conveyor.zoo import load_entry
 
-    layout = Layout(collectors, evaluators)
+    layout = Layout(collectors, evaluators, learners)
     ids = list(range(layout.n_nodes)) if node_ids is None else list(node_ids)
     for node_id in ids:
         layout.role(node_id)
@@ -152,22 +182,42 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, cfg: 
     if is_offline(loaded.main_config):
         raise ConfigError(f"{entry} trains offline from a dataset, with no collectors or evaluators to spread "
                           f"over processes: drop --collectors/--evaluators")
+    if learners > 1:
+        check_learners(entry, cfg if cfg is not None else loaded.main_config, resume=resume,
+                       auto_recover=auto_recover)
     if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
-        check_layout(run_directory(cfg if cfg is not None else loaded.main_config, exp_name), distributed=True)
+        run_dir = run_directory(cfg if cfg is not None else loaded.main_config, exp_name)
+        check_layout(run_dir, distributed=True)
+        _check_one_learner(run_dir)
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
                "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop}
-    results = Parallel.runner(len(ids), topology="star", protocol=protocol, address=address, ports=ports,
+    topology = "star" if learners == 1 else "mesh"  # collectors send to every learner's rank, not node 0's alone
+    results = Parallel.runner(len(ids), topology=topology, protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
                               max_retries=max_retries, ready_timeout_s=ready_timeout_s,
                               grace_s=grace_s)(_node_main, entry, layout, options)
     nodes = [r for r in results if r is not None]
-    told = [n for n in nodes if n["role"] == Role.LEARNER.value] or nodes  # else: as the nodes here heard it
+    told = [n for n in nodes if n["node_id"] == 0] or nodes  # else: as the nodes here heard it
     newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)
     if newest is None:
         return DistributedRun()
     return DistributedRun(newest["env_step"], newest["train_iter"], newest["last_eval_value"], nodes)
+
+
+def _check_one_learner(run_dir: Path) -> None:
+    """Refuse to resume a run that several learners trained (its ``nodes.json`` lists more than one): its
+    checkpoints hold rank 0's replay shard alone, and the pipeline of another layout."""
+    try:
+        rows = json.loads((run_dir / NODES_FILE).read_text())
+        learners = sum("learner" in row["roles"] for row in rows)
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # no readable table: check_layout has judged the run
+    if learners > 1:
+        raise ConfigError(f"cannot resume '{run_dir.name}': {learners} data-parallel learners trained it, and a run "
+                          f"of several learners cannot be resumed yet (its checkpoints hold rank 0's replay shard "
+                          f"alone); start a new run")
 
 
 def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict[str, Any]:
@@ -189,7 +239,7 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     try:
         ctx = entry.main(options["cfg"], seed=seed, exp_name=options["exp_name"], max_env_step=options["max_env_step"],
                          max_train_iter=options["max_train_iter"], resume=options["resume"] or restarted_learner,
-                         progress=options["progress"] and role is Role.LEARNER,
+                         progress=options["progress"] and node_id == 0,
                          ckpt_interval=options["ckpt_interval"], **({"no_stop": True} if options["no_stop"] else {}))
     finally:
         _node = None
@@ -199,7 +249,9 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "device": node.device,
             "restarts": task.router.restarts, "env_step": int(ctx.env_step),
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
-            "first_step_at": node.first_step_at}
+            "first_step_at": node.first_step_at,
+            **({"rank": node_id, "received": sum(node.received.values()), "received_from": dict(node.received),
+                "params_sha256": node.params_sha256} if role is Role.LEARNER else {})}
 
 
 def current_node() -> "Node":
@@ -209,22 +261,50 @@ def current_node() -> "Node":
 
 
 def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool) -> LearnerClock:
-    """The first middleware of every node (inside ``task.start``): the learner writes ``nodes.json`` (the others
+    """The first middleware of every node (inside ``task.start``): node 0 writes ``nodes.json`` (the others
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
-    entry) and ``ContextExchanger``. Returns the clock."""
+    entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
+    learners, these form their group and add :class:`~conveyor.zoo.run.learners.LearnerSync` (``node.sync``).
+    Returns the clock."""
     node = current_node()
     node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
-    if task.has_role(Role.LEARNER):
+    node_id, layout = task.router.node_id, node.layout
+    learner = task.has_role(Role.LEARNER)
+    if node_id == 0:
         NodeTable(run_dir / NODES_FILE, keep=task.router.restarts > 0)
     else:
         NodeTable.announce(EXCHANGE_TIMEOUT_S)
     rejoin_s = EXCHANGE_TIMEOUT_S if node.auto_recover else 0.0  # a lost learner is restarted: wait for it
-    clock = LearnerClock(lead=COLLECTOR_LEAD, timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s)
+    clock = LearnerClock(lead=COLLECTOR_LEAD, timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s,
+                         publish=node_id == 0 or not learner)
     task.use(clock)
-    task.use(ModelExchanger(policy, max_staleness=0 if on_policy else None, timeout_s=EXCHANGE_TIMEOUT_S,
-                            rejoin_s=rejoin_s))
-    task.use(ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s))
+    if node_id == 0 or not learner:
+        task.use(ModelExchanger(policy, max_staleness=0 if on_policy else None, timeout_s=EXCHANGE_TIMEOUT_S,
+                                rejoin_s=rejoin_s))
+    shard = layout.learner_of(node_id) if node_id < layout.learners + layout.collectors else 0
+    exchanger = ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s, shard=shard)
+    task.use(exchanger)
+    if learner:
+        node.received = exchanger.received
+    if learner and layout.learners > 1:
+        from conveyor.zoo.run.learners import LearnerSync, join_learners
+        node.sync = LearnerSync(join_learners(policy, node_id, layout.learners, EXCHANGE_TIMEOUT_S))
+        task.use(node.sync)
     return clock
+
+
+def check_learners(entry: str, config: Mapping[str, Any], *, resume: bool, auto_recover: bool) -> None:
+    """Refuse, in one line, what several data-parallel learners do not do: on-policy entries (no replay buffer to
+    shard), ``resume`` and ``auto_recover``."""
+    if "replay_buffer" not in config.get("policy", {}).get("other", {}):
+        raise ConfigError(f"--learners > 1: {entry} learns on-policy (no replay buffer to shard across learners); "
+                          f"only off-policy entries (DQN, SAC...) run with several learners so far: use --learners 1")
+    if resume:
+        raise ConfigError("--learners > 1 with --resume: a run of several learners cannot be resumed yet (only rank "
+                          "0's replay shard is in its checkpoints); start a new run")
+    if auto_recover:
+        raise ConfigError("--learners > 1 with --auto-recover: a restarted learner cannot rejoin the learners' group; "
+                          "leave --auto-recover out")
 
 
 def collector_share(cfg: EasyDict, collectors: int) -> EasyDict:

@@ -19,6 +19,7 @@ from conveyor.envs import make_env_manager
 from conveyor.middleware import (CkptSaver, load_checkpoint, offline_logger, online_logger, progress_bar,
                                  termination_checker)
 from conveyor.middleware.collector_process import ProcessCollector
+from conveyor.policy import DataParallelError
 from conveyor.schema import ConfigError
 from conveyor.zoo.run.clock import RemoteEvaluations
 from conveyor.zoo.run.control import (GlobalRNG, TrainingInterrupted, log_evaluations, run_log, seed_everything,
@@ -98,7 +99,10 @@ class Run:
             task.add_role(Role.COLLECTOR)
             return
         self._check_options()
-        owner = not self._distributed or task.has_role(Role.LEARNER)
+        node = current_node() if self._distributed else None
+        learner = node is None or task.has_role(Role.LEARNER)
+        # with data-parallel learners, rank 0 (node 0) alone owns the run: its directory, checkpoints and logs
+        owner = learner and (node is None or node.layout.learners == 1 or task.router.node_id == 0)
         if self._offline and not self._resume:  # found before the run directory is made: a missing one leaves none
             self.dataset = self._load_dataset(self._given if self._given is not None else self._main_config)
         self.cfg = cfg = prepare(self._main_config, self._policy_cls, self._given, seed=self._seed,
@@ -107,10 +111,13 @@ class Run:
         if self._offline and self.dataset is None:
             self.dataset = self._load_dataset(cfg)
         self._stop_value = cfg.env.get("stop_value")
+        self._stop_here = None  # rank 0 of several learners: the stop value its own evaluations end the run at
+        if node is not None and node.layout.learners > 1 and task.has_role(Role.EVALUATOR) and not self._no_stop:
+            self._stop_here, cfg.env.stop_value = self._stop_value, None
         if self._no_stop:
             cfg.env.stop_value = None  # the evaluators never end the run; the saved config keeps the value
         seed_everything(cfg.seed)
-        self.policy = self._policy_cls(cfg.policy, device=None if owner else "cpu")  # collector and evaluator
+        self.policy = self._policy_cls(cfg.policy, device=None if learner else "cpu")  # collector and evaluator
         # nodes act on CPU; the learner takes policy.cuda
         self.run_dir = experiment_dir(cfg)
         self._owner = owner
@@ -131,6 +138,8 @@ class Run:
             task.add_role(Role.LEARNER).add_role(Role.EVALUATOR)
         if self._distributed:
             on_policy = getattr(self._policy_cls, "learns_on_policy", "replay_buffer" not in cfg.policy.other)
+            if owner:  # listening before node 0 sends its first weights: an evaluator node's first result is kept
+                self._evaluations = RemoteEvaluations(self.policy, stop_value=self._stop_here)
             self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy)
 
     def _check_options(self) -> None:
@@ -186,7 +195,9 @@ class Run:
         buffer = DequeBuffer(replay.size, prioritized=replay.prioritized, alpha=replay.alpha, beta=replay.beta,
                              beta_end=replay.beta_end, beta_anneal_steps=replay.beta_anneal_steps, seed=self.cfg.seed,
                              frame_stack=replay.get("frame_stack", "auto"))
-        return self.save_state("buffer", buffer)
+        self.save_state("buffer", buffer)
+        sync = current_node().sync if self._distributed else None
+        return buffer if sync is None else sync.shard(buffer)  # one of data-parallel learners: its shard
 
     def save_state(self, name: str, obj: Any) -> Any:
         """Save ``obj`` (with ``state_dict()`` / ``load_state_dict()``) in the run's checkpoints under ``name``,
@@ -209,14 +220,22 @@ class Run:
             raise _Captured
         node = current_node() if self._distributed else None
         if self._owner:
-            if self._distributed:
-                task.use(RemoteEvaluations(self.policy))  # before the saver and the loggers: it sees each result first
+            if self._distributed:  # before the saver and the loggers: it sees each result first
+                task.use(self._evaluations)
             saver = self._use_tail()
             if node is not None and node.auto_recover and not self._resume:
                 saver.save(LATEST)  # a restarted learner always finds a checkpoint to resume
         if node is not None:
             task.run()  # SIGTERM from the launcher (Parallel.runner's worker handler) finishes the iteration
             node.collected, node.first_step_at = self._clock.collected, self._clock.first_step_at
+            if task.has_role(Role.LEARNER):
+                from conveyor.zoo.run.learners import parameters_digest
+                node.params_sha256 = parameters_digest(self.policy)
+            if node.sync is not None and node.sync.error is not None:
+                raise DataParallelError(f"node {task.router.node_id} (learner rank {node.sync.group.rank}): the "
+                                        f"learners' group failed, so this learner ended its run"
+                                        f"{' and wrote its final checkpoint' if self._owner else ''}: "
+                                        f"{node.sync.error}") from node.sync.error
             return task.ctx
         with stop_on_signals() as stop:
             task.run()

@@ -1,0 +1,176 @@
+"""Data-parallel learners in the zoo's distributed layout (``--learners L``): one group, rank 0 owns the run."""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main as cli_main
+from conveyor.engine import Role
+from conveyor.middleware import load_checkpoint
+from conveyor.schema import ConfigError
+from conveyor.zoo import load_entry
+from conveyor.zoo.run import Layout, train_distributed
+from tests.zoo.test_distributed import wait_for
+
+RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_learners_come_first_and_each_collector_sends_to_one_learner():
+    layout = Layout(collectors=3, evaluators=1, learners=2)
+    assert [layout.role(i) for i in range(layout.n_nodes)] == [Role.LEARNER, Role.LEARNER, Role.COLLECTOR,
+                                                               Role.COLLECTOR, Role.COLLECTOR, Role.EVALUATOR]
+    assert [layout.learner_of(i) for i in range(5)] == [0, 1, 0, 1, 0]
+    assert layout.roles(0) == [Role.LEARNER] and Layout(2, 0, 2).roles(0) == [Role.LEARNER, Role.EVALUATOR]
+    assert Layout(2, 0, 2).roles(1) == [Role.LEARNER]  # only rank 0 evaluates
+    # collectors and evaluators seed as with one learner
+    assert [Layout(2, 2, 2).seed_offset(i) for i in range(6)] == [0, 0, 1, 2, 0, 1]
+    with pytest.raises(ConfigError, match="nodes 0..5"):
+        layout.role(6)
+
+
+@pytest.mark.parametrize("learners", [0, -1, True, 1.5])
+def test_a_bad_learner_count_is_a_config_error(learners):
+    with pytest.raises(ConfigError, match=f"--learners {learners!r}: must be an int >= 1"):
+        Layout(collectors=2, learners=learners)
+
+
+def test_a_learner_without_a_collector_of_its_own_is_a_config_error():
+    with pytest.raises(ConfigError, match="--learners 3 with --collectors 2: .* at least as many collectors"):
+        Layout(collectors=2, learners=3)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["cartpole/dqn", "--collectors", "2", "--learners", "0"], "--learners 0: must be an int >= 1"),
+    (["cartpole/ppo", "--collectors", "2", "--learners", "2"], "learns on-policy"),
+    (["cartpole/dqn", "--collectors", "2", "--learners", "2", "--auto-recover"], "cannot rejoin"),
+    (["cartpole/dqn", "--learners", "2"], "needs --collectors"),
+])
+def test_bad_learner_flags_are_one_line_errors_before_any_process_starts(in_tmp, capsys, argv, fragment):
+    assert cli_main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+    assert not (in_tmp / "runs").exists()
+
+
+def test_job_writers_place_the_learners_first_and_pass_them_to_every_node(capsys):
+    assert cli_main(["slurm-script", "cartpole/dqn", "--learners", "2", "--collectors", "3", "--evaluators", "1",
+                     "--nodes", "2"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --ntasks=6" in script and "conveyor train cartpole/dqn --collectors 3 --learners 2" in script
+    assert cli_main(["k8s-manifest", "cartpole/dqn", "--learners", "2", "--collectors", "2", "--image", "c:1"]) == 0
+    manifest = capsys.readouterr().out
+    assert "completions: 4" in manifest and "--learners" in manifest
+    assert cli_main(["slurm-script", "cartpole/ppo", "--learners", "2", "--collectors", "2", "--nodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "learns on-policy" in err and err.count("\n") == 1
+
+
+def test_resuming_several_learners_is_refused_in_one_line(in_tmp, capsys):
+    assert cli_main(["train", "cartpole/dqn", "--collectors", "2", "--learners", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be resumed yet" in err and err.count("\n") == 1
+
+
+def test_a_run_that_two_learners_trained_is_not_resumed_by_one(in_tmp, capsys):
+    run_dir = in_tmp / "runs" / "cartpole_dqn"
+    run_dir.mkdir(parents=True)
+    (run_dir / "nodes.json").write_text(json.dumps([{"node_id": i, "roles": roles} for i, roles in enumerate(
+        [["evaluator", "learner"], ["learner"], ["collector"], ["collector"]])]))
+    assert cli_main(["train", "cartpole/dqn", "--collectors", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "2 data-parallel learners trained it" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes(in_tmp):
+    run = train_distributed("cartpole/dqn", learners=2, collectors=2, evaluators=1, exp_name="dp",
+                            max_env_step=1500, progress=False)
+    learners = sorted((n for n in run.nodes if n["role"] == "learner"), key=lambda n: n["rank"])
+    collectors = {str(n["node_id"]): n for n in run.nodes if n["role"] == "collector"}
+    assert [n["rank"] for n in learners] == [0, 1] and sorted(collectors) == ["2", "3"]
+    # one group: the same weights and optimizer state, the same gradient steps, the run's env steps on both
+    assert learners[0]["params_sha256"] == learners[1]["params_sha256"]
+    assert learners[0]["train_iter"] == learners[1]["train_iter"] == run.train_iter > 0
+    assert learners[0]["env_step"] == learners[1]["env_step"] == run.env_step >= 1500
+    # collector 2 (the first) sends to rank 0 only, collector 3 to rank 1 only: nothing received twice
+    assert list(learners[0]["received_from"]) == ["2"] and list(learners[1]["received_from"]) == ["3"]
+    # the run trained on what the learners received, but for the batch a learner took as the run ended (at most
+    # COLLECTOR_LEAD + 1 = 3 batches of 16, a collector's n_sample), and they received what their collector
+    # collected, but for what was in flight then
+    assert run.env_step <= sum(n["received"] for n in learners) <= run.env_step + 2 * 3 * 16
+    for learner in learners:
+        collected = collectors[str(learner["rank"] + 2)]["collected"]
+        assert 0 < learner["received"] <= collected <= learner["received"] + 3 * 16
+    rows = json.loads((in_tmp / "runs" / "dp" / "nodes.json").read_text())
+    assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["learner"]), (1, ["learner"]), (2, ["collector"]),
+                                                          (3, ["collector"]), (4, ["evaluator"])]
+    assert run.last_eval_value is not None  # the evaluator node's results reach rank 0
+    assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == ["dp"]  # rank 1 made no run directory
+    final = load_checkpoint(in_tmp / "runs" / "dp" / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["env_step"] == run.env_step
+    log = (in_tmp / "runs" / "dp" / "log.txt").read_text()
+    assert log.count("run 'dp' started") == 1  # rank 1 shares the working directory, and wrote no log
+    assert len(list((in_tmp / "runs" / "dp" / "tb").iterdir())) == 1  # nor TensorBoard events (its tail: no saver)
+
+
+@pytest.mark.slow
+def test_without_evaluator_nodes_rank0_evaluates_and_the_stop_value_ends_every_learner_at_once(in_tmp):
+    cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
+    cfg.env.stop_value = 0.0  # the first evaluation reaches it
+    run = train_distributed("cartpole/dqn", learners=2, collectors=2, cfg=cfg, exp_name="dpstop",
+                            max_env_step=10**6, progress=False)
+    learners = [n for n in run.nodes if n["role"] == "learner"]
+    assert run.last_eval_value is not None and run.env_step < 10**6
+    assert learners[0]["params_sha256"] == learners[1]["params_sha256"]
+    assert learners[0]["train_iter"] == learners[1]["train_iter"]
+    final = load_checkpoint(in_tmp / "runs" / "dpstop" / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["last_eval_value"] == run.last_eval_value
+
+
+@pytest.mark.slow
+def test_a_killed_learner_ends_the_run_with_a_clear_error_and_rank0s_final_checkpoint(in_tmp):
+    from conveyor.policy import DataParallelError
+    started = time.monotonic()
+    with pytest.raises(DataParallelError, match=r"node 0 \(learner rank 0\): the learners' group failed, so this "
+                                                r"learner ended its run and wrote its final checkpoint: .*all-reduce"):
+        train_distributed(RANK1_DIES, learners=2, collectors=2, exp_name="dpdies", max_env_step=10**6,
+                          progress=False)
+    assert time.monotonic() - started < 60  # not ended by a wait running out (the group's timeout is 120 s)
+    final = load_checkpoint(in_tmp / "runs" / "dpdies" / "ckpt" / "final.pth.tar")
+    assert 400 <= final["ctx"]["env_step"] < 10**6
+
+
+@pytest.mark.slow
+def test_sigterm_to_conveyor_train_with_two_learners_writes_rank0s_final_checkpoint_and_leaves_no_process(in_tmp):
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                             "--learners", "2", "--exp-name", "dpsig", "--no-progress"], cwd=in_tmp,
+                            env={**os.environ, "PYTHONPATH": str(root)}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ckpt = in_tmp / "runs" / "dpsig" / "ckpt"
+        nodes = in_tmp / "runs" / "dpsig" / "nodes.json"
+        wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
+        wait_for(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, err[-2000:]
+    assert load_checkpoint(ckpt / "final.pth.tar")["ctx"]["env_step"] > 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
