@@ -6,25 +6,17 @@ import os
 import re
 import signal
 import stat
-import subprocess
 import sys
-import time
-import uuid
-from pathlib import Path
 
 import pytest
 import yaml
 
 from conveyor.cli import main as cli_main
 
-from tests.cli_helpers import TINY
+from tests.launcher_helpers import SETS, WAIT, ended_at, marked_jobs, processes_with, slurm_script, wait_until
 from tests.test_cli_task import free_ports
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[1]
-WAIT = 240  # seconds: bound on each job (a healthy one takes about 30 on these machines)
-SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
 
 SRUN = '''
 import json, os, subprocess, sys
@@ -44,67 +36,12 @@ sys.exit(next((code if code > 0 else 128 - code for code in codes if code), 0))
 """srun as far as a job step's tasks see it: one process per task, its rank and the step's hosts set."""
 
 
-def processes_with(mark):
-    """Pids of the processes whose environment holds ``LAUNCHER_TEST=mark`` (every process a job started)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"LAUNCHER_TEST={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)  # polling a file the job writes; nothing here orders processes
-
-
 @pytest.fixture
 def jobs(tmp_path):
     """Start jobs with a stand-in srun and a ``conveyor`` on PATH; every process they started is killed at the
     end (found by a mark in their environment), also when the test fails."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "conveyor").write_text(f'#!/bin/sh\nexec {sys.executable} -m conveyor "$@"\n')
-    (bin_dir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    mark = uuid.uuid4().hex
-    started = []
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONVEYOR_", "JOB_COMPLETION"))}
-    base.update(PATH=f"{bin_dir}:{base['PATH']}", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LAUNCHER_TEST=mark)
-
-    def start(argv, env, cwd, log):
-        with open(log, "a") as out:
-            proc = subprocess.Popen(argv, env={**base, **env}, cwd=cwd, start_new_session=True, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        started.append(proc)
-        return proc
-
-    start.mark = mark
-    yield start
-    for pid in processes_with(mark):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for proc in started:
-        proc.wait(timeout=WAIT)
-    assert processes_with(mark) == []
-
-
-def script(tmp_path, capsys, *argv):
-    assert cli_main(["slurm-script", "cartpole/dqn", "--collectors", "2", "--nodes", "1", "--port",
-                     str(free_ports(3)), *SETS, *argv]) == 0
-    path = tmp_path / "job.sh"
-    path.write_text(capsys.readouterr().out)
-    return path
+    with marked_jobs(tmp_path / "bin", {"srun": f"#!{sys.executable}\n{SRUN}"}) as start:
+        yield start
 
 
 def sbatch(jobs, path, job_id):
@@ -116,13 +53,8 @@ def sbatch(jobs, path, job_id):
     return jobs(["bash", str(path)], env, path.parent, path.parent / f"job-{job_id}.out")
 
 
-def ended_at(run_dir):
-    """The env steps at which each start of the run ended, from its log."""
-    return [int(n) for n in re.findall(r"run ended at env_step=(\d+)", (run_dir / "log.txt").read_text())]
-
-
 def test_the_slurm_script_trains_to_its_final_checkpoint_and_a_requeued_job_resumes_the_run(tmp_path, capsys, jobs):
-    path = script(tmp_path, capsys, "--max-env-step", "300")
+    path = slurm_script(tmp_path, capsys, "--max-env-step", "300")
     job = sbatch(jobs, path, "101")
     assert job.wait(timeout=WAIT) == 0, (tmp_path / "job-101.out").read_text()
     run_dir = tmp_path / "runs" / "cartpole_dqn-101"
@@ -153,7 +85,7 @@ def scancel(jobs, path, job_id, run_dir, seen):
 
 
 def test_scancel_writes_the_final_checkpoint_leaves_no_process_and_the_requeued_job_resumes(tmp_path, capsys, jobs):
-    path = script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1")
+    path = slurm_script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1")
     run_dir = tmp_path / "runs" / "cartpole_dqn-7"
     job = sbatch(jobs, path, "7")
     seen = scancel(jobs, path, "7", run_dir, None)
