@@ -60,8 +60,8 @@ NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=conveyor Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 """One node, ``localhost``: the job's step lists it, so its tasks find node 0 on loopback. ``CPUs=4`` with
-``config_overrides``: a job of 3 tasks fits a machine of 2 cores. ``KillWait=30``: the SIGKILL after scancel's
-SIGTERM leaves the learner its last iteration and its final checkpoint."""
+``config_overrides``: a job of 3 tasks fits a machine of 2 cores. ``KillWait=30``: Slurm's default, between
+the SIGTERM of a cancelled job and its SIGKILL."""
 
 
 class Cluster:

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.launcher_helpers import WAIT, ended_at, marked_jobs, processes_with, slurm_script, wait_until
+from tests.launcher_helpers import WAIT, marked_jobs, processes_with, slurm_script, wait_until
 from tests.slurm_cluster import Cluster, unavailable
 
 UNAVAILABLE = unavailable()
@@ -49,8 +49,8 @@ def test_sbatch_of_the_slurm_script_trains_to_its_final_checkpoint(tmp_path, cap
 
 
 def scancel_after_checkpoint(cluster, jobs, job_id, run_dir, seen):
-    """Wait until the learner has written a latest checkpoint newer than ``seen``, then ``scancel`` the job;
-    returns that checkpoint's mtime once the job has ended."""
+    """Wait until the learner has written a latest checkpoint newer than ``seen``, then ``scancel`` the job (srun
+    answers Slurm's SIGTERM by killing the tasks); returns that checkpoint's mtime once no process is left."""
     latest = run_dir / "ckpt" / "latest.pth.tar"
     wait_until(lambda: latest.is_file() and latest.stat().st_mtime_ns != seen, WAIT, f"{latest}")
     assert processes_with(jobs.mark), "the job runs"
@@ -58,6 +58,11 @@ def scancel_after_checkpoint(cluster, jobs, job_id, run_dir, seen):
     assert cluster.wait_ended(job_id, WAIT)[0] == "CANCELLED"
     wait_until(lambda: processes_with(jobs.mark) == [], 30, "every process of the job to end")
     return latest.stat().st_mtime_ns
+
+
+def evaluated_at(log):
+    """The env steps of the evaluations in a part of the run's log."""
+    return [int(n) for n in re.findall(r"evaluation at train_iter \d+, env_step (\d+)", log)]
 
 
 def test_scancel_leaves_no_process_and_the_next_job_of_the_run_resumes_it(tmp_path, capsys, cluster, jobs):
@@ -68,7 +73,7 @@ def test_scancel_leaves_no_process_and_the_next_job_of_the_run_resumes_it(tmp_pa
                         "--secret-file", str(secret))
     run_dir = tmp_path / "runs" / "long"
     seen = scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, None)
-    assert len(ended_at(run_dir)) == 1
     scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, seen)
-    first, second = ended_at(run_dir)
-    assert second > first and "resumed" in (run_dir / "log.txt").read_text()
+    first, resumed = (run_dir / "log.txt").read_text().split("run 'long' resumed")
+    assert "run 'long' started" in first and "run 'long' resumed" not in resumed
+    assert evaluated_at(resumed)[0] > evaluated_at(first)[0]  # from the first job's checkpoint, not from scratch
