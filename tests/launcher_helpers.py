@@ -21,6 +21,34 @@ WAIT = 240  # seconds: bound on each job (a healthy one takes about 30 on these 
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
 """The ``--set`` options of :data:`~tests.cli_helpers.TINY`: a job's run of a few seconds."""
 
+SRUN = '''
+import json, os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):  # srun's own options
+    args.pop(0)
+n = int(os.environ["SLURM_NTASKS"])
+step = {"SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_TASKS_PER_NODE": str(n), "SLURM_STEPID": "0"}
+tasks = [subprocess.Popen(args, env={**os.environ, **step, "SLURM_PROCID": str(rank)}) for rank in range(n)]
+path = os.environ["SRUN_PIDS"]
+with open(path + ".tmp", "w") as f:
+    json.dump([task.pid for task in tasks], f)
+os.replace(path + ".tmp", path)
+codes = [task.wait() for task in tasks]
+sys.exit(next((code if code > 0 else 128 - code for code in codes if code), 0))
+'''
+"""srun as far as a job step's tasks see it: one process per task, its rank and the step's hosts set."""
+
+
+def stand_in_sbatch(jobs, path, job_id):
+    """Start the script as sbatch does on one host: in the submit directory, with the batch step's variables (the
+    ``jobs`` of :func:`marked_jobs` must have :data:`SRUN` as ``srun``). Its srun writes the tasks' pids to
+    ``pids-<job id>`` there; the job's output goes to ``job-<job id>.out``."""
+    ntasks = re.search(r"^#SBATCH --ntasks=(\d+)$", path.read_text(), re.MULTILINE).group(1)
+    env = {"SLURM_JOB_ID": job_id, "SLURM_SUBMIT_DIR": str(path.parent), "SLURM_NTASKS": ntasks,
+           "SLURM_NNODES": "1", "SLURM_NODELIST": "127.0.0.1", "SRUN_PIDS": str(path.parent / f"pids-{job_id}")}
+    (path.parent / f"pids-{job_id}").unlink(missing_ok=True)
+    return jobs(["bash", str(path)], env, path.parent, path.parent / f"job-{job_id}.out")
+
 
 def slurm_script(tmp_path, capsys, *argv):
     """``tmp_path / "job.sh"``: the sbatch script of a job of 1 learner and 2 collectors on one host, with ``argv``
