@@ -20,6 +20,9 @@ ratios to local.
 
 ``--quick``: one round. The last line is JSON: ``local_s``, ``slurm_s``, ``ray_s`` (medians, seconds),
 ``slurm_vs_local``, ``ray_vs_local`` (ratios), ``slurm_mode`` (``cluster`` or ``stand-in srun``), ``rounds``.
+
+Measured 2026-11-27 on 2 cores shared with other sessions (load 4-8), 3 rounds, Slurm 22.05 cluster: local
+4.79 s, Slurm 12.79 s (2.67x), Ray 20.52 s (4.28x).
 """
 from __future__ import annotations
 
