@@ -38,6 +38,7 @@ CASES = {
     "impala_throughput": (["--quick"], {"steps_per_s_1", "steps_per_s_2", "ratio", "mean_policy_lag"}),
     "impala_learning": (["--quick"], {"impala_final_train_returns", "ppo_final_train_returns", "impala_wall_s",
                                       "ppo_wall_s", "seeds_at_or_above", "seeds_faster"}),
+    "launch_overhead": (["--quick"], {"local_s", "slurm_s", "ray_s", "slurm_vs_local", "ray_vs_local", "slurm_mode"}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
                             {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
                              "wall_ratio_after_startup"}),

@@ -3,127 +3,32 @@ C + 1 local processes, each with the environment its rank gets from srun (a stan
 starts the tasks as srun does) or from an indexed Job, on cartpole/dqn over loopback."""
 import json
 import os
-import re
 import signal
 import stat
-import subprocess
 import sys
-import time
-import uuid
-from pathlib import Path
 
 import pytest
 import yaml
 
 from conveyor.cli import main as cli_main
 
-from tests.cli_helpers import TINY
+from tests.launcher_helpers import (SETS, SRUN, WAIT, ended_at, marked_jobs, processes_with, slurm_script,
+                                    stand_in_sbatch, wait_until)
 from tests.test_cli_task import free_ports
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[1]
-WAIT = 240  # seconds: bound on each job (a healthy one takes about 30 on these machines)
-SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
-
-SRUN = '''
-import json, os, subprocess, sys
-args = sys.argv[1:]
-while args and args[0].startswith("--"):  # srun's own options
-    args.pop(0)
-n = int(os.environ["SLURM_NTASKS"])
-step = {"SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_TASKS_PER_NODE": str(n), "SLURM_STEPID": "0"}
-tasks = [subprocess.Popen(args, env={**os.environ, **step, "SLURM_PROCID": str(rank)}) for rank in range(n)]
-path = os.environ["SRUN_PIDS"]
-with open(path + ".tmp", "w") as f:
-    json.dump([task.pid for task in tasks], f)
-os.replace(path + ".tmp", path)
-codes = [task.wait() for task in tasks]
-sys.exit(next((code if code > 0 else 128 - code for code in codes if code), 0))
-'''
-"""srun as far as a job step's tasks see it: one process per task, its rank and the step's hosts set."""
-
-
-def processes_with(mark):
-    """Pids of the processes whose environment holds ``LAUNCHER_TEST=mark`` (every process a job started)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"LAUNCHER_TEST={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)  # polling a file the job writes; nothing here orders processes
-
 
 @pytest.fixture
 def jobs(tmp_path):
     """Start jobs with a stand-in srun and a ``conveyor`` on PATH; every process they started is killed at the
     end (found by a mark in their environment), also when the test fails."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "conveyor").write_text(f'#!/bin/sh\nexec {sys.executable} -m conveyor "$@"\n')
-    (bin_dir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    mark = uuid.uuid4().hex
-    started = []
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONVEYOR_", "JOB_COMPLETION"))}
-    base.update(PATH=f"{bin_dir}:{base['PATH']}", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LAUNCHER_TEST=mark)
-
-    def start(argv, env, cwd, log):
-        with open(log, "a") as out:
-            proc = subprocess.Popen(argv, env={**base, **env}, cwd=cwd, start_new_session=True, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        started.append(proc)
-        return proc
-
-    start.mark = mark
-    yield start
-    for pid in processes_with(mark):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for proc in started:
-        proc.wait(timeout=WAIT)
-    assert processes_with(mark) == []
-
-
-def script(tmp_path, capsys, *argv):
-    assert cli_main(["slurm-script", "cartpole/dqn", "--collectors", "2", "--nodes", "1", "--port",
-                     str(free_ports(3)), *SETS, *argv]) == 0
-    path = tmp_path / "job.sh"
-    path.write_text(capsys.readouterr().out)
-    return path
-
-
-def sbatch(jobs, path, job_id):
-    """Start the script as sbatch does on one host: in the submit directory, with the batch step's variables."""
-    ntasks = re.search(r"^#SBATCH --ntasks=(\d+)$", path.read_text(), re.MULTILINE).group(1)
-    env = {"SLURM_JOB_ID": job_id, "SLURM_SUBMIT_DIR": str(path.parent), "SLURM_NTASKS": ntasks,
-           "SLURM_NNODES": "1", "SLURM_NODELIST": "127.0.0.1", "SRUN_PIDS": str(path.parent / f"pids-{job_id}")}
-    (path.parent / f"pids-{job_id}").unlink(missing_ok=True)
-    return jobs(["bash", str(path)], env, path.parent, path.parent / f"job-{job_id}.out")
-
-
-def ended_at(run_dir):
-    """The env steps at which each start of the run ended, from its log."""
-    return [int(n) for n in re.findall(r"run ended at env_step=(\d+)", (run_dir / "log.txt").read_text())]
+    with marked_jobs(tmp_path / "bin", {"srun": f"#!{sys.executable}\n{SRUN}"}) as start:
+        yield start
 
 
 def test_the_slurm_script_trains_to_its_final_checkpoint_and_a_requeued_job_resumes_the_run(tmp_path, capsys, jobs):
-    path = script(tmp_path, capsys, "--max-env-step", "300")
-    job = sbatch(jobs, path, "101")
+    path = slurm_script(tmp_path, capsys, "--max-env-step", "300")
+    job = stand_in_sbatch(jobs, path, "101")
     assert job.wait(timeout=WAIT) == 0, (tmp_path / "job-101.out").read_text()
     run_dir = tmp_path / "runs" / "cartpole_dqn-101"
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
@@ -133,7 +38,7 @@ def test_the_slurm_script_trains_to_its_final_checkpoint_and_a_requeued_job_resu
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_bytes()) == 64
     first = secret.read_bytes()
     assert processes_with(jobs.mark) == []
-    requeued = sbatch(jobs, path, "101")  # the same job started again: the run goes on, with the job's secret
+    requeued = stand_in_sbatch(jobs, path, "101")  # the same job started again: the run goes on, with the job's secret
     assert requeued.wait(timeout=WAIT) == 0, (tmp_path / "job-101.out").read_text()
     assert "resumed" in (run_dir / "log.txt").read_text() and secret.read_bytes() == first
     assert len(ended_at(run_dir)) == 2 and ended_at(run_dir)[1] >= ended_at(run_dir)[0] >= 300
@@ -153,13 +58,13 @@ def scancel(jobs, path, job_id, run_dir, seen):
 
 
 def test_scancel_writes_the_final_checkpoint_leaves_no_process_and_the_requeued_job_resumes(tmp_path, capsys, jobs):
-    path = script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1")
+    path = slurm_script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1")
     run_dir = tmp_path / "runs" / "cartpole_dqn-7"
-    job = sbatch(jobs, path, "7")
+    job = stand_in_sbatch(jobs, path, "7")
     seen = scancel(jobs, path, "7", run_dir, None)
     assert job.wait(timeout=WAIT) == 143, (tmp_path / "job-7.out").read_text()
     assert (run_dir / "ckpt" / "final.pth.tar").is_file() and len(ended_at(run_dir)) == 1
-    requeued = sbatch(jobs, path, "7")
+    requeued = stand_in_sbatch(jobs, path, "7")
     scancel(jobs, path, "7", run_dir, seen)
     assert requeued.wait(timeout=WAIT) == 143, (tmp_path / "job-7.out").read_text()
     first, second = ended_at(run_dir)

@@ -7,8 +7,10 @@ the submit directory, which every node must see) unless ``--secret-file`` names 
 ``conveyor train ... --launcher slurm`` per task: task r is node r of the layout. ``--requeue``: a job Slurm
 starts again (preemption, a failed node, ``scontrol requeue``) resumes the run from its latest checkpoint
 (``--resume-if-exists``; the run is ``runs/<exp-name>-<job id>``, the same for every start of the job).
-``scancel`` sends SIGTERM to every task: the iteration in progress completes, the learner writes its final
-checkpoint and every process ends.
+``scancel`` ends the job at once: Slurm sends SIGTERM to every process of the job, srun among them, and srun
+answers it by killing the tasks (SIGKILL), so the run keeps its latest checkpoint (``--ckpt-interval`` bounds what
+is lost) and a requeued job, or a new one given the same ``--exp-name``, resumes it (tests/test_slurm_cluster.py
+checks this on a real cluster).
 """
 from __future__ import annotations
 
@@ -77,9 +79,9 @@ def script(args: argparse.Namespace) -> str:
     lines += [f"#SBATCH --gres=gpu:{args.gpus_per_learner}"] * (args.gpus_per_learner > 0)
     lines += [f"# conveyor train {args.entry}: node 0 the learner, 1..{args.collectors} collectors"
               + (f", {args.collectors + 1}..{tasks - 1} evaluators" if args.evaluators else "") + ", one task each.",
-              "# Submit from a directory every node sees (runs/ goes there): sbatch THIS_FILE. scancel: the learner",
-              "# writes its final checkpoint (Slurm's KillWait must cover an iteration and a checkpoint); a requeued",
-              "# job resumes the run from runs/$EXP_NAME/ckpt/latest.pth.tar.",
+              "# Submit from a directory every node sees (runs/ goes there): sbatch THIS_FILE. scancel kills the tasks",
+              "# (srun answers Slurm's SIGTERM with SIGKILL): the run keeps its latest checkpoint, and a requeued job",
+              "# (or a new one with the same --exp-name) resumes it from runs/$EXP_NAME/ckpt/latest.pth.tar.",
               "set -euo pipefail", 'cd "$SLURM_SUBMIT_DIR"',
               f"EXP_NAME={shlex.quote(args.exp_name) if args.exp_name else _quoted(base) + '-$SLURM_JOB_ID'}"]
     if args.secret_file is None:

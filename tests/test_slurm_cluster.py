@@ -1,0 +1,79 @@
+"""The job ``conveyor slurm-script`` prints, submitted with ``sbatch`` to a real one-node Slurm cluster that the
+tests start (:class:`tests.slurm_cluster.Cluster`: its own ``slurm.conf`` in a temporary directory, slurmctld and
+slurmd stopped by their pids at the end): 1 learner and 2 collectors on cartpole/dqn.
+
+Where Slurm is missing (``apt-get install slurm-wlm``; ``.ci/run`` installs it), or where this is not root
+(slurmd starts a job's tasks as their user), the tests are skipped, except under CI (``$CI`` set): there
+they fail, saying why."""
+import os
+import re
+
+import pytest
+
+from tests.launcher_helpers import WAIT, marked_jobs, processes_with, slurm_script, wait_until
+from tests.slurm_cluster import Cluster, unavailable
+
+UNAVAILABLE = unavailable()
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(UNAVAILABLE is not None and not os.environ.get("CI"), reason=str(UNAVAILABLE))]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A one-node Slurm cluster of this module's own, stopped at the end, also when a test fails."""
+    if UNAVAILABLE is not None:
+        pytest.fail(f"CI is set, so these tests must run: {UNAVAILABLE}")
+    with Cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    """Every process of the jobs a test submits carries a mark (sbatch passes its environment on to the job), so
+    the test finds them: none may outlive it."""
+    with marked_jobs(tmp_path / "bin") as start:
+        yield start
+
+
+def test_sbatch_of_the_slurm_script_trains_to_its_final_checkpoint(tmp_path, capsys, cluster, jobs):
+    path = slurm_script(tmp_path, capsys, "--max-env-step", "300")
+    job_id = cluster.sbatch(path, jobs.env)
+    output = tmp_path / f"slurm-{job_id}.out"
+    assert cluster.wait_ended(job_id, WAIT) == ("COMPLETED", "0:0"), output.read_text()
+    run_dir = tmp_path / "runs" / f"cartpole_dqn-{job_id}"
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+    ended = re.findall(r"run ended at env_step=(\d+) train_iter=(\d+)", (run_dir / "log.txt").read_text())
+    assert len(ended) == 1 and int(ended[0][0]) >= 300 and int(ended[0][1]) > 0
+    assert (tmp_path / ".conveyor" / f"job-{job_id}" / "secret").stat().st_mode & 0o777 == 0o600
+    wait_until(lambda: processes_with(jobs.mark) == [], 30, "every process of the job to end")
+
+
+def scancel_after_checkpoint(cluster, jobs, job_id, run_dir, seen):
+    """Wait until the learner has written a latest checkpoint newer than ``seen``, then ``scancel`` the job (srun
+    answers Slurm's SIGTERM by killing the tasks); returns that checkpoint's mtime once no process is left."""
+    latest = run_dir / "ckpt" / "latest.pth.tar"
+    wait_until(lambda: latest.is_file() and latest.stat().st_mtime_ns != seen, WAIT, f"{latest}")
+    assert processes_with(jobs.mark), "the job runs"
+    cluster.command("scancel", job_id)
+    assert cluster.wait_ended(job_id, WAIT)[0] == "CANCELLED"
+    wait_until(lambda: processes_with(jobs.mark) == [], 30, "every process of the job to end")
+    return latest.stat().st_mtime_ns
+
+
+def evaluated_at(log):
+    """The env steps of the evaluations in a part of the run's log."""
+    return [int(n) for n in re.findall(r"evaluation at train_iter \d+, env_step (\d+)", log)]
+
+
+def test_scancel_leaves_no_process_and_the_next_job_of_the_run_resumes_it(tmp_path, capsys, cluster, jobs):
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 64)
+    secret.chmod(0o600)
+    path = slurm_script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1", "--exp-name", "long",
+                        "--secret-file", str(secret))
+    run_dir = tmp_path / "runs" / "long"
+    seen = scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, None)
+    scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, seen)
+    first, resumed = (run_dir / "log.txt").read_text().split("run 'long' resumed")
+    assert "run 'long' started" in first and "run 'long' resumed" not in resumed
+    assert evaluated_at(resumed)[0] > evaluated_at(first)[0]  # from the first job's checkpoint, not from scratch
