@@ -106,7 +106,7 @@ def test_the_slurm_script_asks_for_a_task_per_node_and_sruns_the_train_command_o
     assert sbatch == ["#SBATCH --job-name=conveyor-cartpole_dqn", "#SBATCH --nodes=2", "#SBATCH --ntasks=5",
                       "#SBATCH --requeue", "#SBATCH --time=01:30:00", "#SBATCH --partition=cpu"]
     assert "EXP_NAME=cartpole_dqn-$SLURM_JOB_ID" in lines
-    assert lines[-1] == ("exec srun --kill-on-bad-exit=1 conveyor train cartpole/dqn --collectors 3 --evaluators 1 "
+    assert lines[-1] == ("exec srun conveyor train cartpole/dqn --collectors 3 --evaluators 1 "
                          "--launcher slurm --secret-file \"$SECRET_FILE\" --exp-name \"$EXP_NAME\" --resume-if-exists "
                          "--no-progress --set 'policy.model.hidden_sizes=[8]'")
 

@@ -48,16 +48,16 @@ def test_sbatch_of_the_slurm_script_trains_to_its_final_checkpoint(tmp_path, cap
     wait_until(lambda: processes_with(jobs.mark) == [], 30, "every process of the job to end")
 
 
-def scancel_after_checkpoint(cluster, jobs, job_id, run_dir, seen):
-    """Wait until the learner has written a latest checkpoint newer than ``seen``, then ``scancel`` the job (srun
-    answers Slurm's SIGTERM by killing the tasks); returns that checkpoint's mtime once no process is left."""
+def scancel_after_checkpoint(cluster, jobs, job_id, run_dir, seen, *options):
+    """Wait until the learner has written a latest checkpoint newer than ``seen``, then ``scancel`` the job with
+    ``options``; returns the job's state once no process of it is left."""
     latest = run_dir / "ckpt" / "latest.pth.tar"
     wait_until(lambda: latest.is_file() and latest.stat().st_mtime_ns != seen, WAIT, f"{latest}")
     assert processes_with(jobs.mark), "the job runs"
-    cluster.command("scancel", job_id)
-    assert cluster.wait_ended(job_id, WAIT)[0] == "CANCELLED"
+    cluster.command("scancel", *options, job_id)
+    state = cluster.wait_ended(job_id, WAIT)
     wait_until(lambda: processes_with(jobs.mark) == [], 30, "every process of the job to end")
-    return latest.stat().st_mtime_ns
+    return state
 
 
 def evaluated_at(log):
@@ -65,15 +65,24 @@ def evaluated_at(log):
     return [int(n) for n in re.findall(r"evaluation at train_iter \d+, env_step (\d+)", log)]
 
 
-def test_scancel_leaves_no_process_and_the_next_job_of_the_run_resumes_it(tmp_path, capsys, cluster, jobs):
+def test_scancel_signal_term_stops_with_a_final_checkpoint_and_scancel_kills_and_both_jobs_resume(
+        tmp_path, capsys, cluster, jobs):
+    """``scancel --signal=TERM`` signals every process of the tasks: one stop each, so the learner ends its
+    iteration and writes its final checkpoint; a plain ``scancel`` kills the tasks (srun answers Slurm's SIGTERM
+    so), leaving the latest checkpoint. Either way no process is left and the next job of the run resumes it."""
     secret = tmp_path / "secret"
     secret.write_text("s" * 64)
     secret.chmod(0o600)
     path = slurm_script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1", "--exp-name", "long",
                         "--secret-file", str(secret))
     run_dir = tmp_path / "runs" / "long"
-    seen = scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, None)
-    scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, seen)
+    final = run_dir / "ckpt" / "final.pth.tar"
+    scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, None, "--signal=TERM")
+    assert final.is_file(), (run_dir / "log.txt").read_text()[-2000:]
+    stopped = (run_dir / "ckpt" / "latest.pth.tar").stat().st_mtime_ns  # written with the final one
+    state, _ = scancel_after_checkpoint(cluster, jobs, cluster.sbatch(path, jobs.env), run_dir, stopped)
+    assert state == "CANCELLED"
     first, resumed = (run_dir / "log.txt").read_text().split("run 'long' resumed")
     assert "run 'long' started" in first and "run 'long' resumed" not in resumed
+    assert re.search(r"run ended at env_step=\d+", first)  # the first job ended its run: the final checkpoint
     assert evaluated_at(resumed)[0] > evaluated_at(first)[0]  # from the first job's checkpoint, not from scratch

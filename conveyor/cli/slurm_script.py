@@ -7,10 +7,11 @@ the submit directory, which every node must see) unless ``--secret-file`` names 
 ``conveyor train ... --launcher slurm`` per task: task r is node r of the layout. ``--requeue``: a job Slurm
 starts again (preemption, a failed node, ``scontrol requeue``) resumes the run from its latest checkpoint
 (``--resume-if-exists``; the run is ``runs/<exp-name>-<job id>``, the same for every start of the job).
-``scancel`` ends the job at once: Slurm sends SIGTERM to every process of the job, srun among them, and srun
-answers it by killing the tasks (SIGKILL), so the run keeps its latest checkpoint (``--ckpt-interval`` bounds what
-is lost) and a requeued job, or a new one given the same ``--exp-name``, resumes it (tests/test_slurm_cluster.py
-checks this on a real cluster).
+``scancel --signal=TERM JOBID`` stops the run cleanly: every task ends its iteration and the learner writes its
+final checkpoint. A plain ``scancel`` ends the job at once: Slurm sends SIGTERM to every process of the job, srun
+among them, and srun answers it by killing the tasks (SIGKILL), so the run keeps its latest checkpoint
+(``--ckpt-interval`` bounds what is lost). Either way a requeued job, or a new one given the same ``--exp-name``,
+resumes it (tests/test_slurm_cluster.py checks both on a real cluster).
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def script(args: argparse.Namespace) -> str:
     command = train_command(args, "slurm", "$EXP_NAME", "$SECRET_FILE")
     if args.gpus_per_learner > 0:
         command += ["--device", "cuda"]
-    lines += ["exec srun --kill-on-bad-exit=1 " + " ".join(_word(word) for word in command)]
+    lines += ["exec srun " + " ".join(_word(word) for word in command)]
     return "\n".join(lines) + "\n"
 
 

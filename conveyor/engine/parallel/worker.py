@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from conveyor.processes import Terminated, pack_exception
@@ -187,25 +188,34 @@ def _join(spec: Dict[str, Any], conn: Any) -> WorkerRouter:
     return node
 
 
+SAME_STOP_S = 1.0
+"""A worker's second SIGTERM within this many seconds of its first is the same stop, not a demand to stop now."""
+
+
 class _GracefulStop:
     """A worker's SIGTERM handler while ``main`` runs: inside ``task.run`` the first SIGTERM sets ``task.finish``
     and emits :data:`~conveyor.engine.task.STOP_EVENT` (from a thread: a signal handler must not take the
-    event bus's lock), so the run ends normally after this iteration; outside it, or a second time,
-    it raises ``SystemExit(143)`` at once. With ``auto_recover``, a SIGTERM once the launcher is gone (a Ray
+    event bus's lock), so the run ends normally after this iteration; outside it, or a second time (more than
+    :data:`SAME_STOP_S` after the first), it raises ``SystemExit(143)`` at once. A SIGTERM within that second is
+    the same stop delivered twice (Slurm signals every process of a task, and the launcher passes its own on).
+    With ``auto_recover``, a SIGTERM once the launcher is gone (a Ray
     node's cleanup of a dead actor's processes) makes the worker leave as :class:`_Orphaned` does."""
 
     def __init__(self, orphaned: "_Orphaned") -> None:
         self._orphaned = orphaned
         self._read, self._write = os.pipe()
-        self._asked = False
+        self._asked_at: Optional[float] = None
         threading.Thread(target=self._serve, name="conveyor-stop", daemon=True).start()
 
     def handle(self, signum: int, frame: Any) -> None:
         from conveyor.engine.task import task
         self._orphaned.leave_if_gone()
-        if self._asked or not task.running:
+        now = time.monotonic()
+        if self._asked_at is not None and now - self._asked_at < SAME_STOP_S:
+            return
+        if self._asked_at is not None or not task.running:
             raise Terminated(128 + signum)
-        self._asked = task.finish = True
+        self._asked_at, task.finish = now, True
         os.write(self._write, b"s")
 
     def _serve(self) -> None:

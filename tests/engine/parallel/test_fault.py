@@ -88,15 +88,22 @@ def free_ports(n):
     raise RuntimeError("no free tcp ports in 47400-48400")
 
 
-@pytest.mark.parametrize("protocol", ["ipc", "tcp"])
-def test_sigterm_to_the_launcher_ends_the_run_with_a_final_checkpoint_and_leaves_nothing(tmp_path, launcher, protocol):
+@pytest.mark.parametrize("protocol, whole_group", [("ipc", False), ("tcp", False), ("ipc", True)],
+                         ids=["ipc", "tcp", "ipc-every-process"])
+def test_sigterm_to_the_launcher_ends_the_run_with_a_final_checkpoint_and_leaves_nothing(tmp_path, launcher, protocol,
+                                                                                       whole_group):
+    """``whole_group``: every process of the launch gets the SIGTERM, as Slurm's ``scancel --signal=TERM`` sends it
+    to every process of a task; a worker then hears it twice (its own and the launcher's), which is one stop."""
     ipc_dir = tmp_path / "ipc"
     ipc_dir.mkdir()
     ports = free_ports(2) if protocol == "tcp" else []
     proc = launcher(protocol, ipc_dir if protocol == "ipc" else ports[0])
     ready, _, _ = select.select([proc.stdout], [], [], 2 * WAIT)
     assert ready and proc.stdout.readline() == b"training\n", f"not training (launcher exit code {proc.poll()})"
-    proc.send_signal(signal.SIGTERM)
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=2 * WAIT) == 128 + signal.SIGTERM
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # no worker is left
