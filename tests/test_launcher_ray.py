@@ -12,7 +12,6 @@ import sys
 import tempfile
 import threading
 import uuid
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from conveyor.cli import main as cli_main
 
 from tests.cli_helpers import TINY, assert_usage_error
 from tests.test_cli_task import free_ports
-from tests.test_launchers_run import processes_with
+from tests.launcher_helpers import processes_with, wait_until
 
 WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
@@ -42,14 +41,6 @@ def ray_cluster(tmp_path, monkeypatch):
 def train(*argv):
     return cli_main(["train", "cartpole/dqn", "--collectors", "2", "--launcher", "ray", "--ports", str(free_ports(3)),
                      *SETS, "--no-progress", *argv])
-
-
-def wait_until(predicate, what):
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)  # polling a file the run writes; nothing here orders processes
 
 
 def rows(run_dir):
@@ -93,10 +84,10 @@ def test_with_auto_recover_a_killed_collector_process_is_restarted_in_its_actor_
                                                                                               capsys):
     run_dir = tmp_path / "runs" / "cartpole_dqn"
     driver, codes = in_background("--max-env-step", "20000", "--auto-recover")
-    wait_until(lambda: len(rows(run_dir)) == 3 or codes, "every node in nodes.json")
+    wait_until(lambda: len(rows(run_dir)) == 3 or codes, WAIT, "every node in nodes.json")
     first = rows(run_dir)[1]["pid"]
     os.kill(first, signal.SIGKILL)
-    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, "the restarted collector to rejoin")
+    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, WAIT, "the restarted collector to rejoin")
     assert rows(run_dir)[1]["pid"] != first, "the run ended before the collector rejoined"
     driver.join(WAIT)
     assert codes == [0], capsys.readouterr().err
@@ -123,10 +114,11 @@ def test_with_auto_recover_ray_restarts_a_killed_collector_actor_and_its_node_re
     monkeypatch.setattr(launcher, "train_on_ray", lambda *a: runs.append(real(*a)) or runs[-1])
     run_dir = tmp_path / "runs" / "cartpole_dqn"
     driver, codes = in_background("--max-env-step", "12000", "--no-stop", "--auto-recover", "--max-retries", "1")
-    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, "the learner's first evaluation")
+    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, WAIT, "the learner's first evaluation")
     first = rows(run_dir)[1]["pid"]
     os.kill(actor_process(first), signal.SIGKILL)  # the actor process dies, its node with it
-    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, "the collector of the restarted actor to rejoin")
+    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, WAIT,
+               "the collector of the restarted actor to rejoin")
     driver.join(WAIT)
     assert codes == [0], capsys.readouterr().err
     assert "the Ray actor of node 1 died; Ray restarts it (restart 1 of 1)" in caplog.text
@@ -142,7 +134,7 @@ def test_a_collector_actor_dead_beyond_max_retries_is_done_without_then_named_in
                                                                                           capsys):
     run_dir = tmp_path / "runs" / "cartpole_dqn"
     driver, codes = in_background("--max-env-step", "3000", "--no-stop", "--auto-recover", "--max-retries", "0")
-    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, "the learner's first evaluation")
+    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, WAIT, "the learner's first evaluation")
     os.kill(actor_process(rows(run_dir)[1]["pid"]), signal.SIGKILL)
     driver.join(WAIT)
     err = capsys.readouterr().err
@@ -159,7 +151,7 @@ def test_a_collector_actor_dead_beyond_max_retries_is_done_without_then_named_in
 def test_a_killed_collector_actor_ends_the_run_with_its_final_checkpoint_and_one_line(ray_cluster, tmp_path, capsys):
     run_dir = tmp_path / "runs" / "cartpole_dqn"
     driver, codes = in_background("--max-env-step", "1000000")
-    wait_until(lambda: len(rows(run_dir)) == 3 or codes, "every node in nodes.json")
+    wait_until(lambda: len(rows(run_dir)) == 3 or codes, WAIT, "every node in nodes.json")
     os.kill(actor_process(rows(run_dir)[1]["pid"]), signal.SIGKILL)  # the actor process dies, not just its node
     driver.join(WAIT)
     err = capsys.readouterr().err
@@ -167,7 +159,7 @@ def test_a_killed_collector_actor_ends_the_run_with_its_final_checkpoint_and_one
     assert "the Ray actor of node 1 (ActorDiedError) died (Ray restarts actors only with --auto-recover)" in err, err
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
     pids = [row["pid"] for row in rows(run_dir).values()]  # the orphaned node ends on its own, maybe after the driver
-    wait_until(lambda: not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "every node process to end")
+    wait_until(lambda: not [pid for pid in pids if Path(f"/proc/{pid}").exists()], WAIT, "every node process to end")
 
 
 @pytest.mark.slow
@@ -183,11 +175,11 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
         driver = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "runs" / "cartpole_dqn"
     try:
-        wait_until(lambda: len(rows(run_dir)) == 3 or driver.poll() is not None, "every node in nodes.json")
+        wait_until(lambda: len(rows(run_dir)) == 3 or driver.poll() is not None, WAIT, "every node in nodes.json")
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=WAIT) == 143, (tmp_path / "driver.out").read_text()
         assert (run_dir / "ckpt" / "final.pth.tar").is_file()
-        wait_until(lambda: processes_with(mark) == [], "every process of the run to end")
+        wait_until(lambda: processes_with(mark) == [], WAIT, "every process of the run to end")
     finally:
         for pid in processes_with(mark):
             os.kill(pid, signal.SIGKILL)

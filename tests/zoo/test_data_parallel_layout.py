@@ -1,10 +1,6 @@
 """Data-parallel learners in the zoo's distributed layout (``--learners L``): one group, rank 0 owns the run."""
 import copy
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +12,7 @@ from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
-from tests.zoo.test_distributed import wait_for
+from tests.zoo.test_distributed import sigterm_after_a_first_evaluation
 
 RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
 
@@ -154,23 +150,4 @@ def test_a_killed_learner_ends_the_run_with_a_clear_error_and_rank0s_final_check
 
 @pytest.mark.slow
 def test_sigterm_to_conveyor_train_with_two_learners_writes_rank0s_final_checkpoint_and_leaves_no_process(in_tmp):
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
-                             "--learners", "2", "--exp-name", "dpsig", "--no-progress"], cwd=in_tmp,
-                            env={**os.environ, "PYTHONPATH": str(root)}, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ckpt = in_tmp / "runs" / "dpsig" / "ckpt"
-        nodes = in_tmp / "runs" / "dpsig" / "nodes.json"
-        wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
-        wait_for(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 143, err[-2000:]
-    assert load_checkpoint(ckpt / "final.pth.tar")["ctx"]["env_step"] > 0
-    with pytest.raises(ProcessLookupError):
-        os.killpg(proc.pid, 0)
+    assert sigterm_after_a_first_evaluation(in_tmp, "dpsig", "--learners", "2")["ctx"]["env_step"] > 0

@@ -20,6 +20,7 @@ from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
 from tests.cli_helpers import TINY, assert_usage_error
+from tests.launcher_helpers import wait_until
 from tests.test_cli_task import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,25 +119,18 @@ def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
     assert all(c["collected"] > 0 for c in by_role(run, "collector"))
 
 
-def wait_for(condition, timeout_s, what):
-    """Poll ``condition`` (a file another process writes) until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s}s"
-        time.sleep(0.2)
-
-
-@pytest.mark.slow
-def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves_no_process(in_tmp):
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
-                             "--evaluators", "1", "--exp-name", "sig", "--no-progress"], cwd=in_tmp,
+def sigterm_after_a_first_evaluation(in_tmp, exp_name, *argv):
+    """``conveyor train cartpole/dqn --collectors 2 ARGV`` (4 nodes) in its own process group, SIGTERMed once it has
+    evaluated; its final checkpoint, after checking the exit code 143 and that no process of the group is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2", *argv,
+                             "--exp-name", exp_name, "--no-progress"], cwd=in_tmp,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ckpt = in_tmp / "runs" / "sig" / "ckpt"
-        nodes = in_tmp / "runs" / "sig" / "nodes.json"
-        wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
-        wait_for(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
+        ckpt = in_tmp / "runs" / exp_name / "ckpt"
+        nodes = in_tmp / "runs" / exp_name / "nodes.json"
+        wait_until(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
+        wait_until(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -144,10 +138,14 @@ def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 143, err[-2000:]
-    final = load_checkpoint(ckpt / "final.pth.tar")
-    assert final["ctx"]["env_step"] > 0
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
+    return load_checkpoint(ckpt / "final.pth.tar")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves_no_process(in_tmp):
+    assert sigterm_after_a_first_evaluation(in_tmp, "sig", "--evaluators", "1")["ctx"]["env_step"] > 0
 
 
 @pytest.mark.slow
@@ -303,7 +301,7 @@ def launch(in_tmp):
         with contextlib.suppress(ProcessLookupError):  # a stopped learner too: SIGKILL ends it
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        wait_for(lambda: not group_alive(proc.pid), 30, f"the end of process group {proc.pid}")
+        wait_until(lambda: not group_alive(proc.pid), 30, f"the end of process group {proc.pid}")
 
 
 def group_alive(pgid):
@@ -317,8 +315,8 @@ def group_alive(pgid):
 def training_nodes(run):
     """nodes.json's rows once every node runs and the learner has trained (its first interval checkpoint)."""
     nodes = run / "nodes.json"
-    wait_for(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 3, 240, "3 nodes in nodes.json")
-    wait_for(lambda: (run / "ckpt" / "latest.pth.tar").is_file(), 120, "the learner's first checkpoint")
+    wait_until(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 3, 240, "3 nodes in nodes.json")
+    wait_until(lambda: (run / "ckpt" / "latest.pth.tar").is_file(), 120, "the learner's first checkpoint")
     return json.loads(nodes.read_text())
 
 
@@ -352,7 +350,7 @@ def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_
     learner, *collectors = training_nodes(run)
     os.kill(learner["pid"], signal.SIGSTOP)
     stopped = time.monotonic()
-    wait_for(lambda: not any(running(row["pid"]) for row in collectors), PEER_TIMEOUT_S + MARGIN_S,
+    wait_until(lambda: not any(running(row["pid"]) for row in collectors), PEER_TIMEOUT_S + MARGIN_S,
              "the collectors' end")
     assert time.monotonic() - stopped < PEER_TIMEOUT_S + MARGIN_S
     os.kill(learner["pid"], signal.SIGCONT)
