@@ -413,3 +413,62 @@ def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_sec
         evaluations(task.ctx)
         assert (task.ctx.last_eval_value, task.ctx.last_eval_iter) == (5.0, 2)
     assert evaluations.stats() == {"rejected": len(wrong)}
+
+
+def test_a_collector_waits_past_timeout_s_while_a_busy_learner_keeps_sending_its_counters(peer_with_the_secret):
+    import threading
+
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
+    mine, peer = peer_with_the_secret
+    still = {"node": "9", "train_iter": 1, "env_step": 1, "stop": False}
+    done = threading.Event()
+
+    def busy_learner():  # its counters stand still for 3 timeouts, said every quarter timeout, then move
+        for _ in range(12):
+            peer.publish(PROGRESS_TOPIC, still)
+            done.wait(0.25)
+        peer.publish(PROGRESS_TOPIC, {**still, "train_iter": 2, "env_step": 5})
+
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.COLLECTOR)
+        clock = LearnerClock(lead=1, timeout_s=1.0)
+
+        def start(ctx):
+            if ctx.total_step == 0:
+                peer.wait_for_subscribers(PROGRESS_TOPIC, 1, 20)
+                threading.Thread(target=busy_learner, daemon=True).start()
+
+        task.use(clock).use(start)
+        task.run(max_step=3)
+        assert (task.ctx.train_iter, task.ctx.env_step) == (2, 5)
+    done.set()
+
+
+def test_a_learner_in_a_long_iteration_keeps_sending_its_counters(peer_with_the_secret):
+    import threading
+
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
+    mine, peer = peer_with_the_secret
+    heard, beats = [], threading.Event()
+
+    def got(progress):
+        heard.append((progress["train_iter"], progress["env_step"]))
+        if len(heard) >= 3:
+            beats.set()
+
+    peer.on(PROGRESS_TOPIC, got)
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.LEARNER)
+        clock = LearnerClock(timeout_s=0.4)
+
+        def long_second_iteration(ctx):
+            ctx.train_iter, ctx.env_step = ctx.total_step + 1, 10 * (ctx.total_step + 1)
+            if ctx.total_step == 1:
+                assert beats.wait(20), heard  # the first iteration's counters, said again while this one runs
+
+        mine.wait_for_subscribers(PROGRESS_TOPIC, 1, 20)
+        task.use(clock).use(long_second_iteration)
+        task.run(max_step=2)
+    assert heard[:3] == [(1, 10)] * 3

@@ -29,6 +29,8 @@ COLLECTOR_LEAD = 2
 """Iterations a collector may run per learner iteration before it waits for the learner."""
 EXCHANGE_TIMEOUT_S = 120.0
 """The bound on every wait for another node (a batch, weights, the learner's counters): a shared machine is slow."""
+LONGEST_ITERATION = 10
+"""How many ``timeout_s`` a collector waits for the learner's counters to move while the learner says it is busy."""
 
 
 class EvaluatedWeights:
@@ -68,7 +70,10 @@ class LearnerClock:
     ran ``lead`` iterations since they last moved waits until they move; an evaluator waits so before
     every iteration but its first. ``stop`` sets ``task.finish``. :attr:`collected` counts the env steps
     this node's own iterations added; :attr:`first_step_at` is the ``time.time()`` when they first added
-    any (a collector's start-up ends there). Every wait is bounded by ``timeout_s``, and ends at once when the
+    any (a collector's start-up ends there). A learner whose iteration runs longer than ``timeout_s / 4`` (an
+    evaluation of long games, when no evaluator node takes it) sends its unchanged counters every ``timeout_s /
+    4`` meanwhile: a node waits until the learner has said nothing for ``timeout_s``, or its counters have not
+    moved for :data:`LONGEST_ITERATION` times ``timeout_s``, and ends at once when the
     node is asked to stop (:data:`~conveyor.engine.STOP_EVENT`) or the learner is lost (a warning; the
     node's run then ends, as it does on ``stop``: there is nothing left to collect or evaluate for). With
     ``rejoin_s`` > 0 (the zoo's under ``auto_recover``) a lost learner instead restarts the count of
@@ -95,11 +100,16 @@ class LearnerClock:
         self._latest: Optional[Dict[str, Any]] = None
         self._seen: Optional[tuple] = None
         self._ended = False  # asked to stop, or the learner is lost
+        self._heard = time.monotonic()  # when the learner last sent its counters
+        self._sent: Optional[Dict[str, Any]] = None  # learner: the counters it sent last
+        self._busy_since: Optional[float] = None  # learner: when the iteration under way began
+        self._finished = threading.Event()  # learner: its run ended
         self._rejections = Rejections(f"LearnerClock on node {self._router.node_id}")
         if self._quiet:
             self._router.on(PROGRESS_TOPIC, lambda progress: None)  # counted among those told to stop
         elif self._learner:
             task.on(FINISH_EVENT, self._stop_others)
+            threading.Thread(target=self._keep_saying, name="conveyor-learner-beat", daemon=True).start()
         else:
             self._router.on(PROGRESS_TOPIC, self._rejections(self._got, PROGRESS_TOPIC))
             task.on(STOP_EVENT, self._end)
@@ -136,7 +146,9 @@ class LearnerClock:
         check_fields(progress, node=lambda v: isinstance(v, str), train_iter=int, env_step=int,
                      stop=lambda v: isinstance(v, bool))
         with self._changed:
-            self._latest = progress
+            self._heard = time.monotonic()
+            if self._latest is None or not self._latest["stop"]:  # a stop heard stays heard
+                self._latest = progress
             self._changed.notify_all()
         if progress["stop"]:
             task.finish = True
@@ -151,14 +163,17 @@ class LearnerClock:
             yield
             return
         if self._learner:
-            yield
-            self._router.publish(PROGRESS_TOPIC, self._progress(ctx, stop=False))
+            self._busy_since = time.monotonic()
+            try:
+                yield
+            finally:
+                self._busy_since = None
+            self._sent = self._progress(ctx, stop=False)
+            self._router.publish(PROGRESS_TOPIC, self._sent)
             return
         with self._changed:
-            if self._since >= self._lead and not self._changed.wait_for(
-                    lambda: self._moved() or self._since < self._lead, self.timeout_s):  # 0 again: the learner was lost
-                raise TimeoutError(f"node {self._router.node_id}: the learner's counters did not move within "
-                                   f"{self.timeout_s}s (live peers: {self._router.peers()}); is the learner running?")
+            if self._since >= self._lead:
+                self._wait_for_the_learner()
             latest = self._latest
         if self._ended or (latest is not None and latest["stop"]):
             task.finish = True
@@ -176,7 +191,33 @@ class LearnerClock:
             self.first_step_at = time.time()
         self.collected += ctx.env_step - before
 
+    def _wait_for_the_learner(self) -> None:
+        """Until the learner's counters move (or the count restarts: the learner was lost), the learner has said
+        nothing for ``timeout_s``, or they have not moved for ``LONGEST_ITERATION * timeout_s``; with the lock."""
+        give_up = time.monotonic() + LONGEST_ITERATION * self.timeout_s
+        self._heard = max(self._heard, time.monotonic())  # the silence counts from the start of this wait
+        while not (self._moved() or self._since < self._lead):
+            deadline = min(self._heard + self.timeout_s, give_up)
+            if time.monotonic() >= deadline:
+                waited = self.timeout_s if time.monotonic() - self._heard >= self.timeout_s else \
+                    LONGEST_ITERATION * self.timeout_s
+                raise TimeoutError(f"node {self._router.node_id}: the learner's counters did not move within "
+                                   f"{waited}s (live peers: {self._router.peers()}); is the learner running?")
+            self._changed.wait(deadline - time.monotonic())
+
+    def _keep_saying(self) -> None:
+        """Learner: while an iteration runs longer than ``timeout_s / 4``, send the last counters again that often,
+        so the others know it is there."""
+        while not self._finished.wait(self.timeout_s / 4):
+            since = self._busy_since
+            if since is not None and time.monotonic() - since >= self.timeout_s / 4 and self._sent is not None:
+                try:
+                    self._router.publish(PROGRESS_TOPIC, self._sent)
+                except RuntimeError:  # the router closed: the run is over
+                    return
+
     def _stop_others(self, error: Optional[BaseException]) -> None:
+        self._finished.set()
         deadline = time.monotonic() + self.timeout_s
         while True:  # the live peers are counted again each second: one may be found lost meanwhile
             try:
