@@ -29,10 +29,9 @@ import time
 from typing import Any, Dict, List
 
 from _peers import ensure_package, run_worker, scratch_dir
+from learning_curve import TRAIN_EPISODES, final_train_return
 
 ENTRY = "atari/ppo"
-TRAIN_EPISODES = 20
-"""Full-game training episodes averaged at the end of each run (as learning_curve.py's ``final_train_returns``)."""
 
 
 def ours(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
@@ -88,16 +87,32 @@ def sb3(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
     start = time.perf_counter()
     model.learn(total_timesteps=budget, callback=Games())
     wall = time.perf_counter() - start
-    last = returns[-TRAIN_EPISODES:]
-    return {"side": "sb3", "seed": seed, "final_train_return": statistics.fmean(last) if last else None,
+    return {"side": "sb3", "seed": seed, "final_train_return": final_train_return(returns),
             "train_episodes": len(returns), "wall_s": round(wall, 1)}
 
 
 SIDES = {"ours": ours, "sb3": sb3}
 
 
-def _cell(value: Any, width: int) -> str:
-    return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+def per_seed(script: str, sides: List[str], selected: List[str], seeds: List[int],
+             extra: List[str]) -> Dict[str, List[Dict[str, Any]]]:
+    """The rows of every side by seed: each ``selected`` side trained in a fresh interpreter (``script --worker
+    SIDE --seed N EXTRA``), one run after another; a side left out gets rows with no figures."""
+    return {side: [run_worker(script, ["--worker", side, "--seed", str(seed), *extra], timeout=6 * 3600)
+                   if side in selected else {"seed": seed, "final_train_return": None, "wall_s": None}
+                   for seed in seeds] for side in sides}
+
+
+def print_pairs(rows: Dict[str, List[Dict[str, Any]]], first: str, second: str, labels: tuple) -> None:
+    """A table of two sides' final training returns and walls, a line per seed; ``labels``: their names."""
+    def cell(value: Any, width: int) -> str:
+        return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+    walls = [f"{label} wall s" for label in labels]
+    print(f"{'seed':>5} {labels[0]:>9} {labels[1]:>9} {walls[0]:>{len(walls[0]) + 1}} {walls[1]:>{len(walls[1]) + 1}}")
+    for a, b in zip(rows[first], rows[second]):
+        print(f"{a['seed']:>5} {cell(a['final_train_return'], 9)} {cell(b['final_train_return'], 9)} "
+              f"{cell(a['wall_s'], len(walls[0]) + 1)} {cell(b['wall_s'], len(walls[1]) + 1)}")
 
 
 def main() -> None:
@@ -121,16 +136,11 @@ def main() -> None:
     seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
     extra = ["--max-env-step", str(budget), *(["--quick"] if args.quick else []),
              *(word for pair in args.overrides for word in ("--set", pair))]
-    rows = {side: [run_worker(__file__, ["--worker", side, "--seed", str(seed), *extra], timeout=6 * 3600)
-                   if side in sides else {"seed": seed, "final_train_return": None, "wall_s": None}
-                   for seed in seeds] for side in SIDES}
+    rows = per_seed(__file__, list(SIDES), sides, seeds, extra)
 
     print(f"{ENTRY} on Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game "
           f"training episodes")
-    print(f"{'seed':>5} {'ours':>9} {'SB3':>9} {'ours wall s':>12} {'SB3 wall s':>11}")
-    for a, b in zip(rows["ours"], rows["sb3"]):
-        print(f"{a['seed']:>5} {_cell(a['final_train_return'], 9)} {_cell(b['final_train_return'], 9)} "
-              f"{_cell(a['wall_s'], 12)} {_cell(b['wall_s'], 11)}")
+    print_pairs(rows, "ours", "sb3", ("ours", "SB3"))
     finals = {side: [r["final_train_return"] for r in rows[side]] for side in SIDES}
     means = {side: statistics.fmean(v) if None not in v else None for side, v in finals.items()}
     summary = {"entry": ENTRY, "max_env_step": budget, "seeds": seeds, "overrides": args.overrides,

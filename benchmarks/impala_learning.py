@@ -21,16 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from _peers import run_worker, scratch_dir
+from _peers import scratch_dir
+from atari_learning import ours, per_seed, print_pairs
+from learning_curve import TRAIN_EPISODES, final_train_return
 
 HERE = Path(__file__).resolve().parent
-TRAIN_EPISODES = 20
 
 
 def impala(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dict[str, Any]:
@@ -53,24 +53,17 @@ def impala(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dic
         wall = time.perf_counter() - start
         path = workdir / "episodes.txt"
         returns = [float(line) for line in path.read_text().split()] if path.exists() else []
-    last = returns[-TRAIN_EPISODES:]
-    return {"side": "impala", "seed": seed, "final_train_return": statistics.fmean(last) if last else None,
+    return {"side": "impala", "seed": seed, "final_train_return": final_train_return(returns),
             "train_episodes": len(returns), "wall_s": round(wall, 1), "env_step": run.env_step,
             "train_iter": run.train_iter}
 
 
 def ppo(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dict[str, Any]:
     """atari/ppo in one process, as ``atari_learning.py`` trains it."""
-    from atari_learning import ours
-
     return {**ours(seed, budget, overrides), "side": "ppo"}
 
 
 SIDES = {"impala": impala, "ppo": ppo}
-
-
-def _cell(value: Any, width: int) -> str:
-    return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
 
 
 def main() -> None:
@@ -95,15 +88,10 @@ def main() -> None:
     seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
     extra = ["--max-env-step", str(budget), "--collectors", str(args.collectors),
              *(["--quick"] if args.quick else []), *(word for pair in args.overrides for word in ("--set", pair))]
-    rows = {side: [run_worker(__file__, ["--worker", side, "--seed", str(seed), *extra], timeout=6 * 3600)
-                   if side in sides else {"seed": seed, "final_train_return": None, "wall_s": None}
-                   for seed in seeds] for side in SIDES}
+    rows = per_seed(__file__, list(SIDES), sides, seeds, extra)
     print(f"Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game training episodes, "
           f"atari/impala with {args.collectors} collectors against atari/ppo in one process")
-    print(f"{'seed':>5} {'IMPALA':>9} {'PPO':>9} {'IMPALA wall s':>14} {'PPO wall s':>11}")
-    for a, b in zip(rows["impala"], rows["ppo"]):
-        print(f"{a['seed']:>5} {_cell(a['final_train_return'], 9)} {_cell(b['final_train_return'], 9)} "
-              f"{_cell(a['wall_s'], 14)} {_cell(b['wall_s'], 11)}")
+    print_pairs(rows, "impala", "ppo", ("IMPALA", "PPO"))
     finals = {side: [r["final_train_return"] for r in rows[side]] for side in SIDES}
     walls = {side: [r["wall_s"] for r in rows[side]] for side in SIDES}
     pairs = list(zip(rows["impala"], rows["ppo"]))

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from _peers import tensorboard_events
 from conveyor.config import apply_overrides
@@ -40,6 +40,12 @@ TRAIN_EPISODES = 20
 """Training episodes ``final_train_returns`` averages, per seed (the last ones of the budget)."""
 
 
+def final_train_return(returns: Sequence[float]) -> Optional[float]:
+    """The mean of the last :data:`TRAIN_EPISODES` training episodes' returns (None before any ended)."""
+    last = list(returns)[-TRAIN_EPISODES:]
+    return statistics.fmean(last) if last else None
+
+
 def run_seed(entry, seed: int, max_env_step: int, eval_every: int, n_episode: int,
              overrides: Sequence[str] = ()) -> Dict:
     cfg = apply_overrides(entry.main_config, overrides)  # typed like `conveyor train --set`; main() validates
@@ -57,9 +63,8 @@ def run_seed(entry, seed: int, max_env_step: int, eval_every: int, n_episode: in
     ctx = entry.main(cfg, max_env_step=max_env_step + 1, progress=False)
     wall = time.perf_counter() - start
     points = read_scalars(Path("runs") / cfg.exp_name / "tb", "eval/return")
-    last = train_returns[-TRAIN_EPISODES:]
     return {"seed": seed, "env_steps": [s for s, _ in points], "returns": [r for _, r in points],
-            "final_return": points[-1][1], "final_train_return": statistics.fmean(last) if last else None,
+            "final_return": points[-1][1], "final_train_return": final_train_return(train_returns),
             "train_episodes": len(train_returns), "wall_s": round(wall, 1), "train_iter": ctx.train_iter}
 
 
