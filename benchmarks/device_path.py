@@ -4,8 +4,9 @@
   buffer or rollout hands them over (so each update pays its host-to-device copy, through pinned memory): PPO's
   Atari update (Nature CNN, 256 uint8 ``4x84x84`` frames), DQN's (Nature CNN, dueling, 32 frames, double,
   3-step) and SAC's MuJoCo update (256-256 networks, batch 256, HalfCheetah's 17/6 dims). On CUDA the image
-  models run twice: with bf16 autocast in the encoder (``policy.model.mixed_precision``, the default) and in
-  float32. CPU at torch's default threads (every core), as a learner on a GPU-less node would run.
+  models run twice: in float32 and with bf16 autocast in the encoder (``policy.model.mixed_precision``, opt-in);
+  SAC's update runs twice too: eagerly and replayed from a CUDA graph (``policy.learn.cuda_graph``, the default).
+  CPU at torch's default threads (every core), as a learner on a GPU-less node would run.
 - Env steps/s while training of ``atari/ppo`` (8 envs of ``--manager``) and ``mujoco/sac``, each on CPU and with
   ``--device cuda``, measured as ``atari_throughput.py`` and ``mujoco_throughput.py`` measure "ours", each in a
   fresh interpreter.
@@ -58,8 +59,8 @@ def host_batch(kind: str, size: int) -> Any:
     return to_tensor(frames)
 
 
-def make_learner(kind: str, device: str, mixed_precision: bool) -> Callable[[Any], Any]:
-    """The ``learn_mode.forward`` of ``kind``'s zoo policy on ``device``."""
+def make_learner(kind: str, device: str, mixed_precision: bool, graph: bool) -> Callable[[Any], Any]:
+    """The ``learn_mode.forward`` of ``kind``'s zoo policy on ``device`` (SAC's from a CUDA graph if ``graph``)."""
     from conveyor.config import compile_config
     from conveyor.policy import DQNPolicy, PPOPolicy, SACPolicy
     from conveyor.zoo import load_entry
@@ -70,6 +71,8 @@ def make_learner(kind: str, device: str, mixed_precision: bool) -> Callable[[Any
     if kind != "sac":
         cfg.env.manager = "sync"
     cfg.policy.model.mixed_precision = mixed_precision
+    if kind == "sac":
+        cfg.policy.learn.cuda_graph = graph
     cfg = compile_config(cfg, policy=policy_cls)
     return policy_cls(cfg.policy, device=device, seed=0).learn_mode.forward
 
@@ -77,9 +80,10 @@ def make_learner(kind: str, device: str, mixed_precision: bool) -> Callable[[Any
 BATCH = {"ppo": 256, "dqn": 32, "sac": 256}
 
 
-def updates_per_s(kind: str, device: str, mixed_precision: bool, steps: int) -> float:
-    """Gradient steps per second of ``kind``'s learner on ``device``, after a warm-up."""
-    learn = make_learner(kind, device, mixed_precision)
+def updates_per_s(kind: str, device: str, mixed_precision: bool, graph: bool, steps: int) -> float:
+    """Gradient steps per second of ``kind``'s learner on ``device``, after a warm-up (in which a CUDA graph is
+    captured)."""
+    learn = make_learner(kind, device, mixed_precision, graph)
     batch = host_batch(kind, BATCH[kind])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(5):
@@ -124,10 +128,10 @@ def main() -> None:
     if "updates" in parts:
         rows = {}
         for kind in ("ppo", "dqn", "sac"):
-            cases = [("cpu", False), ("cuda", False)] + ([("cuda", True)] if kind != "sac" else [])
-            for device, mixed in cases:
-                label = f"{kind} {device}" + (" bf16" if mixed else "")
-                rows[label] = updates_per_s(kind, device, mixed, args.steps)
+            extra = ("cuda", False, True, " graph") if kind == "sac" else ("cuda", True, False, " bf16")
+            for device, mixed, graph, suffix in [("cpu", False, False, ""), ("cuda", False, False, ""), extra]:
+                label = f"{kind} {device}{suffix}"
+                rows[label] = updates_per_s(kind, device, mixed, graph, args.steps)
                 print(f"  {label:<14}{rows[label]:>10.1f} updates/s  (batch {BATCH[kind]})", flush=True)
             best_cuda = max(v for k, v in rows.items() if k.startswith(f"{kind} cuda"))
             ratios[f"{kind}_updates"] = round(best_cuda / rows[f"{kind} cpu"], 2)

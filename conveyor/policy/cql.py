@@ -98,11 +98,15 @@ class CQLPolicy(SACPolicy):
             },
         })
 
+    def _learn_variant(self) -> bool:
+        """Whether the behaviour-cloning warm-up is over (the actor's loss differs before)."""
+        return self.train_iter >= self.cfg.learn.bc_warmup_steps
+
     def _actor_loss(self, batch: ttorch.Tensor, action: torch.Tensor, log_prob: torch.Tensor, q_pi: torch.Tensor,
                     alpha: torch.Tensor) -> torch.Tensor:
         """SAC's actor loss, or during the first ``learn.bc_warmup_steps`` steps behaviour cloning:
         ``mean(alpha * log pi(a~|s) - log pi(a_data|s))``."""
-        if self.train_iter >= self.cfg.learn.bc_warmup_steps:
+        if self._learn_variant():
             return super()._actor_loss(batch, action, log_prob, q_pi, alpha)
         mean, log_std = self.actor(batch.obs)
         return (alpha * log_prob - tanh_gaussian_log_prob(mean, log_std, action)).mean()
@@ -112,7 +116,7 @@ class CQLPolicy(SACPolicy):
         """The conservative penalty on every critic, weighted by ``learn.cql_alpha``."""
         n, batch_size = self.cfg.learn.cql_n_actions, action.shape[0]
         generator = self._learn_generator
-        per_state = torch.arange(batch_size, device=action.device).repeat_interleave(n)  # [B * n]
+        per_state = torch.arange(batch_size * n, device=action.device) // n  # [B * n]: 0 0 .. 1 1 ..; graph-safe
         with torch.no_grad():
             uniform = torch.rand((batch_size * n, self.action_dim), generator=generator, device=action.device)
             policy_action, policy_log_prob = self.actor.sample(batch.obs[per_state], generator=generator)

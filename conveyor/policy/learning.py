@@ -69,6 +69,10 @@ class LearnResult:
         return cls(dict(output))
 
 
+_WHERE_IT_RUNS = ("capturable", "fused")
+"""Optimizer options that follow the device an optimizer runs on, not the checkpoint it loads."""
+
+
 class LazyOptimizer:
     """``optimizer_cls(module.parameters(), **options)``, made on first use: a step, or any attribute of the
     optimizer (``param_groups``, ``zero_grad``...). A process that only acts (a distributed collector or
@@ -91,6 +95,11 @@ class LazyOptimizer:
         return self._optimizer is not None
 
     @property
+    def lr_factor(self) -> float | None:
+        """The factor :meth:`set_lr_factor` last set (None: never set, the configured rates)."""
+        return self._lr_factor
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer, made now if it was not yet (with the state and learning-rate factor given before)."""
         with self._lock:
@@ -98,7 +107,7 @@ class LazyOptimizer:
                 optimizer = self._cls(self._module.parameters(), **self._options)
                 self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
                 if self._pending is not None:
-                    optimizer.load_state_dict(self._pending)
+                    self._load_into(optimizer, self._pending)
                 self._optimizer, self._pending = optimizer, None
                 if self._lr_factor is not None:
                     self.set_lr_factor(self._lr_factor)
@@ -129,10 +138,26 @@ class LazyOptimizer:
         with self._lock:
             fresh = "param_groups" not in state_dict
             if self._optimizer is not None and not fresh:
-                self._optimizer.load_state_dict(state_dict)
+                self._load_into(self._optimizer, state_dict)
                 return
             self._optimizer, self._lr_factor = None, None
             self._pending = None if fresh else state_dict
+
+    def _load_into(self, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+        """``optimizer.load_state_dict``, keeping the options that depend on where it runs: torch takes a saved
+        group's ``capturable`` and ``fused`` for the loading one's, so a checkpoint from a CUDA-graph run would
+        make a CPU optimizer capturable (which CPU tensors cannot be), and a CPU one would make a graph's optimizer
+        not capturable. Step counters go to the parameters' device where those options need them."""
+        optimizer.load_state_dict(state_dict)
+        for group in optimizer.param_groups:
+            group.update({key: optimizer.defaults[key] for key in _WHERE_IT_RUNS if key in optimizer.defaults})
+            if not (group.get("capturable") or group.get("fused")):
+                continue
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                step = state.get("step")
+                if torch.is_tensor(step) and step.device != param.device:
+                    state["step"] = step.to(device=param.device, dtype=torch.float32)
 
     def __repr__(self) -> str:
         return f"LazyOptimizer({self._optimizer!r})" if self._optimizer is not None else "LazyOptimizer(not made yet)"

@@ -8,7 +8,8 @@ from typing import Any, Mapping, Sequence
 from conveyor import schema
 from conveyor.schema import Option
 
-__all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults", "encoder_option"]
+__all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults", "encoder_option",
+           "cuda_graph_option"]
 
 ENCODER_KINDS = ("auto", "mlp", "nature", "impala")
 """The values of ``policy.model.encoder`` (conveyor.policy.model.build_encoder builds each)."""
@@ -38,6 +39,13 @@ def encoder_option() -> Option:
                           "for images), 'mlp' (any array obs flattened), 'nature' (the Nature-DQN CNN, 512 features) "
                           "or 'impala' (the IMPALA ResNet, 256 features); the image encoders ignore hidden_sizes and "
                           "divide uint8 pixels by 255 inside.", choices=ENCODER_KINDS)
+
+
+def cuda_graph_option() -> Option:
+    """``policy.learn.cuda_graph``: of the policies whose update is graph-safe (SAC, CQL, TD3)."""
+    return Option(True, "On CUDA, replay each update from a CUDA graph captured after a few eager ones (an update of "
+                        "small networks is bound by kernel launches there); no effect on CPU or among data-parallel "
+                        "learners. Turn it off to debug an update step by step.", type=bool)
 
 
 def with_defaults(base: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:

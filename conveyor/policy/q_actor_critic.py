@@ -2,12 +2,16 @@
 
 :class:`QActorCriticPolicy` holds an actor, an :class:`~conveyor.policy.continuous.EnsembleQ` of critics with
 a Polyak-averaged target copy, the env's action bounds, one Adam optimizer for the actor and one for the
-critics, their config options, and the critics' regression step. Subclasses build the actor and act with it.
+critics, their config options, the critics' regression step, and the learning step's frame: a subclass writes
+the update as :meth:`QActorCriticPolicy._learn_tensors` (tensors in, tensors out), which on CUDA is replayed from a
+CUDA graph when its schema has ``learn.cuda_graph`` (:mod:`conveyor.policy.cuda_graph`). Subclasses build the
+actor and act with it.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+import hashlib
+from typing import Any, Hashable, Iterator, Mapping
 
 import torch
 import treetensor.torch as ttorch
@@ -16,6 +20,7 @@ from torch import nn
 from conveyor import schema
 from conveyor.policy.base import Policy
 from conveyor.policy.continuous import ActionScaler
+from conveyor.policy.cuda_graph import CudaGraphStep, scalars
 from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, fused_adam, make_target
 from conveyor.policy.options import _hidden_sizes_check, lr_option, nstep_option, replay_buffer_schema, with_defaults
 from conveyor.schema import ConfigError, Option
@@ -40,16 +45,25 @@ def _bound_check(value: Any) -> str | None:
 
 
 class TorchGeneratorState:
-    """Checkpoints a ``torch.Generator`` (the learner's sampling noise) so a resumed run continues exactly."""
+    """Checkpoints a ``torch.Generator`` (the learner's sampling noise) so a resumed run continues exactly.
+
+    CPU and CUDA generators are different algorithms with different states: a state saved on the other kind of
+    device seeds this generator from its bytes instead, so a checkpoint moves between devices (deterministically,
+    but not with the same draws)."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": self.generator.get_state()}
+        return {"state": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.generator.set_state(state_dict["state"])
+        state = state_dict["state"]
+        saved_on = state_dict.get("device", "cuda" if state.numel() == 16 else "cpu")  # older checkpoints: by size
+        if saved_on == self.generator.device.type:
+            self.generator.set_state(state)
+        else:
+            self.generator.manual_seed(int.from_bytes(hashlib.sha256(state.numpy().tobytes()).digest()[:8], "little"))
 
 
 class QActorCriticPolicy(Policy):
@@ -123,22 +137,31 @@ class QActorCriticPolicy(Policy):
         except ValueError as exc:
             raise ConfigError(f"policy.model.action_low/action_high: {exc}") from None
         self.action_dim = action_dim
+        # Made capturable (their step counters on the GPU), the optimizers can step inside a CUDA graph.
+        self._graphed = self.device.type == "cuda" and bool(learn.get("cuda_graph", False))
+        self._graph_step: CudaGraphStep | None = None
+        self._learn_generators: list[torch.Generator] = []
         lr = learn.learning_rate
-        self.actor_optimizer = LazyOptimizer(torch.optim.Adam, self.actor, lr=learn.actor_learning_rate or lr,
-                                             fused=fused_adam(self.device))
-        self.critic_optimizer = LazyOptimizer(torch.optim.Adam, self.critic, lr=learn.critic_learning_rate or lr,
-                                              fused=fused_adam(self.device))
+        self.actor_optimizer = self._adam(self.actor, learn.actor_learning_rate or lr)
+        self.critic_optimizer = self._adam(self.critic, learn.critic_learning_rate or lr)
         self.register_state("target_critic", self.target_critic)
         self.register_state("actor_optimizer", self.actor_optimizer)
         self.register_state("critic_optimizer", self.critic_optimizer)
         self._actor_params = list(self.actor.parameters())
         self._critic_params = list(self.critic.parameters())
 
+    def _adam(self, module: nn.Module, lr: float) -> LazyOptimizer:
+        """A lazily made Adam over ``module``'s parameters: fused where it can be, capturable for CUDA graphs."""
+        options = {"capturable": True} if self._graphed else {}
+        return LazyOptimizer(torch.optim.Adam, module, lr=lr, fused=fused_adam(self.device), **options)
+
     def _learn_rng(self) -> torch.Generator:
-        """A generator for the learner's noise, on the policy's device, checkpointed as ``learn_rng``."""
+        """A generator for the learner's noise, on the policy's device, checkpointed as ``learn_rng`` (and advanced
+        by CUDA graph replays as by eager steps)."""
         generator = torch.Generator(device=self.device)
         generator.manual_seed(int(self.rng.integers(0, 2**62)))
         self.register_state("learn_rng", TorchGeneratorState(generator))
+        self._learn_generators.append(generator)
         return generator
 
     def _data_action(self, batch: ttorch.Tensor) -> torch.Tensor:
@@ -146,12 +169,43 @@ class QActorCriticPolicy(Policy):
         return self.action_scaler.from_env(batch.action).reshape(-1, self.action_dim)
 
     # --- learning --------------------------------------------------------------------------------
+    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
+        """One update (:meth:`_learn_tensors`), replayed from a CUDA graph where ``learn.cuda_graph`` holds, with
+        its metrics as floats (read in one copy from the device)."""
+        variant = self._learn_variant()
+        if self._graphed and self._data_parallel is None:  # a group's all-reduce cannot run inside a graph
+            if self._graph_step is None:
+                self._graph_step = CudaGraphStep(self._learn_tensors, generators=self._learn_generators)
+            lr_factors = tuple(c.lr_factor for c in self._stateful.values() if isinstance(c, LazyOptimizer))
+            metrics, td_error = self._graph_step(batch, variant, key=lr_factors)  # a graph bakes its learning rates in
+        else:
+            metrics, td_error = self._learn_tensors(batch, variant)
+        self.train_iter += 1
+        return self._learn_result(scalars(metrics), batch, td_error)
+
+    def _learn_variant(self) -> Hashable:
+        """What decides, before a step, which path :meth:`_learn_tensors` takes (TD3: whether the actor steps this
+        time); each value gets its own CUDA graph. None here: every step takes the same path."""
+        return None
+
+    def _learn_tensors(self, batch: ttorch.Tensor,
+                       variant: Hashable) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The update on one flat batch, on the device alone (graph-safe: no ``.item()``, no branch on a tensor's
+        value): its scalar metrics by name, and the TD errors ``[critic_num, B]`` for new priorities."""
+        raise NotImplementedError(f"{type(self).__name__} writes _learn_tensors or its own _forward_learn")
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a checkpoint; captured CUDA graphs are dropped (loading an optimizer replaces its tensors)."""
+        super().load_state_dict(state_dict)
+        if self._graph_step is not None:
+            self._graph_step.reset()
+
     def _critic_step(self, batch: ttorch.Tensor, action: torch.Tensor,
                      target_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None]:
         """One gradient step of every critic regressing ``Q_i(s, a)`` on ``target_q`` (squared error summed over
         critics, weighted per sample by the batch's ``weight`` under prioritized replay), plus
         :meth:`_extra_critic_losses`. Returns ``q`` ``[critic_num, B]``, the TD errors, the loss metrics
-        (``losses/q`` and the extra terms) and the gradient norm when clipped."""
+        (``losses/q`` and the extra terms, as tensors) and the gradient norm when clipped."""
         q = self.critic(batch.obs, action)  # [critic_num, B]
         td_error = q - target_q
         per_sample = td_error.pow(2).sum(0)
@@ -159,11 +213,11 @@ class QActorCriticPolicy(Policy):
         extra = self._extra_critic_losses(batch, action, q)
         critic_loss = q_loss + sum(extra.values()) if extra else q_loss
         grad_norm = self._apply_gradients(critic_loss, self.critic_optimizer, self._critic_params)
-        losses = {"losses/q": q_loss.item(), **{name: term.item() for name, term in extra.items()}}
+        losses = {"losses/q": q_loss.detach(), **{name: term.detach() for name, term in extra.items()}}
         return q.detach(), td_error.detach(), losses, grad_norm
 
     @staticmethod
-    def _learn_result(metrics: dict[str, Any], batch: ttorch.Tensor, td_error: torch.Tensor) -> LearnResult:
+    def _learn_result(metrics: dict[str, float], batch: ttorch.Tensor, td_error: torch.Tensor) -> LearnResult:
         """``metrics`` as a :class:`LearnResult`, with each sample's mean ``|TD error|`` over the critics as its
         new priority when the batch is prioritized (carries ``weight``)."""
         prioritized = "weight" in batch

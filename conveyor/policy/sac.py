@@ -20,7 +20,7 @@ actions from the collector and the policy's own actions are treated alike.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -29,8 +29,7 @@ from torch import nn
 
 from conveyor import schema
 from conveyor.policy.base import Acting
-from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
-from conveyor.policy.options import lr_option
+from conveyor.policy.options import cuda_graph_option, lr_option
 from conveyor.policy.continuous import EnsembleQ, TanhGaussianActor
 from conveyor.policy.q_actor_critic import QActorCriticPolicy, _bound_check  # noqa: F401  (bc imports it here)
 from conveyor.schema import Option
@@ -131,6 +130,7 @@ class SACPolicy(TanhActorCriticPolicy):
                                 type=float, check=schema.positive),
                 "target_entropy": Option(None, "Entropy the temperature steers the policy to, in nats of the "
                                                "[-1, 1]-squashed action (None: -action_dim).", type=float),
+                "cuda_graph": cuda_graph_option(),
             },
         })
 
@@ -141,9 +141,7 @@ class SACPolicy(TanhActorCriticPolicy):
         self.target_entropy = float(-self.action_dim if learn.target_entropy is None else learn.target_entropy)
         self.temperature = _Temperature(learn.alpha).to(self.device)
         self.temperature.requires_grad_(learn.auto_alpha)
-        self.alpha_optimizer = LazyOptimizer(torch.optim.Adam, self.temperature,
-                                             lr=learn.alpha_learning_rate or learn.learning_rate,
-                                             fused=fused_adam(self.device))
+        self.alpha_optimizer = self._adam(self.temperature, learn.alpha_learning_rate or learn.learning_rate)
         self._learn_generator = self._learn_rng()
         self.register_state("temperature", self.temperature)
         self.register_state("alpha_optimizer", self.alpha_optimizer)
@@ -160,7 +158,8 @@ class SACPolicy(TanhActorCriticPolicy):
         (``action``: the batch's own actions, for a subclass that clones them)."""
         return (alpha * log_prob - q_pi).mean()
 
-    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
+    def _learn_tensors(self, batch: ttorch.Tensor,
+                       variant: Hashable) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Critic, actor and temperature updates on one flat batch, then the soft target update."""
         discount = self._bootstrap_discount(batch)
         log_alpha = self.temperature.log_alpha
@@ -193,19 +192,18 @@ class SACPolicy(TanhActorCriticPolicy):
             self._average_gradients([log_alpha])
             self.alpha_optimizer.step()
 
-        self.train_iter += 1
         self._target_sync.soft(self.cfg.learn.target_theta)
 
-        out: dict[str, Any] = {
+        metrics = {
             **losses,
-            "losses/actor": actor_loss.item(),
-            "losses/alpha": alpha_loss.item(),
-            "charts/alpha": alpha.item(),
-            "charts/entropy": -log_prob.mean().item(),
-            "charts/q_mean": q.mean().item(),
-            "charts/target_q_mean": target_q.mean().item(),
+            "losses/actor": actor_loss.detach(),
+            "losses/alpha": alpha_loss.detach(),
+            "charts/alpha": alpha,
+            "charts/entropy": -log_prob.mean(),
+            "charts/q_mean": q.mean(),
+            "charts/target_q_mean": target_q.mean(),
         }
         if critic_grad_norm is not None:
-            out["charts/critic_grad_norm"] = critic_grad_norm.item()
-            out["charts/actor_grad_norm"] = actor_grad_norm.item()
-        return self._learn_result(out, batch, td_error)
+            metrics["charts/critic_grad_norm"] = critic_grad_norm
+            metrics["charts/actor_grad_norm"] = actor_grad_norm
+        return metrics, td_error

@@ -15,7 +15,7 @@ first, as SAC does. Defaults are the paper's and CleanRL's ``td3_continuous_acti
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -25,7 +25,8 @@ from torch import nn
 from conveyor import schema
 from conveyor.policy.base import Acting
 from conveyor.policy.continuous import DeterministicActor, EnsembleQ
-from conveyor.policy.learning import LearnResult, TargetSync, make_target
+from conveyor.policy.learning import TargetSync, make_target
+from conveyor.policy.options import cuda_graph_option
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel
 from conveyor.schema import Option
@@ -57,6 +58,7 @@ class TD3Policy(QActorCriticPolicy):
                                        type=float, check=schema.non_negative),
                 "noise_clip": Option(0.5, "The target noise is clipped to [-noise_clip, noise_clip] (a fraction of "
                                           "the action half-range).", type=float, check=schema.non_negative),
+                "cuda_graph": cuda_graph_option(),
             },
             "collect": {
                 "exploration_noise": Option(0.1, "Std of the Gaussian noise added to the actor's action when "
@@ -107,26 +109,30 @@ class TD3Policy(QActorCriticPolicy):
             noise = (noise * learn.target_noise).clamp(-learn.noise_clip, learn.noise_clip)
             return (action + noise).clamp(-1.0, 1.0)
 
-    def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
-        """A critic step; every ``policy_delay``-th call also an actor step and the soft target updates."""
+    def _learn_variant(self) -> bool:
+        """Whether the actor steps this time: every ``policy_delay``-th step."""
+        return self.train_iter % self.cfg.learn.policy_delay == 0
+
+    def _learn_tensors(self, batch: ttorch.Tensor,
+                       variant: Hashable) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """A critic step; when ``variant`` (every ``policy_delay``-th step) also an actor step and the soft target
+        updates."""
         learn = self.cfg.learn
         discount = self._bootstrap_discount(batch)
         with torch.no_grad():
             next_q = self.target_critic(batch.next_obs, self.target_action(batch.next_obs)).min(0).values
             target_q = batch.reward + discount * (1.0 - batch.terminated.float()) * next_q
         q, td_error, losses, critic_grad_norm = self._critic_step(batch, self._data_action(batch), target_q)
-        out: dict[str, Any] = {**losses, "charts/q_mean": q.mean().item(),
-                               "charts/target_q_mean": target_q.mean().item()}
+        metrics = {**losses, "charts/q_mean": q.mean(), "charts/target_q_mean": target_q.mean()}
         if critic_grad_norm is not None:
-            out["charts/critic_grad_norm"] = critic_grad_norm.item()
-        if self.train_iter % learn.policy_delay == 0:
+            metrics["charts/critic_grad_norm"] = critic_grad_norm
+        if variant:
             with self._critic_frozen():
                 actor_loss = -self.critic(batch.obs, self.actor(batch.obs))[0].mean()
                 actor_grad_norm = self._apply_gradients(actor_loss, self.actor_optimizer, self._actor_params)
             self._target_sync.soft(learn.target_theta)
             self._target_actor_sync.soft(learn.target_theta)
-            out["losses/actor"] = actor_loss.item()
+            metrics["losses/actor"] = actor_loss.detach()
             if actor_grad_norm is not None:
-                out["charts/actor_grad_norm"] = actor_grad_norm.item()
-        self.train_iter += 1
-        return self._learn_result(out, batch, td_error)
+                metrics["charts/actor_grad_norm"] = actor_grad_norm
+        return metrics, td_error
