@@ -195,20 +195,23 @@ def _learners(run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entry", ["cartpole/ppo", "cartpole/impala"])
-def test_two_learners_train_an_on_policy_entry_in_step_and_rank0_alone_writes(in_tmp, entry):
+@pytest.mark.parametrize("entry, collectors", [("cartpole/ppo", 2), ("cartpole/impala", 2), ("cartpole/ppo", 3)])
+def test_two_learners_train_an_on_policy_entry_in_step_and_rank0_alone_writes(in_tmp, entry, collectors):
     exp = entry.replace("/", "_")
-    run = train_distributed(entry, learners=2, collectors=2, exp_name=exp, max_env_step=2048, progress=False)
+    run = train_distributed(entry, learners=2, collectors=collectors, exp_name=exp, max_env_step=2048,
+                            progress=False)
     learners = _learners(run)
     assert learners[0]["params_sha256"] == learners[1]["params_sha256"]  # weights, optimizer, normalisers
     assert learners[0]["train_iter"] == learners[1]["train_iter"] == run.train_iter > 0
     assert learners[0]["env_step"] == learners[1]["env_step"] == run.env_step >= 2048
-    assert list(learners[0]["received_from"]) == ["2"] and list(learners[1]["received_from"]) == ["3"]
-    # what a learner received beyond what the other did in an iteration was dropped, never trained on later:
-    # each trained on as many env steps, the run's counter holds them all
+    assert [sorted(n["received_from"]) for n in learners] == [["2", "4"][:collectors - 1], ["3"]]
+    # each trained on as many env steps (the newest rows of each iteration); the older rows a learner received
+    # beyond what the other did were dropped and counted, never kept for later; the run's counter holds them all
     assert learners[0]["kept"] == learners[1]["kept"] > 0
     assert all(n["kept"] + n["dropped"] <= n["received"] for n in learners)  # but for the last iteration's
     assert run.env_step <= sum(n["received"] for n in learners)
+    if collectors == 3:  # rank 0 is fed by two collectors, rank 1 by one: rank 0 drops what rank 1 lacks
+        assert learners[0]["dropped"] > 0 and learners[0]["received"] > learners[1]["received"]
     assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == [exp]  # rank 1 made no run directory
     final = load_checkpoint(in_tmp / "runs" / exp / "ckpt" / "final.pth.tar")
     assert final["ctx"]["env_step"] == run.env_step and final["ctx"]["train_iter"] == run.train_iter
