@@ -145,6 +145,8 @@ class DataParallel:
         if self._store is None:
             self._store = self._call(dist.TCPStore, "reaching the rendezvous store", self._host, self.port,
                                      self.world_size, is_master=False, timeout=self.timeout)
+        if self.backend == "nccl" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # NCCL's own work (its barrier) on this learner's GPU, not rank-th
         self._call(dist.init_process_group, "the rendezvous", backend=self.backend,
                    store=SignedStore(self._store, self._secret, self._session), rank=self.rank,
                    world_size=self.world_size, timeout=self.timeout)
