@@ -198,9 +198,9 @@ class LearnerSync:
     trains, and what came in it is left out of the counters), the replay shards' agreed size (:meth:`shard`) and,
     with ``agree_rows`` (an entry without a replay buffer), the rows of ``ctx.train_data`` every learner trains on:
     the newest of what it received, as many as the learner that received fewest (:func:`newest_rows`).
-    :attr:`received` counts the env steps this learner received, :attr:`kept` those it handed on to train on (with
-    ``agree_rows``: the same on every learner) and :attr:`dropped` those it left out (older rows beyond the agreed
-    ones); :attr:`error` holds the group's failure, if any.
+    :attr:`received` counts the env steps this learner received and, with ``agree_rows``, :attr:`kept` those it
+    handed on to train on (the same on every learner) and :attr:`dropped` those it left out (older rows beyond the
+    agreed ones); :attr:`error` holds the group's failure, if any.
 
     Reads / writes ctx: ``env_step``, ``env_episode`` (this learner's, then the run's), ``train_data`` (with
     ``agree_rows``: what this learner received, then its agreed rows, None for none).

@@ -139,9 +139,9 @@ class DistributedRun:
     (``node_id``, ``role``, ``pid``, ``device``: where its policy ran, ``env_step``, ``train_iter``,
     ``last_eval_value``, ``collected``: env steps a collector collected, ``first_step_at``: the ``time.time()`` of
     its first collected step; a learner's ``rank``, ``received``: the env steps it received, ``received_from``: those
-    by collector node id, and with several learners of an entry without a replay buffer (conveyor/zoo/run/learners.py)
-    ``kept``: those it trained on and ``dropped``: those it left out, and ``params_sha256``: a hash of its final weights and optimizer state,
-    equal on every learner of the group)."""
+    by collector node id, ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
+    of the group, and with several learners of an entry without a replay buffer (conveyor/zoo/run/learners.py)
+    ``kept``: the env steps it trained on, the same on every learner, and ``dropped``: those it left out)."""
 
     env_step: Optional[int] = None
     train_iter: Optional[int] = None
@@ -256,7 +256,8 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
             "first_step_at": node.first_step_at,
             **({"rank": node_id, "received": sum(node.received.values()), "received_from": dict(node.received),
-                **({"kept": node.sync.kept, "dropped": node.sync.dropped} if node.sync is not None else {}),
+                **({"kept": node.sync.kept, "dropped": node.sync.dropped} if node.sync is not None
+                   and node.sync.agree_rows else {}),
                 "params_sha256": node.params_sha256} if role is Role.LEARNER else {})}
 
 
@@ -313,11 +314,8 @@ def check_learners(entry: str, config: Mapping[str, Any], *, resume: bool, auto_
                               f"(policy.model.rnn={policy['model']['rnn']!r}), which several learners do not split "
                               f"yet (they split rows of transitions or unrolls): use --learners 1")
         batch_size = policy.get("learn", {}).get("batch_size")
-        if isinstance(batch_size, int) and batch_size % learners:
-            raise ConfigError(f"--learners {learners}: {entry}'s policy.learn.batch_size ({batch_size}) must be a "
-                              f"multiple of the learners (each takes batch_size / L of every minibatch): set "
-                              f"policy.learn.batch_size to {batch_size // learners * learners or learners} or "
-                              f"change --learners")
+        if isinstance(batch_size, int):  # else the schema's default, checked as each learner starts
+            _check_batch_size(f"{entry}'s policy.learn.batch_size", batch_size, learners)
     if resume:
         raise ConfigError("--learners > 1 with --resume: a run of several learners cannot be resumed yet (only rank "
                           "0's replay shard is in its checkpoints); start a new run")
@@ -332,11 +330,16 @@ def learner_share(cfg: EasyDict, learners: int) -> EasyDict:
     of one learner; a ConfigError where it does not divide (:func:`check_learners` says so before any start)."""
     share = copy.deepcopy(cfg)
     batch_size = cfg.policy.learn.batch_size
-    if batch_size % learners:
-        raise ConfigError(f"--learners {learners}: policy.learn.batch_size ({batch_size}) must be a multiple of the "
-                          f"learners (each takes batch_size / L of every minibatch)")
+    _check_batch_size("policy.learn.batch_size", batch_size, learners)
     share.policy.learn.batch_size = batch_size // learners
     return share
+
+
+def _check_batch_size(key: str, batch_size: int, learners: int) -> None:
+    if batch_size % learners:
+        raise ConfigError(f"--learners {learners}: {key} ({batch_size}) must be a multiple of the learners (each "
+                          f"takes batch_size / L of every minibatch): set it to "
+                          f"{batch_size // learners * learners or learners} or change --learners")
 
 
 def collector_share(cfg: EasyDict, collectors: int) -> EasyDict:
