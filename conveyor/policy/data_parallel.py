@@ -24,7 +24,8 @@ plane, no message of theirs is authenticated.
 Every collective runs under the group's ``timeout``: a learner that fails or stops answering ends the others with a
 :class:`DataParallelError` naming the rank and the cause, never a hang. Statistics a loss takes over its whole
 batch, or a decision to step, are taken over the group (:meth:`DataParallel.mean`, :meth:`DataParallel.mean_std`;
-PPO's advantage normalisation and ``target_kl``).
+PPO's advantage normalisation and ``target_kl``), and so are running statistics a policy keeps of the data it
+learns from (:meth:`DataParallel.all_gather`: PPO's observation and reward normalisers).
 """
 from __future__ import annotations
 
@@ -144,6 +145,8 @@ class DataParallel:
         if self._store is None:
             self._store = self._call(dist.TCPStore, "reaching the rendezvous store", self._host, self.port,
                                      self.world_size, is_master=False, timeout=self.timeout)
+        if self.backend == "nccl" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # NCCL's own work (its barrier) on this learner's GPU, not rank-th
         self._call(dist.init_process_group, "the rendezvous", backend=self.backend,
                    store=SignedStore(self._store, self._secret, self._session), rank=self.rank,
                    world_size=self.world_size, timeout=self.timeout)
@@ -184,6 +187,13 @@ class DataParallel:
             raise ValueError(f"DataParallel.all_reduce(op={op!r}): must be one of {sorted(ops)}")
         self._call(dist.all_reduce, what, x, op=ops[op])
         return x
+
+    def all_gather(self, x: torch.Tensor, what: str = "an all-gather") -> torch.Tensor:
+        """Every learner's ``x`` (of one shape and dtype on all), stacked in rank order: ``[world_size, *x.shape]``,
+        the same on every learner, under the group's timeout. ``what`` names the collective in a failure's message."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._call(dist.all_gather, what, parts, x.contiguous())
+        return torch.stack(parts)
 
     def mean_std(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and (population) standard deviation of ``x`` over every learner's share, as :meth:`mean`, for

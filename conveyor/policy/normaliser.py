@@ -49,6 +49,24 @@ class RunningMeanStd:
         self.var = m2 / total
         self.count = total
 
+    def merge_from(self, other: "RunningMeanStd") -> None:
+        """Merge ``other``'s statistics into these."""
+        self.merge(other.mean, other.var, other.count)
+
+    def pack(self) -> np.ndarray:
+        """``count``, ``mean`` and ``var`` in one flat float64 array (:meth:`unpack` reads it back), to send."""
+        return np.concatenate([[float(self.count)], self.mean.reshape(-1), self.var.reshape(-1)])
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray, shape: Sequence[int] = ()) -> "RunningMeanStd":
+        """The statistics :meth:`pack` wrote for ``shape``."""
+        stats = cls(shape)
+        size = int(np.prod(stats.shape, dtype=np.int64))
+        stats.count = int(packed[0])
+        stats.mean = np.array(packed[1:1 + size], np.float64).reshape(stats.shape)
+        stats.var = np.array(packed[1 + size:1 + 2 * size], np.float64).reshape(stats.shape)
+        return stats
+
     def state_dict(self) -> dict[str, Any]:
         return {"mean": self.mean.copy(), "var": self.var.copy(), "count": self.count}
 
@@ -144,6 +162,12 @@ class ObsNormaliser:
             if len(self._gathered) >= self._FLUSH_EVERY:
                 self._flush()
 
+    def observe_stats(self, stats: RunningMeanStd) -> None:
+        """Gather the statistics of observations seen elsewhere (another learner's) for the next :meth:`commit`."""
+        with self._lock:
+            self._flush()
+            self.pending.merge_from(stats)
+
     def commit(self) -> bool:
         """Fold everything observed since the last commit into the statistics; whether anything changed."""
         with self._lock:
@@ -221,6 +245,11 @@ class RewardNormaliser:
         """Take discounted returns (any shape) in for the next :meth:`commit`."""
         with self._lock:
             self.pending.update(np.asarray(returns, np.float64).reshape(-1))
+
+    def gather_stats(self, stats: RunningMeanStd) -> None:
+        """Take the statistics of returns gathered elsewhere (another learner's) in for the next :meth:`commit`."""
+        with self._lock:
+            self.pending.merge_from(stats)
 
     def commit(self) -> bool:
         """Fold the returns gathered since the last commit into the statistics; whether anything changed."""

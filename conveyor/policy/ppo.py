@@ -30,7 +30,7 @@ from conveyor.policy.actor_critic import ActorCritic, make_action_dist
 from conveyor.policy.base import Acting, ActorCriticCollectMode, ActorCriticLearnMode, Policy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
 from conveyor.policy.options import _optional_positive
-from conveyor.policy.normaliser import FrozenNormaliser, ObsNormaliser, RewardNormaliser
+from conveyor.policy.normaliser import FrozenNormaliser, ObsNormaliser, RewardNormaliser, RunningMeanStd
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["PPOPolicy"]
@@ -322,15 +322,35 @@ class PPOPolicy(Policy):
     def _gather(self, batch: Any) -> None:
         """Take a round's ``discounted_return`` into the reward statistics, and the observations a replica collected
         (``obs_gathered`` False) into the observation statistics, real steps only (by ``mask``), to be folded in at
-        the publish after the update: so the statistics grow alike wherever the batch was collected."""
+        the publish after the update: so the statistics grow alike wherever the batch was collected. Among
+        data-parallel learners each gathers what every learner's share holds (:meth:`_group_stats`), so their
+        statistics stay the same."""
         real = batch.mask.bool() if "mask" in batch else None
         if self.reward_normaliser is not None and "discounted_return" in batch:
             returns = batch.discounted_return
-            self.reward_normaliser.gather((returns if real is None else returns[real]).cpu().numpy())
+            returns = (returns if real is None else returns[real]).cpu().numpy()
+            if self._data_parallel is None:
+                self.reward_normaliser.gather(returns)
+            else:
+                for stats in self._group_stats(returns, ()):
+                    self.reward_normaliser.gather_stats(stats)
         if self.obs_normaliser is not None and "obs_gathered" in batch:
             rows = ~batch.obs_gathered.bool() if real is None else ~batch.obs_gathered.bool() & real
-            if bool(rows.any()):
+            if self._data_parallel is not None:  # every learner takes part, with or without rows of its own
+                shape = self.obs_normaliser.shape
+                for stats in self._group_stats(batch.obs[rows].double().cpu().numpy(), shape):
+                    self.obs_normaliser.observe_stats(stats)
+            elif bool(rows.any()):
                 self.obs_normaliser.observe(batch.obs[rows])
+
+    def _group_stats(self, values: np.ndarray, shape: Sequence[int]) -> list[RunningMeanStd]:
+        """The statistics of every data-parallel learner's ``values`` (rows of ``shape``), in rank order: one
+        all-gather, and the same list on every learner."""
+        local = RunningMeanStd(shape)
+        local.update(values)
+        packed = torch.from_numpy(local.pack()).to(self._data_parallel.device)
+        every = self._data_parallel.all_gather(packed, "an all-gather of normaliser statistics").cpu().numpy()
+        return [RunningMeanStd.unpack(row, shape) for row in every]
 
     def _value(self, acting: Acting, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
         """The critic's values of ``obs`` (after the recurrent state ``hidden``)."""

@@ -20,6 +20,9 @@ def make_policy(algo: str, **learn: Any):
     if algo == "ppo-target-kl":  # stops early on steps 0, 1 and 4 of batches("ppo") in one learner
         return make_policy("ppo", target_kl=2.5e-5, **learn)
     torch.manual_seed(0)
+    if algo == "ppo-norm":  # statistics of the observations and returns gathered from the batches
+        return PPOPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16], "obs_norm": True,
+                                    "reward_norm": True}, "learn": {"grad_clip": 0.5, **learn}}, seed=0)
     if algo == "dqn":
         return DQNPolicy({"model": {"obs_shape": 4, "action_shape": 2, "hidden_sizes": [16]},
                           "learn": {"grad_clip": 1.0, "target_update_freq": 2, **learn}}, seed=0)
@@ -43,14 +46,33 @@ def batches(algo: str) -> list[ttorch.Tensor]:
         else:
             fields.update(logp=torch.full((BATCH,), -0.7), adv=torch.randn(BATCH, generator=g),
                           value=torch.randn(BATCH, generator=g), **{"return": torch.randn(BATCH, generator=g)})
+        if algo == "ppo-norm":  # collected by a replica: the learner gathers them; rank 1's share has no new obs
+            fields.update(obs_gathered=torch.arange(BATCH) >= BATCH * 3 // 4,
+                          discounted_return=torch.randn(BATCH, generator=g) * 5 + 1)
         out.append(ttorch.Tensor(fields))
     return out
 
 
 def flat_weights(policy) -> torch.Tensor:
-    """Every learned parameter: the model's, and SAC's temperature."""
+    """Every learned parameter: the model's, and SAC's temperature; then the statistics of PPO's normalisers (float64
+    then), those in use and those gathered for the next commit."""
     modules = [policy.model, *([policy.temperature] if hasattr(policy, "temperature") else [])]
-    return torch.cat([p.detach().reshape(-1).clone() for m in modules for p in m.parameters()])
+    flat = torch.cat([p.detach().reshape(-1).clone() for m in modules for p in m.parameters()])
+    norms = [n for n in (getattr(policy, "obs_normaliser", None), getattr(policy, "reward_normaliser", None)) if n]
+    if not norms:
+        return flat
+    stats = [torch.from_numpy(s.pack()) for n in norms for s in (n.stats, n.pending)]
+    return torch.cat([flat.double(), *stats])
+
+
+def learn(policy, batch: ttorch.Tensor) -> None:
+    """One round on ``batch`` as a trainer runs it: its statistics gathered (where the view has ``gather``), one step,
+    the weights published (which folds in what was gathered)."""
+    gather = getattr(policy.learn_mode, "gather", None)  # PPO's view has it
+    if gather is not None:
+        gather(batch)
+    policy.learn_mode.forward(batch)
+    policy.learn_mode.publish()
 
 
 def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | None = None,
@@ -78,7 +100,7 @@ def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | No
                 if fault == "die":
                     os._exit(3)
                 threading.Event().wait()  # hangs until the test kills it
-            policy.learn_mode.forward(group.shard(batch))
+            learn(policy, group.shard(batch))
             weights.append(flat_weights(policy))
         results.put((rank, [w.numpy() for w in weights]))  # plain arrays: shared tensors die with the process
         group.close()

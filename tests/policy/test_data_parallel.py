@@ -49,18 +49,18 @@ def two_learners():
 
 
 @pytest.mark.slow  # two learner processes
-@pytest.mark.parametrize("algo", ["dqn", "ppo", "ppo-target-kl"])
+@pytest.mark.parametrize("algo", ["dqn", "ppo", "ppo-target-kl", "ppo-norm"])
 def test_two_learners_on_half_batches_reach_the_weights_of_one_learner_on_whole_batches(algo, two_learners):
     results = two_learners(algo)
     single = workers.make_policy(algo)
     for step, batch in enumerate(workers.batches(algo)):
-        single.learn_mode.forward(batch)
+        workers.learn(single, batch)
         torch.testing.assert_close(torch.from_numpy(results[0][step]), workers.flat_weights(single),
                                    rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # two learner processes
-@pytest.mark.parametrize("algo", ["dqn", "ppo", "sac"])  # SAC's actions are sampled: the same on whole batches only
+@pytest.mark.parametrize("algo", ["dqn", "ppo", "sac", "ppo-norm"])  # SAC's actions are sampled: whole batches only
 def test_the_learners_weights_are_bitwise_identical_after_every_step(algo, two_learners):
     results = two_learners(algo)
     assert len(results[0]) == len(results[1]) == workers.STEPS

@@ -5,6 +5,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import treetensor.torch as ttorch
 
 from conveyor.cli import main as cli_main
 from conveyor.engine import Role
@@ -12,6 +14,7 @@ from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
+from conveyor.zoo.run.learners import learner_device, learner_local_rank, newest_rows
 from tests.zoo.test_distributed import sigterm_after_a_first_evaluation
 
 RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
@@ -49,7 +52,8 @@ def test_a_learner_without_a_collector_of_its_own_is_a_config_error():
 
 @pytest.mark.parametrize("argv, fragment", [
     (["cartpole/dqn", "--collectors", "2", "--learners", "0"], "--learners 0: must be an int >= 1"),
-    (["cartpole/ppo", "--collectors", "2", "--learners", "2"], "learns on-policy"),
+    (["cartpole_masked/ppo_gru", "--collectors", "2", "--learners", "2"], "sequences of a recurrent policy"),
+    (["cartpole/ppo", "--collectors", "3", "--learners", "3"], "batch_size (256) must be a multiple of the learners"),
     (["cartpole/dqn", "--collectors", "2", "--learners", "2", "--auto-recover"], "cannot rejoin"),
     (["cartpole/dqn", "--learners", "2"], "needs --collectors"),
 ])
@@ -68,9 +72,12 @@ def test_job_writers_place_the_learners_first_and_pass_them_to_every_node(capsys
     assert cli_main(["k8s-manifest", "cartpole/dqn", "--learners", "2", "--collectors", "2", "--image", "c:1"]) == 0
     manifest = capsys.readouterr().out
     assert "completions: 4" in manifest and "--learners" in manifest
-    assert cli_main(["slurm-script", "cartpole/ppo", "--learners", "2", "--collectors", "2", "--nodes", "1"]) == 2
+    assert cli_main(["slurm-script", "cartpole/ppo", "--learners", "2", "--collectors", "2", "--nodes", "1"]) == 0
+    assert "conveyor train cartpole/ppo --collectors 2 --learners 2" in capsys.readouterr().out
+    assert cli_main(["slurm-script", "cartpole_masked/ppo_gru", "--learners", "2", "--collectors", "2",
+                     "--nodes", "1"]) == 2
     err = capsys.readouterr().err
-    assert "learns on-policy" in err and err.count("\n") == 1
+    assert "recurrent policy" in err and err.count("\n") == 1
 
 
 def test_resuming_several_learners_is_refused_in_one_line(in_tmp, capsys):
@@ -151,3 +158,60 @@ def test_a_killed_learner_ends_the_run_with_a_clear_error_and_rank0s_final_check
 @pytest.mark.slow
 def test_sigterm_to_conveyor_train_with_two_learners_writes_rank0s_final_checkpoint_and_leaves_no_process(in_tmp):
     assert sigterm_after_a_first_evaluation(in_tmp, "dpsig", "--learners", "2")["ctx"]["env_step"] > 0
+
+
+def test_a_learner_of_several_takes_the_gpu_of_its_local_rank_for_a_plain_cuda():
+    def two_gpus() -> int:
+        return 2
+    assert [learner_device("cuda", r, two_gpus) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert learner_device("cuda", 1, lambda: 0) == "cuda"  # no GPU seen: the policy refuses 'cuda' itself
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:1"])
+def test_a_cpu_or_an_indexed_device_stays_as_configured_and_cuda_is_not_asked(device):
+    def no_cuda_here() -> int:
+        raise AssertionError("torch.cuda asked for a device that is not a plain 'cuda'")
+    assert learner_device(device, 3, no_cuda_here) == device
+
+
+def test_the_local_rank_is_the_launchers_index_of_the_learners_it_started_else_slurms():
+    slurm = {"SLURM_LOCALID": "1"}
+    assert [learner_local_rank(i, [0, 1, 2, 3], 2, {}) for i in (0, 1)] == [0, 1]  # the local launcher: every node
+    assert learner_local_rank(3, [3, 4, 5], 4, slurm) == 0  # one host's --node-ids: Slurm's id is the launch's
+    assert learner_local_rank(5, [5], 8, slurm) == 1  # one Slurm task per node
+    assert learner_local_rank(5, [5], 8, {}) == 0 and learner_local_rank(5, [5], 8, {"SLURM_LOCALID": "x"}) == 0
+
+
+def test_learners_keep_the_newest_rows_and_count_the_env_steps_of_the_older_ones_they_drop():
+    unrolls = ttorch.Tensor({"reward": torch.arange(12.0).reshape(4, 3), "obs": torch.zeros(4, 3, 2)})  # [n, T]
+    kept, dropped = newest_rows(unrolls, 1)
+    assert torch.equal(kept.reward, unrolls.reward[3:]) and kept.obs.shape == (1, 3, 2) and dropped == 3 * 3
+    assert newest_rows(unrolls, 4) == (unrolls, 0) and newest_rows(None, 0) == (None, 0)
+    assert newest_rows(unrolls, 0) == (None, 12)
+
+
+def _learners(run):
+    return sorted((n for n in run.nodes if n["role"] == "learner"), key=lambda n: n["rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, collectors", [("cartpole/ppo", 2), ("cartpole/impala", 2), ("cartpole/ppo", 3)])
+def test_two_learners_train_an_on_policy_entry_in_step_and_rank0_alone_writes(in_tmp, entry, collectors):
+    exp = entry.replace("/", "_")
+    run = train_distributed(entry, learners=2, collectors=collectors, exp_name=exp, max_env_step=2048,
+                            progress=False)
+    learners = _learners(run)
+    assert learners[0]["params_sha256"] == learners[1]["params_sha256"]  # weights, optimizer, normalisers
+    assert learners[0]["train_iter"] == learners[1]["train_iter"] == run.train_iter > 0
+    assert learners[0]["env_step"] == learners[1]["env_step"] == run.env_step >= 2048
+    assert [sorted(n["received_from"]) for n in learners] == [["2", "4"][:collectors - 1], ["3"]]
+    # each trained on as many env steps (the newest rows of each iteration); the older rows a learner received
+    # beyond what the other did were dropped and counted, never kept for later; the run's counter holds them all
+    assert learners[0]["kept"] == learners[1]["kept"] > 0
+    assert all(n["kept"] + n["dropped"] <= n["received"] for n in learners)  # but for the last iteration's
+    assert run.env_step <= sum(n["received"] for n in learners)
+    if collectors == 3:  # rank 0 is fed by two collectors, rank 1 by one: rank 0 drops what rank 1 lacks
+        assert learners[0]["dropped"] > 0 and learners[0]["received"] > learners[1]["received"]
+    assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == [exp]  # rank 1 made no run directory
+    final = load_checkpoint(in_tmp / "runs" / exp / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["env_step"] == run.env_step and final["ctx"]["train_iter"] == run.train_iter

@@ -11,11 +11,21 @@ in every step); this module fits it into the zoo's layout (conveyor/zoo/run/node
   that learner's topic), so nothing is sent twice; each learner counts what it received, by collector.
 - Agreement (:class:`LearnerSync`, after the exchangers on every learner): once per iteration, before anything
   trains, the learners all-reduce what they received (so every ``ctx.env_step`` is the run's, and
-  ``OffPolicyLearner`` takes the same number of gradient steps everywhere), whether any of them is ending, and the
+  ``OffPolicyLearner`` takes the same number of gradient steps everywhere), whether any of them is ending, the
   smallest replay shard (:class:`ShardBuffer`: training starts when every shard holds its part of
-  ``learning_starts``, one iteration after the last one got there). A learner that ends its run first (its
-  collectors gone, a stop heard) makes one last such all-reduce, marked as an end, which the others meet in their
-  next iteration; so every learner runs the same gradient steps and no collective waits for nothing.
+  ``learning_starts``, one iteration after the last one got there) and, for an entry without a replay buffer, the
+  fewest rows of ``ctx.train_data`` (below). A learner that ends its run first (its collectors gone, a stop heard)
+  makes one last such all-reduce, marked as an end, which the others meet in their next iteration; so every learner
+  runs the same gradient steps and no collective waits for nothing.
+- On-policy data (PPO's rollouts, IMPALA's unrolls: entries without a replay buffer): every learner trains, in each
+  iteration, on the same number of rows (transitions, or unrolls) of what it received, the smallest number any
+  learner received (:func:`newest_rows`): the newest ones, and the older rows beyond them are dropped, never kept
+  for a later iteration (they were collected by older weights, and a backlog kept on the learner whose collectors
+  are faster would only grow staler), and counted (:attr:`LearnerSync.dropped`, in env steps). The trainers' own
+  loops (PPO's epochs of minibatches, IMPALA's batches of unrolls) then take the same number of steps everywhere:
+  each learner's minibatch is ``batch_size / L`` (:func:`~conveyor.zoo.run.nodes.learner_share`), so the group's
+  is ``batch_size``, and PPO's ``target_kl`` early stop and advantage normalisation are taken over the group
+  (:meth:`DataParallel.mean`), as are its observation and reward statistics (``PPOPolicy``'s ``gather``).
 - Replay: each learner's buffer is its shard; a step samples ``batch_size / L`` from it (the group's batch stays
   ``batch_size``), and a prioritized update goes to the shard it sampled from: the sample is local, so the shard
   that owns it is this one, by construction.
@@ -27,9 +37,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 import threading
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import torch
@@ -38,7 +49,8 @@ from conveyor.engine import FINISH_EVENT, OnlineRLContext, declares, task
 from conveyor.middleware.messages import Rejections, check_fields
 from conveyor.policy import DataParallel, DataParallelError
 
-__all__ = ["LEARNERS_TOPIC", "LearnerSync", "ShardBuffer", "join_learners", "parameters_digest"]
+__all__ = ["LEARNERS_TOPIC", "LearnerSync", "ShardBuffer", "join_learners", "learner_device", "learner_local_rank",
+           "newest_rows", "parameters_digest"]
 
 log = logging.getLogger("conveyor.run")
 
@@ -92,6 +104,45 @@ def join_learners(policy: Any, rank: int, world_size: int, timeout_s: float) -> 
     return group
 
 
+def learner_local_rank(node_id: int, started_here: Sequence[int], learners: int, environ: Mapping[str, str]) -> int:
+    """Learner ``node_id``'s rank among the learners on its host. A launch that started several nodes here (the
+    local launcher, or one host's ``--node-ids``) knows them: its index among the learner nodes it started. A launch
+    of one node (one Slurm task, pod or Ray actor per node) takes Slurm's ``SLURM_LOCALID`` where set (the learners
+    come first in Slurm's block order, so on each host they are its first tasks), else 0."""
+    here = sorted(i for i in started_here if i < learners)
+    slurm = environ.get("SLURM_LOCALID", "")
+    if len(started_here) == 1 and slurm.isdigit():
+        return int(slurm)
+    return here.index(node_id) if node_id in here else 0
+
+
+def learner_device(device: str, local_rank: int, device_count: Callable[[], int]) -> str:
+    """Where a learner of several puts its policy: ``device`` (``policy.device``) as configured, but a plain
+    ``'cuda'`` (no index) becomes ``cuda:<local_rank mod device_count()>``, so that the learners of one host spread
+    over its GPUs instead of all taking the first. ``device_count`` (``torch.cuda.device_count``) is called for a
+    plain ``'cuda'`` only, never for ``'cpu'``; where it sees no GPU, ``'cuda'`` stays for the policy to refuse."""
+    parsed = torch.device(device)
+    if parsed.type != "cuda" or parsed.index is not None:
+        return str(parsed)
+    count = device_count()
+    return f"cuda:{local_rank % count}" if count > 0 else "cuda"
+
+
+def _rows(data: Any) -> int:
+    """The rows of a batch of on-policy data: the first dim of its ``reward`` (0 for none)."""
+    return 0 if data is None else int(data.reward.shape[0])
+
+
+def newest_rows(data: Any, rows: int) -> Tuple[Any, int]:
+    """``data``'s last ``rows`` rows (along its first dim; None for none) and the env steps in the rows left out.
+    The exchanger joins the collectors' batches in the order they arrived, so the rows kept are the newest."""
+    size = _rows(data)
+    if rows >= size:
+        return data, 0
+    steps_per_row = math.prod(data.reward.shape[1:])
+    return (data[size - rows:] if rows > 0 else None), (size - rows) * steps_per_row
+
+
 def parameters_digest(policy: Any) -> str:
     """SHA-256 of every tensor of ``policy.state_dict()`` (networks and optimizer state), by key: equal on learners
     whose weights are bitwise equal."""
@@ -138,20 +189,29 @@ class ShardBuffer:
         return f"ShardBuffer(rank {self._group.rank} of {self._group.world_size}, {len(self.shard)} here)"
 
 
-@declares(reads=("env_step", "env_episode"), writes=("env_step", "env_episode"))
+@declares(reads=("env_step", "env_episode", "train_data"), writes=("env_step", "env_episode", "train_data"),
+          optional=("train_data",))
 class LearnerSync:
     """Every learner's agreement once per iteration, after the exchangers and before the entry's middleware (see
     the module docstring): the run's ``env_step`` and ``env_episode`` (the sums of what each learner received),
     whether to end (any learner's ``task.finish``: the iteration then ends on every learner before anything
-    trains, and what came in it is left out of the counters), and the replay shards' agreed size (:meth:`shard`).
-    :attr:`received` counts the env steps this learner received; :attr:`error` holds the group's failure, if any.
+    trains, and what came in it is left out of the counters), the replay shards' agreed size (:meth:`shard`) and,
+    with ``agree_rows`` (an entry without a replay buffer), the rows of ``ctx.train_data`` every learner trains on:
+    the newest of what it received, as many as the learner that received fewest (:func:`newest_rows`).
+    :attr:`received` counts the env steps this learner received and, with ``agree_rows``, :attr:`kept` those it
+    handed on to train on (the same on every learner) and :attr:`dropped` those it left out (older rows beyond the
+    agreed ones); :attr:`error` holds the group's failure, if any.
 
-    Reads / writes ctx: ``env_step``, ``env_episode`` (this learner's, then the run's).
+    Reads / writes ctx: ``env_step``, ``env_episode`` (this learner's, then the run's), ``train_data`` (with
+    ``agree_rows``: what this learner received, then its agreed rows, None for none).
     """
 
-    def __init__(self, group: DataParallel) -> None:
+    def __init__(self, group: DataParallel, agree_rows: bool = False) -> None:
         self.group = group
+        self.agree_rows = agree_rows
         self.received = 0
+        self.kept = 0
+        self.dropped = 0
         self.error: Optional[DataParallelError] = None
         self._ended = False  # the group agreed to end, or failed: no collective follows
         self._step = int(getattr(task.ctx, "env_step", 0) or 0)
@@ -167,20 +227,21 @@ class LearnerSync:
         self._buffer = ShardBuffer(buffer, self.group)
         return self._buffer
 
-    def _agree(self, steps: int, episodes: int, end: bool) -> tuple:
+    def _agree(self, steps: int, episodes: int, end: bool, rows: int = 0) -> tuple:
         device = self.group.device  # NCCL reduces tensors on the GPU only
         sums = torch.tensor([steps, episodes, int(end)], dtype=torch.float64, device=device)
         self.group.all_reduce(sums, "sum", "the learners' agreement on the iteration")
-        shard = torch.tensor([len(self._buffer.shard) if self._buffer is not None else 0], dtype=torch.float64,
-                             device=device)
-        self.group.all_reduce(shard, "min", "the learners' agreement on the replay shards")
-        return int(sums[0]), int(sums[1]), bool(sums[2] > 0), int(shard[0])
+        shard = len(self._buffer.shard) if self._buffer is not None else 0
+        least = torch.tensor([shard, rows], dtype=torch.float64, device=device)
+        self.group.all_reduce(least, "min", "the learners' agreement on the replay shards and the rows to train on")
+        return int(sums[0]), int(sums[1]), bool(sums[2] > 0), int(least[0]), int(least[1])
 
     def __call__(self, ctx: OnlineRLContext) -> Iterator[None]:
         steps, episodes = ctx.env_step - self._step, ctx.env_episode - self._episode
         self.received += steps
+        rows = _rows(ctx.train_data) if self.agree_rows else 0
         try:
-            total_steps, total_episodes, end, smallest = self._agree(steps, episodes, bool(task.finish))
+            total_steps, total_episodes, end, smallest, rows = self._agree(steps, episodes, bool(task.finish), rows)
         except DataParallelError as exc:
             ctx.env_step, ctx.env_episode = self._step, self._episode  # the run's counters as the group last agreed
             self._failed(exc)
@@ -198,6 +259,10 @@ class LearnerSync:
         self._episode = ctx.env_episode = self._episode + total_episodes
         if self._buffer is not None:
             self._buffer.agreed = smallest * self.group.world_size
+        if self.agree_rows:
+            ctx.train_data, dropped = newest_rows(ctx.train_data, rows)
+            self.dropped += dropped
+            self.kept += 0 if ctx.train_data is None else math.prod(ctx.train_data.reward.shape)
         try:
             yield
         except DataParallelError as exc:  # a gradient all-reduce: the step failed before it stepped

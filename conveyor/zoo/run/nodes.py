@@ -44,7 +44,7 @@ from conveyor.zoo.run.clock import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerCl
 from conveyor.zoo.run.directory import NODES_FILE, check_layout, run_directory
 
 __all__ = ["DistributedRun", "Layout", "Node", "check_learners", "collector_share", "current_node", "is_offline",
-           "train_distributed", "use_node_links"]
+           "learner_share", "train_distributed", "use_node_links"]
 
 
 def is_offline(config: Mapping[str, Any]) -> bool:
@@ -114,11 +114,12 @@ class Layout:
 class Node:
     """This worker's part of a distributed run: its layout, whether a lost learner is restarted, and what the
     node did (``ran``: its main() trained in a Run, its policy on ``device``; ``collected`` env steps from
-    ``first_step_at``; a learner: ``received`` env steps by collector node id, ``params_sha256`` of its final
-    weights, and ``sync``, the learners' agreement where there are several)."""
+    ``first_step_at``; a learner: ``local_rank`` among the learners on its host, ``received`` env steps by collector
+    node id, ``params_sha256`` of its final weights, and ``sync``, the learners' agreement where there are several)."""
 
     layout: Layout
     auto_recover: bool = False
+    local_rank: int = 0
     ran: bool = False
     device: Optional[str] = None
     collected: int = 0
@@ -138,8 +139,9 @@ class DistributedRun:
     (``node_id``, ``role``, ``pid``, ``device``: where its policy ran, ``env_step``, ``train_iter``,
     ``last_eval_value``, ``collected``: env steps a collector collected, ``first_step_at``: the ``time.time()`` of
     its first collected step; a learner's ``rank``, ``received``: the env steps it received, ``received_from``: those
-    by collector node id, and ``params_sha256``: a hash of its final weights and optimizer state, equal on every
-    learner of the group)."""
+    by collector node id, ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
+    of the group, and with several learners of an entry without a replay buffer (conveyor/zoo/run/learners.py)
+    ``kept``: the env steps it trained on, the same on every learner, and ``dropped``: those it left out)."""
 
     env_step: Optional[int] = None
     train_iter: Optional[int] = None
@@ -160,8 +162,8 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
                       grace_s: float = 30.0) -> DistributedRun:
     """Train zoo ``entry`` with ``learners`` data-parallel learners (conveyor/zoo/run/learners.py), ``collectors``
     collectors and ``evaluators`` evaluators, each its own process; the other arguments are the entry ``main()``'s
-    and ``Parallel.runner``'s. Several learners need an off-policy entry (a replay buffer) and refuse
-    ``resume`` and ``auto_recover``.
+    and ``Parallel.runner``'s. Several learners refuse recurrent on-policy entries, ``resume`` and
+    ``auto_recover`` (:func:`check_learners`).
 
     ``node_ids``: the nodes to start here (default all); give each host its share and the others'
     addresses (``attach_to``), with the same secret on every host, to spread one run over several.
@@ -184,7 +186,7 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
                           f"over processes: drop --collectors/--evaluators")
     if learners > 1:
         check_learners(entry, cfg if cfg is not None else loaded.main_config, resume=resume,
-                       auto_recover=auto_recover)
+                       auto_recover=auto_recover, learners=learners)
     if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
         run_dir = run_directory(cfg if cfg is not None else loaded.main_config, exp_name)
         check_layout(run_dir, distributed=True)
@@ -192,7 +194,7 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
-               "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop}
+               "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop, "started_here": ids}
     topology = "star" if learners == 1 else "mesh"  # collectors send to every learner's rank, not node 0's alone
     results = Parallel.runner(len(ids), topology=topology, protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
@@ -233,6 +235,9 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     if offset:
         seed = (seed if seed is not None else (options["cfg"] or entry.main_config).get("seed", 0)) + offset
     _node = node = Node(layout, options["auto_recover"])
+    if role is Role.LEARNER:
+        from conveyor.zoo.run.learners import learner_local_rank
+        node.local_rank = learner_local_rank(node_id, options["started_here"], layout.learners, os.environ)
     restarted_learner = role is Role.LEARNER and task.router.restarts > 0  # auto_recover: go on where it died
     for taken in layout.roles(node_id):
         task.add_role(taken)  # kept through main()'s `with task.start()`, cleared when it exits
@@ -251,6 +256,8 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
             "first_step_at": node.first_step_at,
             **({"rank": node_id, "received": sum(node.received.values()), "received_from": dict(node.received),
+                **({"kept": node.sync.kept, "dropped": node.sync.dropped} if node.sync is not None
+                   and node.sync.agree_rows else {}),
                 "params_sha256": node.params_sha256} if role is Role.LEARNER else {})}
 
 
@@ -260,11 +267,12 @@ def current_node() -> "Node":
     return _node if _node is not None else Node(Layout(1))
 
 
-def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool) -> LearnerClock:
+def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: bool = True) -> LearnerClock:
     """The first middleware of every node (inside ``task.start``): node 0 writes ``nodes.json`` (the others
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
     entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
-    learners, these form their group and add :class:`~conveyor.zoo.run.learners.LearnerSync` (``node.sync``).
+    learners, these form their group and add :class:`~conveyor.zoo.run.learners.LearnerSync` (``node.sync``), which
+    for an entry without a replay buffer (``buffered`` False) agrees on the rows of ``train_data`` each trains on.
     Returns the clock."""
     node = current_node()
     node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
@@ -288,23 +296,50 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool) -> LearnerClo
         node.received = exchanger.received
     if learner and layout.learners > 1:
         from conveyor.zoo.run.learners import LearnerSync, join_learners
-        node.sync = LearnerSync(join_learners(policy, node_id, layout.learners, EXCHANGE_TIMEOUT_S))
+        node.sync = LearnerSync(join_learners(policy, node_id, layout.learners, EXCHANGE_TIMEOUT_S),
+                                agree_rows=not buffered)
         task.use(node.sync)
     return clock
 
 
-def check_learners(entry: str, config: Mapping[str, Any], *, resume: bool, auto_recover: bool) -> None:
-    """Refuse, in one line, what several data-parallel learners do not do: on-policy entries (no replay buffer to
-    shard), ``resume`` and ``auto_recover``."""
-    if "replay_buffer" not in config.get("policy", {}).get("other", {}):
-        raise ConfigError(f"--learners > 1: {entry} learns on-policy (no replay buffer to shard across learners); "
-                          f"only off-policy entries (DQN, SAC...) run with several learners so far: use --learners 1")
+def check_learners(entry: str, config: Mapping[str, Any], *, resume: bool, auto_recover: bool,
+                   learners: int) -> None:
+    """Refuse, in one line, what several data-parallel learners do not do: recurrent on-policy entries (sequences,
+    not rows, to split), an on-policy ``batch_size`` that ``learners`` do not divide (:func:`learner_share`),
+    ``resume`` and ``auto_recover``."""
+    policy = config.get("policy", {})
+    if "replay_buffer" not in policy.get("other", {}):
+        if policy.get("model", {}).get("rnn"):
+            raise ConfigError(f"--learners > 1: {entry} learns from sequences of a recurrent policy "
+                              f"(policy.model.rnn={policy['model']['rnn']!r}), which several learners do not split "
+                              f"yet (they split rows of transitions or unrolls): use --learners 1")
+        batch_size = policy.get("learn", {}).get("batch_size")
+        if isinstance(batch_size, int):  # else the schema's default, checked as each learner starts
+            _check_batch_size(f"{entry}'s policy.learn.batch_size", batch_size, learners)
     if resume:
         raise ConfigError("--learners > 1 with --resume: a run of several learners cannot be resumed yet (only rank "
                           "0's replay shard is in its checkpoints); start a new run")
     if auto_recover:
         raise ConfigError("--learners > 1 with --auto-recover: a restarted learner cannot rejoin the learners' group; "
                           "leave --auto-recover out")
+
+
+def learner_share(cfg: EasyDict, learners: int) -> EasyDict:
+    """One of ``learners`` data-parallel learners' part of an entry without a replay buffer: ``1 / learners`` of
+    ``policy.learn.batch_size`` (PPO's minibatch, IMPALA's unrolls per step), so the group's minibatch is the one
+    of one learner; a ConfigError where it does not divide (:func:`check_learners` says so before any start)."""
+    share = copy.deepcopy(cfg)
+    batch_size = cfg.policy.learn.batch_size
+    _check_batch_size("policy.learn.batch_size", batch_size, learners)
+    share.policy.learn.batch_size = batch_size // learners
+    return share
+
+
+def _check_batch_size(key: str, batch_size: int, learners: int) -> None:
+    if batch_size % learners:
+        raise ConfigError(f"--learners {learners}: {key} ({batch_size}) must be a multiple of the learners (each "
+                          f"takes batch_size / L of every minibatch): set it to "
+                          f"{batch_size // learners * learners or learners} or change --learners")
 
 
 def collector_share(cfg: EasyDict, collectors: int) -> EasyDict:

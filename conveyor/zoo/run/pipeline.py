@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
+import torch
 from easydict import EasyDict
 
 from conveyor.data import DequeBuffer, dataset_root, load_dataset
@@ -19,13 +20,14 @@ from conveyor.envs import make_env_manager
 from conveyor.middleware import (CkptSaver, load_checkpoint, offline_logger, online_logger, progress_bar,
                                  termination_checker)
 from conveyor.middleware.collector_process import ProcessCollector
-from conveyor.policy import DataParallelError
+from conveyor.policy import DataParallelError, configured_device
 from conveyor.schema import ConfigError
 from conveyor.zoo.run.clock import RemoteEvaluations
 from conveyor.zoo.run.control import (GlobalRNG, TrainingInterrupted, log_evaluations, run_log, seed_everything,
                                       stop_on_signals)
 from conveyor.zoo.run.directory import LATEST, LOG_FILE, RunDirError, experiment_dir, prepare
-from conveyor.zoo.run.nodes import collector_share, current_node, is_offline, use_node_links
+from conveyor.zoo.run.learners import learner_device
+from conveyor.zoo.run.nodes import collector_share, current_node, is_offline, learner_share, use_node_links
 
 __all__ = ["Run", "DatasetMissing"]
 
@@ -117,16 +119,19 @@ class Run:
         if self._no_stop:
             cfg.env.stop_value = None  # the evaluators never end the run; the saved config keeps the value
         seed_everything(cfg.seed)
-        self.policy = self._policy_cls(cfg.policy, device=None if learner else "cpu")  # collector and evaluator
-        # nodes act on CPU; the learner takes policy.cuda
+        several = node is not None and node.layout.learners > 1  # data-parallel learners (learners.py)
+        self.policy = self._policy_cls(cfg.policy, device=self._device(learner, several))
         self.run_dir = experiment_dir(cfg)
         self._owner = owner
         if owner:
             self._resources.enter_context(run_log(self.run_dir / LOG_FILE))
             log.info("run '%s' %s: %s, seed %s", cfg.exp_name, "resumed" if self._resume else "started",
                      self._policy_cls.__name__, cfg.seed)
+        buffered = "replay_buffer" in cfg.policy.other
         if self._distributed and task.has_role(Role.COLLECTOR):
             self.cfg = collector_share(cfg, current_node().layout.collectors)
+        elif learner and several and not buffered:  # a replay shard samples its part itself (ShardBuffer)
+            self.cfg = learner_share(cfg, node.layout.learners)
         self._env_stack = self._resources.enter_context(contextlib.ExitStack())  # envs close after the pipeline
         if self._async and not self._offline and cfg.env.async_collector != "thread":
             self.env("evaluator")  # first: a ProcessCollector may pin this thread, which later processes inherit
@@ -137,10 +142,21 @@ class Run:
         if self._collector is not None:  # the collector-role middleware run in the collector process
             task.add_role(Role.LEARNER).add_role(Role.EVALUATOR)
         if self._distributed:
-            on_policy = getattr(self._policy_cls, "learns_on_policy", "replay_buffer" not in cfg.policy.other)
+            on_policy = getattr(self._policy_cls, "learns_on_policy", not buffered)
             if owner:  # listening before node 0 sends its first weights: an evaluator node's first result is kept
                 self._evaluations = RemoteEvaluations(self.policy, stop_value=self._stop_here)
-            self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy)
+            self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy, buffered=buffered)
+
+    def _device(self, learner: bool, several: bool) -> Optional[str]:
+        """Where this process's policy runs: collector and evaluator nodes act on CPU; a learner takes
+        ``policy.device`` (None: the policy reads it), and one of several learners on a host its own GPU for a
+        plain ``'cuda'`` (:func:`~conveyor.zoo.run.learners.learner_device`)."""
+        if not learner:
+            return "cpu"
+        if not several:
+            return None
+        return learner_device(str(configured_device(self.cfg.policy)), current_node().local_rank,
+                              torch.cuda.device_count)
 
     def _check_options(self) -> None:
         if self._distributed and self._async:
