@@ -14,7 +14,7 @@ from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
-from conveyor.zoo.run.learners import learner_device, learner_local_rank, newest_rows
+from conveyor.zoo.run.learners import check_learner_gpus, learner_device, learner_local_rank, newest_rows
 from tests.zoo.test_distributed import sigterm_after_a_first_evaluation
 
 RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
@@ -172,6 +172,21 @@ def test_a_cpu_or_an_indexed_device_stays_as_configured_and_cuda_is_not_asked(de
     def no_cuda_here() -> int:
         raise AssertionError("torch.cuda asked for a device that is not a plain 'cuda'")
     assert learner_device(device, 3, no_cuda_here) == device
+
+
+def test_more_cuda_learners_on_a_host_than_its_gpus_are_refused_before_any_start(in_tmp):
+    check_learner_gpus("cuda", 2, lambda: 2)  # one GPU each
+    check_learner_gpus("cuda:0", 1, lambda: 1)
+    with pytest.raises(ConfigError, match="torch sees 1 GPU.*start at most 1 learner"):
+        check_learner_gpus("cuda", 2, lambda: 1)
+    with pytest.raises(ConfigError, match="all on policy.device='cuda:0'.*set policy.device=cuda"):
+        check_learner_gpus("cuda:0", 2, lambda: 8)
+    if torch.cuda.device_count() < 2:  # what a launch on this machine says, before any process starts
+        cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
+        cfg.policy.device = "cuda"
+        with pytest.raises(ConfigError, match="NCCL needs one GPU per learner"):
+            train_distributed("cartpole/dqn", collectors=2, learners=2, cfg=cfg, exp_name="gpus", progress=False)
+        assert not (in_tmp / "runs" / "gpus").exists()
 
 
 def test_the_local_rank_is_the_launchers_index_of_the_learners_it_started_else_slurms():

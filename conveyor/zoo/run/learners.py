@@ -48,8 +48,10 @@ import torch
 from conveyor.engine import FINISH_EVENT, OnlineRLContext, declares, task
 from conveyor.middleware.messages import Rejections, check_fields
 from conveyor.policy import DataParallel, DataParallelError
+from conveyor.schema import ConfigError
 
-__all__ = ["LEARNERS_TOPIC", "LearnerSync", "ShardBuffer", "join_learners", "learner_device", "learner_local_rank",
+__all__ = ["LEARNERS_TOPIC", "LearnerSync", "ShardBuffer", "check_learner_gpus", "join_learners", "learner_device",
+           "learner_local_rank",
            "newest_rows", "parameters_digest"]
 
 log = logging.getLogger("conveyor.run")
@@ -126,6 +128,24 @@ def learner_device(device: str, local_rank: int, device_count: Callable[[], int]
         return str(parsed)
     count = device_count()
     return f"cuda:{local_rank % count}" if count > 0 else "cuda"
+
+
+def check_learner_gpus(device: str, learners_here: int, device_count: Callable[[], int]) -> None:
+    """Refuse, in one line and before any process starts, ``learners_here`` CUDA learners on one host that has fewer
+    GPUs, or that all name one (``cuda:N``): NCCL takes one GPU per rank, and two ranks on one GPU fail as the
+    group forms (torch's "INTERNAL ASSERT FAILED ... Not implemented" on an H100). ``device_count`` is asked only for a
+    CUDA device."""
+    parsed = torch.device(device)
+    if parsed.type != "cuda" or learners_here < 2:
+        return
+    if parsed.index is not None:
+        raise ConfigError(f"--learners: {learners_here} learners on this host all on policy.device='{device}'; NCCL "
+                          f"needs one GPU per learner: set policy.device=cuda (each takes cuda:<local rank>)")
+    count = device_count()
+    if learners_here > count:
+        raise ConfigError(f"--learners: {learners_here} learners on this host with policy.device=cuda, but torch sees "
+                          f"{count} GPU(s) here; NCCL needs one GPU per learner: start at most {count} learner(s) on "
+                          f"this host (--node-ids), or train on policy.device=cpu")
 
 
 def _rows(data: Any) -> int:

@@ -34,11 +34,13 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+import torch
 from easydict import EasyDict
 
 from conveyor.engine import Role, task
 from conveyor.engine.parallel.cluster import NodeTable
 from conveyor.middleware import ContextExchanger, ModelExchanger
+from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
 from conveyor.zoo.run.clock import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
 from conveyor.zoo.run.directory import NODES_FILE, check_layout, run_directory
@@ -185,8 +187,11 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
         raise ConfigError(f"{entry} trains offline from a dataset, with no collectors or evaluators to spread "
                           f"over processes: drop --collectors/--evaluators")
     if learners > 1:
-        check_learners(entry, cfg if cfg is not None else loaded.main_config, resume=resume,
-                       auto_recover=auto_recover, learners=learners)
+        config = cfg if cfg is not None else loaded.main_config
+        check_learners(entry, config, resume=resume, auto_recover=auto_recover, learners=learners)
+        from conveyor.zoo.run.learners import check_learner_gpus
+        check_learner_gpus(str(configured_device(config.get("policy", {}))), sum(i < learners for i in ids),
+                           torch.cuda.device_count)
     if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
         run_dir = run_directory(cfg if cfg is not None else loaded.main_config, exp_name)
         check_layout(run_dir, distributed=True)
