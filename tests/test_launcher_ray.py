@@ -176,7 +176,7 @@ def test_with_auto_recover_ray_restarts_a_killed_learner_actor_which_resumes_fro
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
 
 
-def test_several_learners_with_auto_recover_are_refused_before_ray_starts(monkeypatch, capsys):
+def test_several_learners_with_auto_recover_are_refused_before_ray_starts(capsys):
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     assert_usage_error(train("--learners", "2", "--auto-recover", *TINY), capsys,
                        "--learners > 1 with --auto-recover")

@@ -40,8 +40,9 @@ FINISHED_TOPIC = "conveyor.runner.finished"
 class WorkerRouter:
     """``task.router`` inside a worker: every method of the node's :class:`Router`, plus ``node_id`` (the
     worker's int id), ``n_workers``, ``labels``, ``is_active`` and ``restarts`` (how many times the launcher
-    restarted this worker, plus the runner's ``restarts_before``: 0 in the first process). Under topology ``"alone"`` there is no router:
-    ``is_active`` is False, :meth:`publish` reaches nobody and :meth:`on` / :meth:`off` do nothing."""
+    restarted this worker, plus the runner's ``restarts_before``: 0 in the first process). Under topology
+    ``"alone"`` there is no router: ``is_active`` is False, :meth:`publish` reaches nobody and :meth:`on` /
+    :meth:`off` do nothing."""
 
     def __init__(self, router: Any, node_id: int, n_workers: int, labels: Iterable[str] = (), restarts: int = 0) -> None:
         self._router = router
