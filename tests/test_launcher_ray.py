@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.cli import main as cli_main
+from conveyor.middleware import load_checkpoint
 
 from tests.cli_helpers import TINY, assert_usage_error
 from tests.test_cli_task import free_ports
@@ -126,6 +127,60 @@ def test_with_auto_recover_ray_restarts_a_killed_collector_actor_and_its_node_re
     assert restarted["restarts"] == 1 and restarted["pid"] == rows(run_dir)[1]["pid"] != first
     assert restarted["collected"] > 0
     assert runs[0].env_step >= 12000 and (run_dir / "ckpt" / "final.pth.tar").is_file()
+
+
+def checkpointed(run_dir):
+    """The counters (``ctx``) of the run's latest checkpoint once the learner has trained before writing it, else
+    None (the file is replaced atomically: a read sees a whole checkpoint)."""
+    try:
+        saved = load_checkpoint(run_dir / "ckpt" / "latest.pth.tar")["ctx"]
+    except FileNotFoundError:
+        return None
+    return saved if saved["train_iter"] > 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_with_auto_recover_ray_restarts_a_killed_learner_actor_which_resumes_from_the_latest_checkpoint(
+        ray_cluster, tmp_path, capsys, caplog, monkeypatch):
+    import conveyor.cli._ray as launcher
+
+    runs = []
+    real = launcher.train_on_ray
+    monkeypatch.setattr(launcher, "train_on_ray", lambda *a: runs.append(real(*a)) or runs[-1])
+    run_dir = tmp_path / "runs" / "cartpole_dqn"
+    driver, codes = in_background("--max-env-step", "4000", "--no-stop", "--auto-recover", "--max-retries", "1",
+                                  "--ckpt-interval", "0.5")
+    wait_until(lambda: (len(rows(run_dir)) == 3 and checkpointed(run_dir)) or codes, WAIT,
+               "the learner's first checkpoint after training")
+    first = rows(run_dir)
+    saved = checkpointed(run_dir)  # the learner resumes from this one or a later one it wrote before it died
+    os.kill(actor_process(first[0]["pid"]), signal.SIGKILL)
+    wait_until(lambda: rows(run_dir)[0]["pid"] != first[0]["pid"] or codes, WAIT, "the restarted learner")
+    driver.join(WAIT)
+    assert codes == [0], capsys.readouterr().err
+    assert ("the Ray actor of node 0 died; Ray restarts it (restart 1 of 1) and its node resumes the run from its "
+            "latest checkpoint") in caplog.text
+    learner = next(node for node in runs[0].nodes if node["node_id"] == 0)
+    assert learner["restarts"] == 1 and learner["pid"] == rows(run_dir)[0]["pid"] != first[0]["pid"]
+    collectors = [node for node in runs[0].nodes if node["role"] == "collector"]
+    assert sorted((n["node_id"], n["pid"], n["restarts"]) for n in collectors) == [(1, first[1]["pid"], 0),
+                                                                                   (2, first[2]["pid"], 0)]
+    assert all(learner["received_from"].get(str(n["node_id"]), 0) > 0 for n in collectors)  # they fed the new one
+    log = (run_dir / "log.txt").read_text()
+    assert log.count("run 'cartpole_dqn' resumed") == 1
+    resumed = log.split("run 'cartpole_dqn' resumed")[1]
+    counters = [(int(i), int(e)) for i, e in re.findall(r"evaluation at train_iter (\d+), env_step (\d+)", resumed)]
+    assert counters and all(i >= saved["train_iter"] and e >= saved["env_step"] for i, e in counters), counters
+    assert runs[0].env_step >= 4000 and runs[0].train_iter > saved["train_iter"]
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+
+
+def test_several_learners_with_auto_recover_are_refused_before_ray_starts(capsys):
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    assert_usage_error(train("--learners", "2", "--auto-recover", *TINY), capsys,
+                       "--learners > 1 with --auto-recover")
+    assert not ray.is_initialized()
 
 
 @pytest.mark.slow

@@ -8,13 +8,14 @@ call that runs its node. Each actor then runs the same per-node code path as a S
 (:func:`~conveyor.cli._distributed.node_arguments`, :func:`~conveyor.cli._distributed.run_nodes`).
 
 Restarts are ``--auto-recover``'s (bounded by ``--max-retries``, default 3), at two levels. Inside each actor,
-its ``Parallel.runner`` starts a node process that dies again. And Ray restarts the actor of a collector or an
-evaluator that dies (``max_restarts``): its node process, orphaned, leaves the run at once without ending it
-(``auto_recover``'s rule for a worker whose launcher is gone), the others go on without it, and the driver
-calls the restarted actor's ``run`` again, whose node starts with the same node id and address and rejoins as
-an auto-recover restart does. The learner's actor is not restarted: its death ends the run. Without
-``--auto-recover`` no actor is restarted and the orphaned node stops as on SIGTERM, which ends the run on
-every node (final checkpoint written).
+its ``Parallel.runner`` starts a node process that dies again. And Ray restarts the actor of a node that dies
+(``max_restarts``): its node process, orphaned, leaves the run at once without ending it (``auto_recover``'s rule
+for a worker whose launcher is gone), the others go on without it, and the driver calls the restarted actor's
+``run`` again with the actor's restart count, whose node starts with the same node id and address, that count as
+its ``task.router.restarts``: a collector or an evaluator rejoins as an auto-recover restart does, the learner
+resumes from the run's latest checkpoint while the others wait for it. Several learners refuse ``--auto-recover``
+before Ray starts. Without ``--auto-recover`` no actor is restarted and the orphaned node stops as on SIGTERM,
+which ends the run on every node (final checkpoint written).
 """
 from __future__ import annotations
 
@@ -61,11 +62,9 @@ class _Node:
     def run(self, args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any], job: Any, port: int,
             restarts: int = 0) -> Any:
         """Node ``job.rank`` of ``job``: ``where`` (the launch options and the secret) placed as a Slurm task's.
-        ``restarts``: how many times Ray restarted this actor, added to its node's ``restarts`` in the summary."""
-        run = run_nodes(args, cfg, node_arguments(where, job, port))
-        for node in run.nodes:
-            node["restarts"] += restarts
-        return run
+        ``restarts``: how many times Ray restarted this actor (the driver's count of the restarts it waited for), its
+        node's ``task.router.restarts`` before any restart inside the actor: a learner above 0 resumes."""
+        return run_nodes(args, cfg, {**node_arguments(where, job, port), "restarts_before": restarts})
 
 
 def _interrupt(pid: int) -> None:
@@ -96,6 +95,11 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
 
     ray = _import_ray()
     layout = Layout(args.collectors, args.evaluators, args.learners)
+    if layout.learners > 1:  # what several learners refuse (--auto-recover among it), before a cluster starts
+        from conveyor.zoo import load_entry
+        from conveyor.zoo.run import check_learners
+        check_learners(args.entry, cfg if cfg is not None else load_entry(args.entry).main_config,
+                       resume=args.resume, auto_recover=args.auto_recover, learners=layout.learners)
     where = {"secret": generate_secret(), **where}  # --secret-file / $CONVEYOR_SECRET when given
     port = job_port(args, where, "--launcher ray")
     started = not ray.is_initialized()
@@ -119,8 +123,7 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         for node_id in range(layout.n_nodes):
             learner = node_id < layout.learners
             gpus = 1 if learner and args.device == "cuda" else 0
-            restarts = 0 if learner else (bound or 0)  # Ray restarts no learner's actor
-            actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=restarts).remote())
+            actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=bound or 0).remote())
         try:
             places = ray.get([actor.host.remote() for actor in actors], timeout=_PLACE_S)
         except ray.exceptions.GetTimeoutError:
@@ -182,8 +185,8 @@ def _ckpt_dir(args: argparse.Namespace, cfg: Optional[Any]) -> Any:
 
 
 def _restarts(args: argparse.Namespace) -> Optional[int]:
-    """How many times Ray may restart a collector's or an evaluator's actor: ``--max-retries`` (default
-    ``DEFAULT_MAX_RETRIES``) with ``--auto-recover``, else None (never)."""
+    """How many times Ray may restart a node's actor: ``--max-retries`` (default ``DEFAULT_MAX_RETRIES``) with
+    ``--auto-recover``, else None (never)."""
     from conveyor.engine.parallel.runner import DEFAULT_MAX_RETRIES
 
     if not args.auto_recover:
@@ -205,11 +208,12 @@ class _Restarts:
         """Whether node ``node_id`` runs again in its restarted actor (False: its restarts are spent, or Ray
         could not restart it within ``_PLACE_S``)."""
         ray = self.ray
-        if not node_id or self.counts[node_id] >= (self.bound or 0):
+        if self.counts[node_id] >= (self.bound or 0):
             return False
         self.counts[node_id] += 1
-        log.warning("the Ray actor of node %d died; Ray restarts it (restart %d of %d) and its node rejoins the run",
-                    node_id, self.counts[node_id], self.bound)
+        log.warning("the Ray actor of node %d died; Ray restarts it (restart %d of %d) and its node %s", node_id,
+                    self.counts[node_id], self.bound,
+                    "resumes the run from its latest checkpoint" if node_id == 0 else "rejoins the run")
         deadline = time.monotonic() + _PLACE_S
         while True:  # until the restarted actor answers: calls sent before Ray saw it die fail as unavailable
             try:
@@ -235,8 +239,6 @@ class _Restarts:
         what = f"node {node_id} ({type(exc).__name__}) died"
         if self.bound is None:
             return f"{what} (Ray restarts actors only with --auto-recover)"
-        if not node_id:
-            return f"{what} (a learner's actor is not restarted)"
         if node_id in self.failed:
             return f"{what} ({self.failed[node_id]})"
         count = self.counts[node_id]
@@ -247,9 +249,10 @@ class _Restarts:
 
 def _gathered(ray: Any, restarts: _Restarts) -> Any:
     """The learner's result with every node's summary, once every node has ended (a node's own exception, the
-    learner's first, is raised then). A collector's or an evaluator's actor that dies runs its node again once
-    Ray has restarted it, while the learner runs and its restarts last; ``WorkerError`` naming the nodes whose
-    actor died for good, with the others' results, once the others have ended."""
+    learner's first, is raised then). An actor that dies runs its node again once Ray has restarted it, while its
+    restarts last and the run goes on: a collector's or an evaluator's while the learner runs, the learner's while
+    no node has ended (as ``Parallel.runner`` restarts no worker once one has returned); ``WorkerError`` naming the
+    nodes whose actor died for good, with the others' results, once the others have ended."""
     from conveyor.engine.parallel.runner import WorkerError
 
     calls = restarts.calls
@@ -265,12 +268,13 @@ def _gathered(ray: Any, restarts: _Restarts) -> Any:
         try:
             results[node_id] = ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:
-            if 0 in pending and restarts.again(node_id):
+            goes_on = 0 in pending if node_id else not (errors or any(result is not None for result in results))
+            if goes_on and restarts.again(node_id):
                 pending.add(node_id)
             else:
                 lost.append(restarts.why(node_id, exc))
         except ray.exceptions.RayTaskError as exc:  # an instance of the node's exception's class too
-            if restarts.counts[node_id] and 0 not in pending:
+            if node_id and restarts.counts[node_id] and 0 not in pending:
                 log.warning("node %d, restarted by Ray, found the run ended: %s", node_id, exc)
             else:
                 errors[node_id] = exc

@@ -82,6 +82,7 @@ def launch(plan: Any, main: Callable[..., Any], args: tuple) -> List[Any]:
                 spec = {"node_id": node_id, "n_workers": plan.n, "topology": plan.topology, "listen": listens[i],
                         "secret": secret, "labels": plan.labels, "ready_timeout_s": plan.ready_timeout_s,
                         "router_options": plan.router_options, "restarts": 0,
+                        "restarts_before": plan.restarts_before,
                         "auto_recover": plan.auto_recover}
                 workers.append(_Worker.start(spec, program, zygote))
             return _supervise(plan, workers, program, zygote)
@@ -145,7 +146,7 @@ def _modules(program: bytes) -> List[str]:
 
 def _run_here(plan: Any, main: Callable[..., Any], args: tuple) -> Any:
     from conveyor.engine.task import task
-    node = WorkerRouter(None, plan.node_ids[0], 1, plan.labels)
+    node = WorkerRouter(None, plan.node_ids[0], 1, plan.labels, plan.restarts_before)
     task.attach_router(node)
     try:
         return main(*args)

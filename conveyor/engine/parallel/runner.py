@@ -83,7 +83,7 @@ class Parallel:
                node_ids: Union[int, Sequence[int], None] = None, labels: Optional[Iterable[str]] = None,
                auto_recover: bool = False, max_retries: Optional[int] = None, secret: Optional[bytes] = None, *,
                ready_timeout_s: float = 60.0, grace_s: float = 5.0,
-               router_options: Optional[Dict[str, Any]] = None) -> Callable[..., List[Any]]:
+               router_options: Optional[Dict[str, Any]] = None, restarts_before: int = 0) -> Callable[..., List[Any]]:
         """A launcher: ``Parallel.runner(...)(main, *args)`` runs ``main(*args)`` in every worker and returns
         their return values (by worker; None where one does not pickle).
 
@@ -97,9 +97,13 @@ class Parallel:
         bounds the start and the handshake (also a restart's); ``grace_s`` the wait between SIGTERM and
         SIGKILL when stopping workers: time enough for a learner to end its iteration and checkpoint.
         ``router_options``: keyword arguments for every :class:`Router` (timeouts, ``max_message_size``).
+        ``restarts_before``: how many times these workers were restarted before this launch, by whatever started
+        this launcher again in place of one that died (Ray restarting an actor): ``task.router.restarts`` counts
+        on from it, so a worker tells a restart from a first start either way; ``max_retries`` still bounds this
+        launch's own restarts.
         """
         plan = _Plan(n_parallel_workers, topology, protocol, address, ports, attach_to, node_ids, labels,
-                     auto_recover, max_retries, secret, ready_timeout_s, grace_s, router_options)
+                     auto_recover, max_retries, secret, ready_timeout_s, grace_s, router_options, restarts_before)
         return lambda main, *args: launch(plan, main, args)
 
 
@@ -113,7 +117,8 @@ class _Plan:
 
     def __init__(self, n: Any, topology: Any, protocol: Any, address: Optional[str], ports: Any, attach_to: Any,
                  node_ids: Any, labels: Any, auto_recover: bool, max_retries: Optional[int], secret: Any,
-                 ready_timeout_s: float, grace_s: float, router_options: Optional[Dict[str, Any]]) -> None:
+                 ready_timeout_s: float, grace_s: float, router_options: Optional[Dict[str, Any]],
+                 restarts_before: int = 0) -> None:
         where = "Parallel.runner"
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{where}(n_parallel_workers={n!r}): must be an int >= 1")
@@ -129,6 +134,8 @@ class _Plan:
             if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
                 raise ValueError(f"{where}(max_retries={max_retries!r}): must be an int >= 0, or None for "
                                  f"{DEFAULT_MAX_RETRIES}")
+        if not isinstance(restarts_before, int) or isinstance(restarts_before, bool) or restarts_before < 0:
+            raise ValueError(f"{where}(restarts_before={restarts_before!r}): must be an int >= 0")
         if secret is not None and not isinstance(secret, bytes):
             raise TypeError(f"{where}(secret=...): must be bytes, got {type(secret).__name__}")
         for name, value in (("ready_timeout_s", ready_timeout_s), ("grace_s", grace_s)):
@@ -152,5 +159,5 @@ class _Plan:
         self.labels = frozenset([labels] if isinstance(labels, str) else labels or ())
         self.secret, self.ready_timeout_s, self.grace_s = secret, ready_timeout_s, grace_s
         self.router_options = dict(router_options or {})
-        self.auto_recover = auto_recover
+        self.auto_recover, self.restarts_before = auto_recover, restarts_before
         self.max_retries = (DEFAULT_MAX_RETRIES if max_retries is None else max_retries) if auto_recover else 0

@@ -40,8 +40,9 @@ FINISHED_TOPIC = "conveyor.runner.finished"
 class WorkerRouter:
     """``task.router`` inside a worker: every method of the node's :class:`Router`, plus ``node_id`` (the
     worker's int id), ``n_workers``, ``labels``, ``is_active`` and ``restarts`` (how many times the launcher
-    restarted this worker: 0 in the first process). Under topology ``"alone"`` there is no router:
-    ``is_active`` is False, :meth:`publish` reaches nobody and :meth:`on` / :meth:`off` do nothing."""
+    restarted this worker, plus the runner's ``restarts_before``: 0 in the first process). Under topology
+    ``"alone"`` there is no router: ``is_active`` is False, :meth:`publish` reaches nobody and :meth:`on` /
+    :meth:`off` do nothing."""
 
     def __init__(self, router: Any, node_id: int, n_workers: int, labels: Iterable[str] = (), restarts: int = 0) -> None:
         self._router = router
@@ -174,7 +175,8 @@ def _join(spec: Dict[str, Any], conn: Any) -> WorkerRouter:
     if spec["topology"] != "alone":
         from conveyor.engine.parallel.router import Router
         router = Router(str(spec["node_id"]), spec["secret"], listen=spec["listen"], **spec["router_options"])
-    node = WorkerRouter(router, spec["node_id"], spec["n_workers"], spec["labels"], spec["restarts"])
+    node = WorkerRouter(router, spec["node_id"], spec["n_workers"], spec["labels"],
+                        spec["restarts_before"] + spec["restarts"])
     try:
         conn.send(("address", None if router is None else router.address))
         _, dial, expected = conn.recv()

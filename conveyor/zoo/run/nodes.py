@@ -161,7 +161,7 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
                       node_ids: Optional[Sequence[int]] = None, attach_to: Optional[Sequence[str]] = None,
                       secret: Optional[bytes] = None, auto_recover: bool = False,
                       max_retries: Optional[int] = None, ready_timeout_s: float = 60.0,
-                      grace_s: float = 30.0) -> DistributedRun:
+                      grace_s: float = 30.0, restarts_before: int = 0) -> DistributedRun:
     """Train zoo ``entry`` with ``learners`` data-parallel learners (conveyor/zoo/run/learners.py), ``collectors``
     collectors and ``evaluators`` evaluators, each its own process; the other arguments are the entry ``main()``'s
     and ``Parallel.runner``'s. Several learners refuse recurrent on-policy entries, ``resume`` and
@@ -173,7 +173,9 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
     learner write its final checkpoint, before they are killed. ``auto_recover``: a node that dies is
     started again (up to ``max_retries`` times); a collector or evaluator rejoins with the newest weights,
     a learner resumes from the run's latest checkpoint (it writes one as it starts) while the others wait
-    for it (at most :data:`EXCHANGE_TIMEOUT_S`) and rejoin it.
+    for it (at most :data:`EXCHANGE_TIMEOUT_S`) and rejoin it. ``restarts_before``: how many times the nodes
+    here were restarted before this call, by whatever started it again (``--launcher ray``: Ray restarting the
+    node's actor); a learner among them above 0 resumes as a restarted one does.
     """
     from conveyor.engine import Parallel
     from conveyor.zoo import load_entry
@@ -203,8 +205,8 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
     topology = "star" if learners == 1 else "mesh"  # collectors send to every learner's rank, not node 0's alone
     results = Parallel.runner(len(ids), topology=topology, protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
-                              max_retries=max_retries, ready_timeout_s=ready_timeout_s,
-                              grace_s=grace_s)(_node_main, entry, layout, options)
+                              max_retries=max_retries, ready_timeout_s=ready_timeout_s, grace_s=grace_s,
+                              restarts_before=restarts_before)(_node_main, entry, layout, options)
     nodes = [r for r in results if r is not None]
     told = [n for n in nodes if n["node_id"] == 0] or nodes  # else: as the nodes here heard it
     newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)

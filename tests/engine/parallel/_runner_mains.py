@@ -55,8 +55,8 @@ def ready_then_wait(out_dir):
 
 def whoami(x):
     return {"node_id": task.router.node_id, "n_workers": task.router.n_workers, "is_active": task.router.is_active,
-            "x": x, "pid": os.getpid(), "cmdline": Path("/proc/self/cmdline").read_bytes(),
-            "environ": Path("/proc/self/environ").read_bytes()}
+            "restarts": task.router.restarts, "x": x, "pid": os.getpid(),
+            "cmdline": Path("/proc/self/cmdline").read_bytes(), "environ": Path("/proc/self/environ").read_bytes()}
 
 
 def note_at_exit(out_dir):

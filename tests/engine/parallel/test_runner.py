@@ -65,6 +65,15 @@ def test_one_worker_alone_runs_main_in_this_process_without_a_router():
     assert (got["pid"], got["node_id"], got["n_workers"], got["is_active"]) == (os.getpid(), 0, 1, False)
 
 
+def test_restarts_before_is_where_the_restart_count_of_every_worker_starts():
+    assert [r["restarts"] for r in runner(2)(mains.whoami, 0)] == [0, 0]
+    assert [r["restarts"] for r in runner(2, restarts_before=2)(mains.whoami, 0)] == [2, 2]
+    [alone] = Parallel.runner(1, topology="alone", restarts_before=1)(mains.whoami, 0)
+    assert alone["restarts"] == 1
+    with pytest.raises(ValueError, match="restarts_before=-1"):
+        Parallel.runner(1, restarts_before=-1)
+
+
 def test_a_worker_that_raises_makes_the_runner_raise_its_error_and_leaves_no_worker(tmp_path):
     with pytest.raises(ValueError, match="boom from worker 1") as info:
         runner(2)(mains.fail_on, str(tmp_path), 1, "boom from worker 1")
