@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - should treevalue move it, trees are st
     _create_storage = None
 
 __all__ = ["Nested", "map_nested", "to_tensor", "to_device", "to_host", "to_numpy", "stack_nested", "as_tree",
-           "tree_of_tensors", "flatten_batch"]
+           "tree_of_tensors", "flatten_batch", "sample_dim"]
 
 Nested = Any  # an array, or a dict of Nested
 
@@ -128,3 +128,10 @@ def flatten_batch(batch: ttorch.Tensor, ndim: int) -> ttorch.Tensor:
         return batch
     return batch.flatten(0, ndim - 1) if isinstance(batch, torch.Tensor) else \
         ttorch.Tensor(map_nested(lambda t: t.flatten(0, ndim - 1), _tree_to_dict(batch)))
+
+
+def sample_dim(train_data: Any) -> int:
+    """The dim along which a batch of training data holds its samples: 1 for a recurrent policy's sequences
+    ``[L, B]`` (they carry ``episode_start``: conveyor.middleware.gae_estimator), 0 for rows (transitions ``[B]``,
+    IMPALA's unrolls ``[U, T]``). Minibatches take whole samples, and batches from several collectors join along it."""
+    return 1 if "episode_start" in train_data else 0

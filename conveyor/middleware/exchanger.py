@@ -89,12 +89,12 @@ def _merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
     return np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
 
 
-def _merge_trajectories(batches: List[Any]) -> Any:
+def _merge_trajectories(batches: List[Any], dim: int = 0) -> Any:
     if len(batches) <= 1:
         return batches[0] if batches else None
     import treetensor.torch as ttorch
     try:
-        return ttorch.cat(batches, dim=0)
+        return ttorch.cat(batches, dim=dim)
     except Exception as e:
         raise ValueError(f"ContextExchanger: trajectories from several collectors do not concatenate along their "
                          f"first dim ({type(e).__name__}: {e}); give every collector the same env count") from None
@@ -113,7 +113,8 @@ class ContextExchanger(Exchanger):
     the collector set it), ``episodes``, ``train_data`` (what an advantage estimator made of them), ``env_step``,
     ``env_episode``. Reads ctx (collector or evaluator, before): ``total_step`` (with ``skip_n_iter``). Writes
     ctx (collector or evaluator, before): ``train_iter`` (the newest a learner sent). Writes ctx (learner,
-    before): ``trajectories`` and ``train_data`` (received ones concatenated on their first dim),
+    before): ``trajectories`` and ``train_data`` (received ones concatenated on their first dim; a recurrent
+    policy's sequences ``[L, B]`` side by side, on their second: :func:`conveyor.data.batch.sample_dim`),
     ``trajectory_end_idx`` (each collector's indices shifted past the transitions before its own, so they index
     the merged trajectories; None unless every batch came with indices that fit it: a later middleware, such as
     an n-step enhancer, may have reshaped the trajectories after the collector), ``episodes`` (lists joined),
@@ -287,7 +288,12 @@ class ContextExchanger(Exchanger):
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
         if hasattr(ctx, "trajectory_end_idx"):
             ctx.trajectory_end_idx = _merge_end_idx(got)
-        ctx.train_data = _merge_trajectories([p["train_data"] for p in got if p.get("train_data") is not None])
+        train_data = [p["train_data"] for p in got if p.get("train_data") is not None]
+        if len(train_data) > 1:
+            from conveyor.data.batch import sample_dim  # here: these modules import no torch until data arrives
+            ctx.train_data = _merge_trajectories(train_data, sample_dim(train_data[0]))
+        else:
+            ctx.train_data = train_data[0] if train_data else None
         episodes = [ep for p in got if p["episodes"] is not None for ep in p["episodes"]]
         ctx.episodes = episodes or None
 

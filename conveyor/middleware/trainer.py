@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import treevalue
 
+from conveyor.data.batch import sample_dim
 from conveyor.engine import OnlineRLContext, declares
 from conveyor.policy.learning import LearnResult
 
@@ -141,16 +142,16 @@ class MultistepTrainer(_Trainer):
         if data is None:
             return
         self._begin(ctx)
-        sequences = data.reward.ndim == 2  # [L, B]: minibatches of whole sequences
-        size = data.reward.shape[-1]
-        per_step = max(1, self._batch_size // data.reward.shape[0]) if sequences else self._batch_size
+        dim = sample_dim(data)  # 1: sequences [L, B], minibatches of whole sequences
+        size = data.reward.shape[dim]
+        per_step = max(1, self._batch_size // data.reward.shape[0]) if dim else self._batch_size
         outputs: List[Dict[str, Any]] = []
         for _ in range(self._epochs):
             if per_step >= size:  # one minibatch holds everything: no gathering, its order does not matter
                 minibatches: Iterable[Any] = (data,)
             else:
                 order = torch.from_numpy(self._rng.permutation(size))
-                minibatches = (_rows(data, 1 if sequences else 0, index) for index in order.split(per_step))
+                minibatches = (_rows(data, dim, index) for index in order.split(per_step))
             if not all(self._step(ctx, minibatch, outputs) for minibatch in minibatches):
                 break
         self._policy.publish()

@@ -126,6 +126,23 @@ def test_a_learner_merges_what_several_collectors_sent(fake_router):
     assert fake_router.sent == [("conveyor.exchange.train_iter", {"train_iter": 0})]
 
 
+def test_a_learner_joins_recurrent_sequences_side_by_side_and_rows_end_to_end(fake_router):
+    import treetensor.torch as ttorch
+    sequences = {"reward": torch.zeros(4, 3), "episode_start": torch.zeros(4, 3, dtype=torch.bool)}  # [L, B]
+    unrolls = {"reward": torch.zeros(2, 5)}  # IMPALA's [U, T]: rows of unrolls
+    got = []
+    for data in (sequences, unrolls):
+        with task.start(ctx=OnlineRLContext()):
+            task.add_role(task.role.LEARNER)
+            task.use(ContextExchanger(timeout_s=1)).use(lambda ctx: got.append(tuple(ctx.train_data.reward.shape)))
+            for k in (1, 2):
+                [handler] = fake_router.handlers[DATA_TOPIC]
+                handler({"node": str(k), "trajectories": None, "episodes": None, "train_data": ttorch.Tensor(data),
+                         "env_step": 12, "env_episode": 0})
+            task.run(max_step=1)
+    assert got == [(4, 6), (4, 5)]  # sequences keep their length L; unrolls add up
+
+
 def test_a_bare_model_follows_the_versions_it_receives(fake_router):
     model = torch.nn.Linear(2, 1)
     with task.start(ctx=OnlineRLContext()):

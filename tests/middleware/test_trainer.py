@@ -62,7 +62,8 @@ def test_multistep_trainer_runs_epochs_of_shuffled_minibatches_covering_every_ro
 
 def test_multistep_trainer_cuts_sequence_batches_into_whole_sequences():
     learner = RecordingLearner()
-    seqs = ttorch.Tensor({"obs": torch.arange(24.0).reshape(4, 6), "reward": torch.zeros(4, 6)})  # [L = 4, B = 6]
+    seqs = ttorch.Tensor({"obs": torch.arange(24.0).reshape(4, 6), "reward": torch.zeros(4, 6),  # [L = 4, B = 6]
+                          "episode_start": torch.zeros(4, 6, dtype=torch.bool)})
     ctx = train(multistep_trainer(learn_cfg(epoch_per_collect=1, batch_size=8), learner), seqs)
     assert ctx.train_iter == 3  # 8 transitions = 2 sequences of 4 per minibatch
     assert all(tuple(b.obs.shape) == (4, 2) for b in learner.batches)
