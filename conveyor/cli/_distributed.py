@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="train with 1 learner and N collector processes (node 0 learns, 1..N collect)")
     group.add_argument("--learners", type=int, default=1, metavar="L",
                        help="with --collectors: L data-parallel learner processes (nodes 0..L-1, then the collectors; "
-                            "default 1; not for recurrent on-policy entries)")
+                            "default 1)")
     group.add_argument("--evaluators", type=int, default=0, metavar="M",
                        help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0: the learner evaluates)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="local",

@@ -31,8 +31,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("entry", help="zoo entry as <env>/<algo> (`conveyor list` shows them), or an entry file's "
                                       "path as the nodes see it")
     parser.add_argument("--learners", type=int, default=1, metavar="L",
-                        help="data-parallel learner processes (default 1; not for recurrent on-policy entries): nodes "
-                             "0..L-1, then the collectors and evaluators, L + C + M nodes in all")
+                        help="data-parallel learner processes (default 1): nodes 0..L-1, then the collectors and "
+                             "evaluators, L + C + M nodes in all")
     parser.add_argument("--collectors", type=int, required=True, metavar="C",
                         help="collector processes (nodes 1..C); the job has 1 + C + M nodes")
     parser.add_argument("--evaluators", type=int, default=0, metavar="M",

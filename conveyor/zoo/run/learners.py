@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from conveyor.data.batch import sample_dim
 from conveyor.engine import FINISH_EVENT, OnlineRLContext, declares, task
 from conveyor.middleware.messages import Rejections, check_fields
 from conveyor.policy import DataParallel, DataParallelError
@@ -149,18 +150,30 @@ def check_learner_gpus(device: str, learners_here: int, device_count: Callable[[
 
 
 def _rows(data: Any) -> int:
-    """The rows of a batch of on-policy data: the first dim of its ``reward`` (0 for none)."""
-    return 0 if data is None else int(data.reward.shape[0])
+    """The samples of a batch of on-policy data along its sample dim (:func:`~conveyor.data.batch.sample_dim`):
+    transitions, IMPALA's unrolls or a recurrent policy's sequences (0 for none)."""
+    return 0 if data is None else int(data.reward.shape[sample_dim(data)])
+
+
+def _steps(data: Any) -> int:
+    """The env steps a batch of on-policy data holds: its real steps (``mask``, in padded sequences), else every
+    entry of its ``reward``."""
+    if data is None:
+        return 0
+    return int(data.mask.sum()) if "mask" in data else math.prod(data.reward.shape)
 
 
 def newest_rows(data: Any, rows: int) -> Tuple[Any, int]:
-    """``data``'s last ``rows`` rows (along its first dim; None for none) and the env steps in the rows left out.
-    The exchanger joins the collectors' batches in the order they arrived, so the rows kept are the newest."""
+    """``data``'s last ``rows`` samples (rows, or sequences side by side; None for none) and the env steps in
+    those left out. The exchanger joins the collectors' batches in the order they arrived, so the ones kept are the
+    newest."""
     size = _rows(data)
     if rows >= size:
         return data, 0
-    steps_per_row = math.prod(data.reward.shape[1:])
-    return (data[size - rows:] if rows > 0 else None), (size - rows) * steps_per_row
+    if rows <= 0:
+        return None, _steps(data)
+    kept = data[size - rows:] if sample_dim(data) == 0 else data[:, size - rows:]
+    return kept, _steps(data) - _steps(kept)
 
 
 def parameters_digest(policy: Any) -> str:
@@ -282,7 +295,7 @@ class LearnerSync:
         if self.agree_rows:
             ctx.train_data, dropped = newest_rows(ctx.train_data, rows)
             self.dropped += dropped
-            self.kept += 0 if ctx.train_data is None else math.prod(ctx.train_data.reward.shape)
+            self.kept += _steps(ctx.train_data)
         try:
             yield
         except DataParallelError as exc:  # a gradient all-reduce: the step failed before it stepped

@@ -164,8 +164,7 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
                       grace_s: float = 30.0, restarts_before: int = 0) -> DistributedRun:
     """Train zoo ``entry`` with ``learners`` data-parallel learners (conveyor/zoo/run/learners.py), ``collectors``
     collectors and ``evaluators`` evaluators, each its own process; the other arguments are the entry ``main()``'s
-    and ``Parallel.runner``'s. Several learners refuse recurrent on-policy entries, ``resume`` and
-    ``auto_recover`` (:func:`check_learners`).
+    and ``Parallel.runner``'s. Several learners refuse ``resume`` and ``auto_recover`` (:func:`check_learners`).
 
     ``node_ids``: the nodes to start here (default all); give each host its share and the others'
     addresses (``attach_to``), with the same secret on every host, to spread one run over several.
@@ -311,15 +310,10 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
 
 def check_learners(entry: str, config: Mapping[str, Any], *, resume: bool, auto_recover: bool,
                    learners: int) -> None:
-    """Refuse, in one line, what several data-parallel learners do not do: recurrent on-policy entries (sequences,
-    not rows, to split), an on-policy ``batch_size`` that ``learners`` do not divide (:func:`learner_share`),
-    ``resume`` and ``auto_recover``."""
+    """Refuse, in one line, what several data-parallel learners do not do: an on-policy ``batch_size`` that
+    ``learners`` do not divide (:func:`learner_share`), ``resume`` and ``auto_recover``."""
     policy = config.get("policy", {})
     if "replay_buffer" not in policy.get("other", {}):
-        if policy.get("model", {}).get("rnn"):
-            raise ConfigError(f"--learners > 1: {entry} learns from sequences of a recurrent policy "
-                              f"(policy.model.rnn={policy['model']['rnn']!r}), which several learners do not split "
-                              f"yet (they split rows of transitions or unrolls): use --learners 1")
         batch_size = policy.get("learn", {}).get("batch_size")
         if isinstance(batch_size, int):  # else the schema's default, checked as each learner starts
             _check_batch_size(f"{entry}'s policy.learn.batch_size", batch_size, learners)
