@@ -63,7 +63,8 @@ def unroll_cutter():
 
 @declares(reads=("train_data", "train_iter", "env_step"), writes=("train_data", "train_iter", "train_output"))
 class UnrollLearner(_Trainer):
-    """One gradient step per ``cfg.policy.learn.batch_size`` unrolls received, publishing every ``publish_every``.
+    """One gradient step per ``cfg.policy.learn.batch_size`` unrolls received (and ``replay_ratio`` more on replayed
+    ones), publishing every ``publish_every``.
 
     Each call queues ``ctx.train_data`` (unrolls ``[n, T]``, from :func:`unroll_cutter` or, merged from the
     collectors that sent them, from a ``ContextExchanger``) and steps on the oldest ``batch_size`` while that many
