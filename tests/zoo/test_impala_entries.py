@@ -95,8 +95,8 @@ def test_cli_trains_the_entry_distributed(in_tmp, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replay", [(), ("--set", "policy.learn.replay_ratio=2", "--set", "policy.learn.replay_size=20")],
-                         ids=["each-unroll-once", "replay"])
+@pytest.mark.parametrize("replay", [(), ("--set", "policy.learn.replay_ratio=2", "--set",
+                                     "policy.learn.replay_size=20")], ids=["each-unroll-once", "replay"])
 def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, replay):
     common = (ENTRY, "--seed", "3", "--set", "policy.learn.batch_size=6", *replay)  # unrolls left queued across calls
     straight = train(in_tmp, *common, "--exp-name", "straight", "--max-env-step", "2048")
