@@ -78,6 +78,13 @@ def test_replay_takes_more_steps_per_batch_and_logs_the_replayed_lag_apart(in_tm
     assert all(rho <= 1.0 for rho in policy_lags(run, "charts/replay_rho_mean"))
 
 
+def test_async_run_replays_while_the_collector_process_acts(in_tmp):
+    ctx = load_entry(ENTRY).main(small(batch_size=2, replay_ratio=1, replay_size=8), exp_name="async_replay",
+                                 max_env_step=1280, async_mode=True, progress=False, no_stop=True)
+    assert ctx.env_step >= 1280 and ctx.train_iter % 2 == 0 and ctx.train_iter > 0
+    assert policy_lags(in_tmp / "runs" / "async_replay", "charts/replay_policy_lag")
+
+
 def test_distributed_learner_replays_unrolls_of_both_collectors(in_tmp):
     cfg = small(batch_size=1, replay_ratio=1, replay_size=16)
     run = train_distributed(ENTRY, collectors=2, cfg=cfg, exp_name="dist_replay", max_env_step=1280,
