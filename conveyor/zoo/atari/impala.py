@@ -22,7 +22,8 @@ Where this differs, and why:
   from a FIFO replay of the last 64 unrolls (1280 agent steps, about atari/ppo's rollout of 1024), so each unroll
   is learned from 4 times on average, as atari/ppo's 4 epochs use each transition; V-trace corrects for the
   replayed unrolls' age. Learning from each unroll once, the paper's way, reached a return of 2.05 where atari/ppo
-  reaches 9.85 on Breakout at 250k agent steps (seed 1); with this replay, 10.05 (docs/impala.md).
+  reaches 9.85 on Breakout at 250k agent steps (seed 1); with this replay 10.05 (seed 1, tuned on), and 9.15 and
+  11.15 on seeds 2 and 3 against atari/ppo's 10.95 and 8.2 (docs/impala.md).
 - Weights published every 2 gradient steps (``publish_every``) instead of fetched by each actor per unroll:
   a Nature CNN is about 7 MB, sent to every collector process.
 """
