@@ -8,8 +8,9 @@ run) and that one played on one env for one game. Figures, per configuration:
 - learner samples/s: env steps reaching the learner per second over a window from its second TensorBoard point
   (the learner logs at its first gradient step, then every 100: process start-up, the opening evaluation and the
   first 100 steps are excluded) to its last. Every unroll is
-  learned from once and fewer than one batch waits between the learner's calls, so this is the rate of samples
-  learned from, to within one batch over the window; it is ``steps_per_s_C`` in the JSON line.
+  learned from fresh once (and ``learn.replay_ratio`` more times on average from the replay) and fewer than one
+  batch waits between the learner's calls, so this is the rate of fresh samples learned from, to within one batch
+  over the window; it is ``steps_per_s_C`` in the JSON line.
 - env steps/s collected: the collectors' steps over the whole run, from the first collected step to the run's
   end (final checkpoint and shut-down included, so a little below the learner's figure).
 - policy lag: the mean of the run's logged ``charts/policy_lag`` (each point the mean over 100 gradient steps of

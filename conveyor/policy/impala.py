@@ -81,6 +81,12 @@ class IMPALAPolicy(PPOPolicy):
                 "entropy_coef": Option(0.01, "Weight of the entropy bonus.", type=float, check=schema.non_negative),
                 "grad_clip": Option(40.0, "Clip the gradient's global L2 norm to this (None: no clipping).",
                                     type=(float, type(None)), check=_optional_positive),
+                "replay_ratio": Option(0, "Sample reuse: gradient steps on unrolls drawn from a FIFO replay of recent "
+                                          "ones after each step on fresh ones (each unroll is learned from 1 + this "
+                                          "many times on average; V-trace corrects for their age). 0: each once.",
+                                       check=schema.non_negative),
+                "replay_size": Option(64, "Unrolls the replay keeps (the newest; used when replay_ratio > 0).",
+                                      check=schema.positive),
                 "publish_every": Option(4, "Publish the weights (which distributed collectors then receive) every "
                                            "this many gradient steps (UnrollLearner), not after every batch.",
                                         check=schema.positive),

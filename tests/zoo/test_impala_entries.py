@@ -34,8 +34,8 @@ def small(**learn):
     return cfg
 
 
-def policy_lags(run_dir):
-    return [value for tag, _, value in read_scalars(run_dir / "tb") if tag == "charts/policy_lag"]
+def policy_lags(run_dir, tag="charts/policy_lag"):
+    return [value for name, _, value in read_scalars(run_dir / "tb") if name == tag]
 
 
 def test_one_process_run_acts_on_the_newest_weights_and_logs_a_policy_lag_of_zero(in_tmp):
@@ -67,6 +67,34 @@ def test_distributed_learner_batches_unrolls_of_both_collectors_and_logs_the_pol
     assert lags and all(lag >= 0.0 for lag in lags)
 
 
+def test_replay_takes_more_steps_per_batch_and_logs_the_replayed_lag_apart(in_tmp):
+    ctx = load_entry(ENTRY).main(small(replay_ratio=2, replay_size=8), exp_name="replay", max_env_step=640,
+                                 progress=False, no_stop=True)
+    assert ctx.train_iter == 3 * (ctx.env_step // 64)  # a fresh batch and 2 replayed ones per call
+    run = in_tmp / "runs" / "replay"
+    assert all(lag == 0.0 for lag in policy_lags(run))  # in one process the collectors' data is never stale
+    replayed = policy_lags(run, "charts/replay_policy_lag")
+    assert replayed and all(lag >= 0.0 for lag in replayed)
+    assert all(rho <= 1.0 for rho in policy_lags(run, "charts/replay_rho_mean"))
+
+
+def test_async_run_replays_while_the_collector_process_acts(in_tmp):
+    ctx = load_entry(ENTRY).main(small(batch_size=2, replay_ratio=1, replay_size=8), exp_name="async_replay",
+                                 max_env_step=1280, async_mode=True, progress=False, no_stop=True)
+    assert ctx.env_step >= 1280 and ctx.train_iter % 2 == 0 and ctx.train_iter > 0
+    assert policy_lags(in_tmp / "runs" / "async_replay", "charts/replay_policy_lag")
+
+
+def test_distributed_learner_replays_unrolls_of_both_collectors(in_tmp):
+    cfg = small(batch_size=1, replay_ratio=1, replay_size=16)
+    run = train_distributed(ENTRY, collectors=2, cfg=cfg, exp_name="dist_replay", max_env_step=1280,
+                            progress=False, no_stop=True)
+    learner = [n for n in run.nodes if n["role"] == "learner"][0]
+    fresh, odd = divmod(learner["train_iter"], 2)  # each step on a fresh unroll is followed by a replayed one
+    assert learner["env_step"] >= 1280 and odd == 0 and 0 < fresh <= learner["env_step"] // 16
+    assert policy_lags(in_tmp / "runs" / "dist_replay", "charts/replay_policy_lag")
+
+
 def test_cli_trains_the_entry_distributed(in_tmp, capsys):
     assert cli_main(["train", ENTRY, "--collectors", "2", "--exp-name", "cli", "--max-env-step", "1024",
                      "--no-progress"]) == 0
@@ -74,8 +102,10 @@ def test_cli_trains_the_entry_distributed(in_tmp, capsys):
 
 
 @pytest.mark.slow
-def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp):
-    common = (ENTRY, "--seed", "3", "--set", "policy.learn.batch_size=6")  # unrolls left queued across calls
+@pytest.mark.parametrize("replay", [(), ("--set", "policy.learn.replay_ratio=2", "--set",
+                                     "policy.learn.replay_size=20")], ids=["each-unroll-once", "replay"])
+def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, replay):
+    common = (ENTRY, "--seed", "3", "--set", "policy.learn.batch_size=6", *replay)  # unrolls left queued across calls
     straight = train(in_tmp, *common, "--exp-name", "straight", "--max-env-step", "2048")
     first = train(in_tmp, *common, "--exp-name", "split", "--max-env-step", "1024")
     second = train(in_tmp, ENTRY, "--exp-name", "split", "--resume", "--max-env-step", "2048")
