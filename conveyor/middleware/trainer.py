@@ -42,9 +42,11 @@ def _check_learn_view(policy: Any, where: str) -> None:
                         f"policy.learn_mode; got {policy!r}")
 
 
-def _positive_int(value: Any, key: str, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{where}: cfg.policy.learn.{key} must be an int > 0, got {value!r}")
+def _learn_int(value: Any, key: str, where: str, minimum: int = 1) -> int:
+    """``cfg.policy.learn.<key>`` checked: an int of at least ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        bound = "> 0" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{where}: cfg.policy.learn.{key} must be an int {bound}, got {value!r}")
     return value
 
 
@@ -54,7 +56,7 @@ class _LrSchedule:
 
     def __init__(self, learn: Any, where: str) -> None:
         steps = learn.get("lr_anneal_steps")
-        self.steps = None if steps is None else _positive_int(steps, "lr_anneal_steps", where)
+        self.steps = None if steps is None else _learn_int(steps, "lr_anneal_steps", where)
         self.unit = learn.get("lr_anneal_unit", "env_step")
         if self.unit not in ("env_step", "iteration"):
             raise ValueError(f"{where}: cfg.policy.learn.lr_anneal_unit must be 'env_step' or 'iteration', "
@@ -131,8 +133,8 @@ class MultistepTrainer(_Trainer):
     def __init__(self, cfg: Any, policy: LearnPolicy) -> None:
         super().__init__(cfg, policy, "multistep_trainer")
         learn = cfg.policy.learn
-        self._epochs = _positive_int(learn.get("epoch_per_collect"), "epoch_per_collect", "multistep_trainer")
-        self._batch_size = _positive_int(learn.get("batch_size"), "batch_size", "multistep_trainer")
+        self._epochs = _learn_int(learn.get("epoch_per_collect"), "epoch_per_collect", "multistep_trainer")
+        self._batch_size = _learn_int(learn.get("batch_size"), "batch_size", "multistep_trainer")
 
     def __repr__(self) -> str:
         return f"MultistepTrainer(epoch_per_collect={self._epochs}, batch_size={self._batch_size})"
@@ -169,7 +171,7 @@ class Trainer(_Trainer):
 
     def __init__(self, cfg: Any, policy: LearnPolicy) -> None:
         super().__init__(cfg, policy, "trainer")
-        self._updates = _positive_int(cfg.policy.learn.get("update_per_collect", 1), "update_per_collect", "trainer")
+        self._updates = _learn_int(cfg.policy.learn.get("update_per_collect", 1), "update_per_collect", "trainer")
 
     def __repr__(self) -> str:
         return f"Trainer(update_per_collect={self._updates})"

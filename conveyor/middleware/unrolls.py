@@ -26,7 +26,7 @@ import treevalue
 from conveyor.data import DequeBuffer
 from conveyor.data.batch import to_numpy, to_tensor
 from conveyor.engine import OnlineRLContext, declares
-from conveyor.middleware.trainer import _positive_int, _Trainer
+from conveyor.middleware.trainer import _learn_int, _Trainer
 
 __all__ = ["unroll_cutter", "UnrollLearner", "unroll_learner"]
 
@@ -92,12 +92,12 @@ class UnrollLearner(_Trainer):
     def __init__(self, cfg: Any, policy: Any) -> None:
         super().__init__(cfg, policy, "UnrollLearner")
         learn = cfg.policy.learn
-        self._batch_size = _positive_int(learn.get("batch_size"), "batch_size", "UnrollLearner")
-        self._publish_every = _positive_int(learn.get("publish_every"), "publish_every", "UnrollLearner")
-        self._replay_ratio = _non_negative_int(learn.get("replay_ratio", 0), "replay_ratio")
+        self._batch_size = _learn_int(learn.get("batch_size"), "batch_size", "UnrollLearner")
+        self._publish_every = _learn_int(learn.get("publish_every"), "publish_every", "UnrollLearner")
+        self._replay_ratio = _learn_int(learn.get("replay_ratio", 0), "replay_ratio", "UnrollLearner", minimum=0)
         self._replay: Optional[DequeBuffer] = None
         if self._replay_ratio:
-            size = _positive_int(learn.get("replay_size"), "replay_size", "UnrollLearner")
+            size = _learn_int(learn.get("replay_size"), "replay_size", "UnrollLearner")
             self._replay = DequeBuffer(size, seed=cfg.get("seed"))
         self._queued: List[Any] = []
         self._since_publish = 0
@@ -172,12 +172,6 @@ class UnrollLearner(_Trainer):
         if self._since_publish >= self._publish_every:
             self._policy.publish()
             self._since_publish = 0
-
-
-def _non_negative_int(value: Any, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"UnrollLearner: cfg.policy.learn.{key} must be an int >= 0, got {value!r}")
-    return value
 
 
 def unroll_learner(cfg: Any, policy: Any) -> UnrollLearner:
