@@ -14,6 +14,7 @@ from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
+from conveyor.zoo.run.clock import COLLECTOR_LEAD
 from conveyor.zoo.run.learners import check_learner_gpus, learner_device, learner_local_rank, newest_rows
 from tests.zoo.test_distributed import sigterm_after_a_first_evaluation
 
@@ -106,11 +107,13 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
     assert list(learners[0]["received_from"]) == ["2"] and list(learners[1]["received_from"]) == ["3"]
     # the run trained on what the learners received, but for the batch a learner took as the run ended (at most
     # COLLECTOR_LEAD + 1 = 3 batches of 16, a collector's n_sample), and they received what their collector
-    # collected, but for what was in flight then
+    # collected, but for what was in flight then: the batches a collector may run ahead of its learner
+    # (COLLECTOR_LEAD), the one it was collecting, and one more because the collector knows the learner's
+    # iteration from the learner's last progress message, which is an iteration behind when the run ends
     assert run.env_step <= sum(n["received"] for n in learners) <= run.env_step + 2 * 3 * 16
     for learner in learners:
         collected = collectors[str(learner["rank"] + 2)]["collected"]
-        assert 0 < learner["received"] <= collected <= learner["received"] + 3 * 16
+        assert 0 < learner["received"] <= collected <= learner["received"] + (COLLECTOR_LEAD + 2) * 16
     rows = json.loads((in_tmp / "runs" / "dp" / "nodes.json").read_text())
     assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["learner"]), (1, ["learner"]), (2, ["collector"]),
                                                           (3, ["collector"]), (4, ["evaluator"])]
