@@ -89,15 +89,20 @@ def _merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
     return np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
 
 
-def _merge_trajectories(batches: List[Any], dim: int = 0) -> Any:
+def _merge_trajectories(batches: List[Any], by_sample_dim: bool = False) -> Any:
+    """The collectors' batches joined on their first dim, or (``by_sample_dim``: training data) on their sample dim
+    (:func:`conveyor.data.batch.sample_dim`: a recurrent policy's sequences ``[L, B]`` side by side)."""
     if len(batches) <= 1:
         return batches[0] if batches else None
-    import treetensor.torch as ttorch
+    import treetensor.torch as ttorch  # here: these modules import no torch until data arrives
+
+    from conveyor.data.batch import sample_dim
+    dim = sample_dim(batches[0]) if by_sample_dim else 0
     try:
         return ttorch.cat(batches, dim=dim)
     except Exception as e:
         raise ValueError(f"ContextExchanger: trajectories from several collectors do not concatenate along their "
-                         f"first dim ({type(e).__name__}: {e}); give every collector the same env count") from None
+                         f"dim {dim} ({type(e).__name__}: {e}); give every collector the same env count") from None
 
 
 @declares(reads=("train_iter", "env_step", "env_episode", "total_step"),
@@ -288,12 +293,8 @@ class ContextExchanger(Exchanger):
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
         if hasattr(ctx, "trajectory_end_idx"):
             ctx.trajectory_end_idx = _merge_end_idx(got)
-        train_data = [p["train_data"] for p in got if p.get("train_data") is not None]
-        if len(train_data) > 1:
-            from conveyor.data.batch import sample_dim  # here: these modules import no torch until data arrives
-            ctx.train_data = _merge_trajectories(train_data, sample_dim(train_data[0]))
-        else:
-            ctx.train_data = train_data[0] if train_data else None
+        ctx.train_data = _merge_trajectories([p["train_data"] for p in got if p.get("train_data") is not None],
+                                             by_sample_dim=True)
         episodes = [ep for p in got if p["episodes"] is not None for ep in p["episodes"]]
         ctx.episodes = episodes or None
 
