@@ -365,11 +365,14 @@ class Policy(abc.ABC):
                          parameters: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Backward ``loss`` and step ``optimizer`` (whose parameters are ``parameters``), clipping by
         ``cfg.learn.grad_clip``; the norm if clipped. Among data-parallel learners the gradients are averaged over
-        the group first (:meth:`_average_gradients`), so every learner clips and steps alike."""
+        the group as the backward pass runs (:meth:`DataParallel.backward`), so every learner clips and steps
+        alike."""
         for p in parameters:  # what optimizer.zero_grad(set_to_none=True) does, at a tenth of its cost
             p.grad = None
-        loss.backward()
-        self._average_gradients(parameters)
+        if self._data_parallel is None:
+            loss.backward()
+        else:
+            self._data_parallel.backward(loss, parameters)
         grad_norm = None
         if self.cfg.learn.grad_clip is not None:
             grad_norm = nn.utils.clip_grad_norm_(parameters, self.cfg.learn.grad_clip)

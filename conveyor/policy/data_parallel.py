@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import time
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -118,11 +119,13 @@ class DataParallel:
     :attr:`port` to the others over an authenticated channel before calling :meth:`connect`. ``secret`` is the
     run's secret and ``session`` a fresh nonce of this rendezvous, both the same for every learner. ``timeout``
     (seconds) bounds the rendezvous and every collective. ``backend`` defaults to NCCL for a CUDA ``device``,
-    gloo otherwise.
+    gloo otherwise. ``bucket_bytes`` is the size of the gradient buckets :meth:`backward` all-reduces as they fill
+    (DDP's first bucket is as large: small enough to start early, large enough that few messages travel).
     """
 
     def __init__(self, rank: int, world_size: int, *, host: str, port: int, secret: bytes, session: bytes,
-                 timeout: float = 60.0, device: str | torch.device = "cpu", backend: str | None = None) -> None:
+                 timeout: float = 60.0, device: str | torch.device = "cpu", backend: str | None = None,
+                 bucket_bytes: int = 1 << 20) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"DataParallel: rank must be in [0, {world_size}), got {rank}")
         self.rank, self.world_size = rank, world_size
@@ -132,6 +135,8 @@ class DataParallel:
         self._host, self._secret, self._session = host, secret, bytes(session)
         self._store: dist.TCPStore | None = None
         self.port = port
+        self.bucket_bytes = bucket_bytes
+        self.wait_s = 0.0  # seconds spent waiting for gradient all-reduces after backward passes: what overlap missed
         if rank == 0:
             self._store = self._call(dist.TCPStore, "binding the rendezvous store", host, port, world_size,
                                      is_master=True, timeout=self.timeout, wait_for_workers=False)
@@ -201,34 +206,31 @@ class DataParallel:
         mean = self.mean(x, mask)
         return mean, self.mean((x - mean).pow(2), mask).sqrt()
 
+    def backward(self, loss: torch.Tensor, parameters: Iterable[torch.Tensor]) -> None:
+        """``loss.backward()``, with each of ``parameters``' gradients averaged over the group as
+        :meth:`average_gradients` does, but all-reduced in buckets while the backward pass still runs.
+
+        As torch's ``DistributedDataParallel`` does: a backward pass yields the last layers' gradients first, so
+        a bucket of them travels while the earlier layers' gradients are computed, and only what is left when the
+        pass ends is waited for (:attr:`wait_s`). The sums are those of one all-reduce, so the result is the same.
+        """
+        buckets = _GradientBuckets(self, parameters)
+        hooks = [p.register_post_accumulate_grad_hook(buckets.ready) for p in buckets.params if p.requires_grad]
+        try:
+            loss.backward()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        buckets.finish()
+
     def average_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
-        """Replace each parameter's gradient by its mean over the group, in one all-reduce.
+        """Replace each parameter's gradient by its mean over the group (after a backward pass: :meth:`backward`
+        overlaps the two).
 
         A parameter without a gradient on some learners counts as zero there; one with no gradient on any keeps
         ``None``, so optimizers skip it as they would in one process.
         """
-        params = list(parameters)
-        if not params:
-            return
-        grads = [p.grad for p in params]
-        like = next((g for g in grads if g is not None), params[0])
-        flat = torch.zeros(sum(p.numel() for p in params) + len(params), dtype=like.dtype, device=like.device)
-        offset = 0
-        for p, g in zip(params, grads):
-            if g is not None:
-                flat[offset:offset + p.numel()].copy_(g.reshape(-1))
-            offset += p.numel()
-        flat[offset:] = torch.tensor([g is not None for g in grads], dtype=flat.dtype)
-        self._call(dist.all_reduce, "the gradient all-reduce", flat)
-        flat[:offset] /= self.world_size
-        present = flat[offset:].tolist()
-        offset = 0
-        for p, count in zip(params, present):
-            if count == 0:
-                p.grad = None
-            else:
-                p.grad = flat[offset:offset + p.numel()].view_as(p)  # views of one buffer: no copy
-            offset += p.numel()
+        _GradientBuckets(self, parameters).finish()
 
     def broadcast_modules(self, modules: Iterable[nn.Module]) -> None:
         """Copy rank 0's parameters and buffers of ``modules`` to every learner (tensors only, in place)."""
@@ -246,3 +248,71 @@ class DataParallel:
         """Leave the group (also where the others have already failed)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _GradientBuckets:
+    """One gradient averaging over the group: ``parameters`` in buckets of about ``group.bucket_bytes``, in
+    reverse order (a backward pass yields the last layers' gradients first), each all-reduced as one flat tensor
+    with a has-a-gradient flag per parameter.
+
+    :meth:`ready` (a post-accumulate-grad hook) launches a bucket once all its gradients are in; buckets launch in
+    index order only, so every learner issues the same collectives in the same order even where the two passes
+    finish their gradients apart. A parameter that requires a gradient but gets none in this pass holds its bucket
+    and those after it back to :meth:`finish`, so ``parameters`` come in the order a model defines its layers. :meth:`finish` launches the rest (parameters without a gradient here count as
+    zero), waits for all and installs the means as views of the buckets.
+    """
+
+    def __init__(self, group: DataParallel, parameters: Iterable[torch.Tensor]) -> None:
+        self.group, self.params = group, list(parameters)
+        self.buckets: list[list[int]] = []
+        size = group.bucket_bytes
+        for i in reversed(range(len(self.params))):
+            nbytes = self.params[i].numel() * self.params[i].element_size()
+            if size + nbytes > group.bucket_bytes and (not self.buckets or self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += nbytes
+        self.bucket_of = {id(self.params[i]): k for k, bucket in enumerate(self.buckets) for i in bucket}
+        self.missing = [sum(self.params[i].requires_grad for i in bucket) for bucket in self.buckets]
+        self.flats: list[torch.Tensor] = []
+        self.works: list[Any] = []
+
+    def ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is complete: launch every bucket, in order, whose gradients all are."""
+        self.missing[self.bucket_of[id(param)]] -= 1
+        while len(self.flats) < len(self.buckets) and self.missing[len(self.flats)] <= 0:
+            self._launch()
+
+    def _launch(self) -> None:
+        params = [self.params[i] for i in self.buckets[len(self.flats)]]
+        grads = [p.grad for p in params]
+        like = next((g for g in grads if g is not None), params[0])
+        flat = torch.empty(sum(p.numel() for p in params) + len(params), dtype=like.dtype, device=like.device)
+        offset = 0
+        for p, g in zip(params, grads):
+            if g is None:
+                flat[offset:offset + p.numel()].zero_()
+            else:
+                flat[offset:offset + p.numel()].copy_(g.reshape(-1))
+            offset += p.numel()
+        flat[offset:] = torch.tensor([g is not None for g in grads], dtype=flat.dtype)
+        self.works.append(self.group._call(dist.all_reduce, "the gradient all-reduce", flat, async_op=True))
+        self.flats.append(flat)
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet, wait for every bucket and set each gradient to its mean."""
+        start = time.perf_counter()
+        while len(self.flats) < len(self.buckets):
+            self._launch()
+        for work in self.works:
+            self.group._call(work.wait, "the gradient all-reduce")
+        self.group.wait_s += time.perf_counter() - start
+        for bucket, flat in zip(self.buckets, self.flats):
+            count = sum(self.params[i].numel() for i in bucket)
+            flat[:count] /= self.group.world_size
+            offset = 0
+            for i, present in zip(bucket, flat[count:].tolist()):
+                p = self.params[i]
+                p.grad = None if present == 0 else flat[offset:offset + p.numel()].view_as(p)  # views: no copy
+                offset += p.numel()

@@ -13,6 +13,7 @@ from conveyor.policy import DataParallel, DataParallelError, DQNPolicy, PPOPolic
 
 SECRET = b"s" * 32
 BATCH, STEPS = 16, 5
+BUCKET_BYTES = 256  # these models' gradients then travel in several buckets, launched as the backward pass runs
 
 
 def make_policy(algo: str, **learn: Any):
@@ -89,7 +90,8 @@ def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | No
                 for p in policy.model.parameters():
                     p.add_(1.0)
         port = 0 if rank == 0 else port_queue.get(timeout=60)
-        group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=b"test", timeout=timeout)
+        group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=b"test", timeout=timeout,
+                             bucket_bytes=BUCKET_BYTES)
         if rank == 0:
             port_queue.put(group.port)
         group.connect()

@@ -119,6 +119,48 @@ def test_a_group_of_one_learner_learns_bitwise_as_no_group():
     assert torch.equal(workers.flat_weights(alone), workers.flat_weights(grouped))
 
 
+class Probe(torch.autograd.Function):
+    """Identity whose backward records how many all-reduces were launched by the time the pass reaches it."""
+
+    seen: list[int] = []
+    launched: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        Probe.seen.append(len(Probe.launched))
+        return grad
+
+
+def test_backward_all_reduces_the_last_layers_while_the_first_layers_gradients_are_still_computed(monkeypatch):
+    real = dist.all_reduce
+    Probe.seen, Probe.launched = [], []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: Probe.launched.append(t.numel()) or real(t, *a, **k))
+    torch.manual_seed(0)
+    first, rest, unused = torch.nn.Linear(8, 64), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                                                      torch.nn.ReLU(), torch.nn.Linear(64, 1)), \
+        torch.nn.Linear(2, 2)
+    params = [*unused.parameters(), *first.parameters(), *rest.parameters()]  # in a backward pass's reverse order
+    x = torch.randn(4, 8)
+    rest(first(x)).pow(2).mean().backward()
+    plain = [p.grad.clone() for p in [*first.parameters(), *rest.parameters()]]
+    for p in params:
+        p.grad = None
+    group = DataParallel(0, 1, host="127.0.0.1", port=0, secret=workers.SECRET, session=b"s", timeout=10,
+                         bucket_bytes=1024).connect()
+    try:
+        group.backward(rest(Probe.apply(first(x))).pow(2).mean(), params)
+    finally:
+        group.close()
+    assert Probe.seen[0] >= 2, "the last layers' buckets should travel before the first layer's gradients exist"
+    assert len(Probe.launched) >= 4  # the first layer's buckets and the unused layer's, after the pass
+    assert all(torch.equal(p.grad, g) for p, g in zip([*first.parameters(), *rest.parameters()], plain))
+    assert all(p.grad is None for p in unused.parameters())  # no gradient on any learner: optimizers skip it
+
+
 def test_shares_cover_the_batch_once():
     shares = [DataParallel(r, 3, host="127.0.0.1", port=1, secret=workers.SECRET, session=b"s").shard(list(range(10)))
               for r in (1, 2)]
