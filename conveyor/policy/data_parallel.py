@@ -258,8 +258,9 @@ class _GradientBuckets:
     :meth:`ready` (a post-accumulate-grad hook) launches a bucket once all its gradients are in; buckets launch in
     index order only, so every learner issues the same collectives in the same order even where the two passes
     finish their gradients apart. A parameter that requires a gradient but gets none in this pass holds its bucket
-    and those after it back to :meth:`finish`, so ``parameters`` come in the order a model defines its layers. :meth:`finish` launches the rest (parameters without a gradient here count as
-    zero), waits for all and installs the means as views of the buckets.
+    and those after it back to :meth:`finish`, so ``parameters`` come in the order a model defines its layers.
+    :meth:`finish` launches the rest (parameters without a gradient here count as zero), waits for all and
+    installs the means as views of the buckets.
     """
 
     def __init__(self, group: DataParallel, parameters: Iterable[torch.Tensor]) -> None:
