@@ -2,6 +2,7 @@
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -78,19 +79,17 @@ def test_task_runs_the_function_of_the_package_on_every_worker(package, launch):
 
 
 def free_ports(n):
-    """A first port p with p..p+n-1 all free on loopback now."""
+    """A first port p with p..p+n-1 all free on every interface now, from 20000-32767: below the kernel's
+    ephemeral range (32768 up), whose ports any outgoing connection (Ray's many among them) may take between this
+    check and the run's bind, and above Ray's worker ports (10002-19999)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + n > 65535:
-            continue
+        first = random.randrange(20000, 32768 - n)
+        held = []
         try:
-            held = []
             for port in range(first, first + n):
                 s = socket.socket()
                 held.append(s)
-                s.bind(("127.0.0.1", port))
+                s.bind(("", port))
             return first
         except OSError:
             continue
