@@ -4,10 +4,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
+from tests.launcher_helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -20,14 +19,16 @@ def kill_group(proc, timeout):
     except ProcessLookupError:
         pass
     proc.wait(timeout=timeout)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)  # polling the kernel's process table: there is no event to wait on for another's child
-    pytest.fail(f"process group {proc.pid} still has members {timeout} s after SIGKILL")
+    wait_until(lambda: _gone(proc.pid), timeout, f"the members of process group {proc.pid} to be reaped after SIGKILL")
+
+
+def _gone(pgid):
+    """Whether process group ``pgid`` has no member left."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 @contextlib.contextmanager
