@@ -17,7 +17,7 @@ SB3's on the same seeds. Prints a table and ends with one JSON line (``ours_fina
 SB3 is pip-installed into this interpreter when missing.
 
     python benchmarks/atari_learning.py --seeds 3 --first-seed 1        # 250k agent steps a run: hours on CPU
-    python benchmarks/atari_learning.py --quick                         # ours only, 1 seed, 2048 agent steps
+    python benchmarks/atari_learning.py --quick                         # ours only, 1 seed, 1024 agent steps
 """
 from __future__ import annotations
 
@@ -122,11 +122,11 @@ def main() -> None:
     parser.add_argument("--max-env-step", type=int, default=250_000, help="agent steps per run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config value of both sides, as `conveyor train --set` (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 2048 agent steps")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 1024 agent steps")
     parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    budget = 2048 if args.quick else args.max_env_step
+    budget = 1024 if args.quick else args.max_env_step
     if args.worker is not None:
         print(json.dumps(SIDES[args.worker](args.seed, budget, args.overrides)))
         return

@@ -14,7 +14,7 @@ JSON line: ``impala_final_train_returns``, ``ppo_final_train_returns``, ``impala
 ``seeds_at_or_above``, ``seeds_faster``. ``--no-ppo`` runs IMPALA alone (to compare with PPO runs taken before).
 
     python benchmarks/impala_learning.py --seeds 3 --first-seed 1      # 250k agent steps a run: hours on CPU
-    python benchmarks/impala_learning.py --quick                       # 1 seed, 3200 agent steps, IMPALA only
+    python benchmarks/impala_learning.py --quick                       # 1 seed, 1600 agent steps, IMPALA only
 """
 from __future__ import annotations
 
@@ -75,11 +75,11 @@ def main() -> None:
     parser.add_argument("--no-ppo", action="store_true", help="IMPALA only (ppo_* keys are null)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="change atari/impala's config, as `conveyor train --set`")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 3200 agent steps, IMPALA only")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 1600 agent steps, IMPALA only")
     parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    budget = 3200 if args.quick else args.max_env_step
+    budget = 1600 if args.quick else args.max_env_step
     if args.worker is not None:
         overrides = args.overrides if args.worker == "impala" else []
         print(json.dumps(SIDES[args.worker](args.seed, budget, args.collectors, overrides)))
