@@ -76,38 +76,49 @@ def learn(policy, batch: ttorch.Tensor) -> None:
     policy.learn_mode.publish()
 
 
-def learner(rank: int, algo: str, port_queue: Any, results: Any, fault: str | None = None,
+def learner(rank: int, algos: list[str], port_queue: Any, results: Any, fault: str | None = None,
             timeout: float = 20.0) -> None:
-    """Learn ``STEPS`` steps as rank ``rank`` of two; put ``(rank, [weights after each step])`` or
-    ``(rank, error message)`` on ``results``. ``fault``: after 2 steps rank 1 dies without a word (``"die"``)
-    or stops answering for good (``"hang"``)."""
+    """For each algorithm of ``algos`` in turn, in a two-learner group of its own, learn ``STEPS`` steps as rank
+    ``rank``; put ``(rank, {algo: [weights after each step]})`` or ``(rank, error message)`` on ``results``. One
+    process learns them all: a fresh process pays seconds of imports (torch's compiler, which building an optimizer
+    loads, among them). ``fault``: after 2 steps of the first algorithm rank 1 dies without a word (``"die"``) or
+    stops answering for good (``"hang"``)."""
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the learners talk over loopback only
     try:
-        policy = make_policy(algo)
-        if rank == 1:  # another seed: joining must copy rank 0's weights
-            with torch.no_grad():
-                for p in policy.model.parameters():
-                    p.add_(1.0)
-        port = 0 if rank == 0 else port_queue.get(timeout=60)
-        group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=b"test", timeout=timeout,
-                             bucket_bytes=BUCKET_BYTES)
-        if rank == 0:
-            port_queue.put(group.port)
-        group.connect()
-        policy.learn_mode.join_data_parallel(group)
-        weights = []
-        for step, batch in enumerate(batches(algo)):
-            if fault is not None and rank == 1 and step == 2:
-                if fault == "die":
-                    os._exit(3)
-                threading.Event().wait()  # hangs until the test kills it
-            learn(policy, group.shard(batch))
-            weights.append(flat_weights(policy))
-        results.put((rank, [w.numpy() for w in weights]))  # plain arrays: shared tensors die with the process
-        group.close()
+        weights: dict[str, list[Any]] = {}
+        for algo in algos:
+            weights[algo] = [w.numpy() for w in learn_in_group(rank, algo, port_queue, fault, timeout)]
+        results.put((rank, weights))  # plain arrays: shared tensors die with the process
     except DataParallelError as exc:
         results.put((rank, str(exc)))
     except Exception as exc:  # any other failure is reported too, so the test fails at once instead of waiting
         results.put((rank, f"{type(exc).__name__}: {exc}"))
         raise
+
+
+def learn_in_group(rank: int, algo: str, port_queue: Any, fault: str | None, timeout: float) -> list[torch.Tensor]:
+    """Rank ``rank``'s weights after each step of ``algo`` in a new two-learner group (rank 0 hands its port to rank
+    1 through ``port_queue``)."""
+    policy = make_policy(algo)
+    if rank == 1:  # another seed: joining must copy rank 0's weights
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.add_(1.0)
+    port = 0 if rank == 0 else port_queue.get(timeout=60)
+    group = DataParallel(rank, 2, host="127.0.0.1", port=port, secret=SECRET, session=algo.encode(), timeout=timeout,
+                         bucket_bytes=BUCKET_BYTES)
+    if rank == 0:
+        port_queue.put(group.port)
+    group.connect()
+    policy.learn_mode.join_data_parallel(group)
+    weights = []
+    for step, batch in enumerate(batches(algo)):
+        if fault is not None and rank == 1 and step == 2:
+            if fault == "die":
+                os._exit(3)
+            threading.Event().wait()  # hangs until the test kills it
+        learn(policy, group.shard(batch))
+        weights.append(flat_weights(policy))
+    group.close()
+    return weights

@@ -13,11 +13,12 @@ from conveyor.policy import DataParallel, DataParallelError, SignedStore
 from tests.policy import data_parallel_workers as workers
 
 
-def run_learners(algo: str, fault: str | None = None, timeout: float = 20.0) -> dict[int, object]:
-    """Both learners' results by rank; every process is ended, also when the test fails."""
+def run_learners(algos: list[str], fault: str | None = None, timeout: float = 20.0) -> dict[int, object]:
+    """Both learners' results by rank (``{algo: weights}``, or an error message); every process is ended, also when
+    the test fails."""
     ctx = mp.get_context("spawn")
     port_queue, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=workers.learner, args=(rank, algo, port_queue, results, fault, timeout), daemon=True)
+    procs = [ctx.Process(target=workers.learner, args=(rank, algos, port_queue, results, fault, timeout), daemon=True)
              for rank in range(2)]
     try:
         for p in procs:
@@ -36,15 +37,20 @@ def run_learners(algo: str, fault: str | None = None, timeout: float = 20.0) -> 
         assert not any(p.is_alive() for p in procs)
 
 
+ALGOS = ["dqn", "ppo", "ppo-target-kl", "ppo-norm", "sac"]
+
+
 @pytest.fixture(scope="module")
 def two_learners():
-    """``two_learners(algo)``: both learners' results, run once per algorithm for the module."""
-    runs: dict[str, dict[int, object]] = {}
+    """``two_learners(algo)``: both learners' weights after each step of ``algo``; one pair of processes learns every
+    algorithm of ``ALGOS`` for the module, at the first test that asks."""
+    runs: dict[int, object] = {}
 
     def get(algo: str) -> dict[int, object]:
-        if algo not in runs:
-            runs[algo] = run_learners(algo)
-        return runs[algo]
+        if not runs:
+            runs.update(run_learners(ALGOS))
+        assert all(isinstance(r, dict) for r in runs.values()), runs
+        return {rank: r[algo] for rank, r in runs.items()}
     return get
 
 
@@ -70,7 +76,7 @@ def test_the_learners_weights_are_bitwise_identical_after_every_step(algo, two_l
 
 @pytest.mark.slow  # two learner processes
 def test_a_learner_that_dies_ends_the_other_with_an_error_naming_the_collective():
-    results = run_learners("dqn", fault="die")
+    results = run_learners(["dqn"], fault="die")
     message = results[0]
     assert isinstance(message, str), "rank 0 should have failed, not finished"
     assert "learner rank 0 of 2" in message and "gradient all-reduce" in message
@@ -78,7 +84,7 @@ def test_a_learner_that_dies_ends_the_other_with_an_error_naming_the_collective(
 
 @pytest.mark.slow  # two learner processes, and a 3 s timeout
 def test_a_learner_that_stops_answering_ends_the_other_at_the_groups_timeout():
-    results = run_learners("dqn", fault="hang", timeout=3.0)
+    results = run_learners(["dqn"], fault="hang", timeout=3.0)
     message = results[0]
     assert isinstance(message, str), "rank 0 should have failed, not finished"
     assert "learner rank 0 of 2" in message and "gradient all-reduce" in message and "3 s" in message
