@@ -233,7 +233,7 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
         wait_until(lambda: len(rows(run_dir)) == 3 or driver.poll() is not None, WAIT, "every node in nodes.json")
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=WAIT) == 143, (tmp_path / "driver.out").read_text()
-        assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+        assert (run_dir / "ckpt" / "final.pth.tar").is_file(), (tmp_path / "driver.out").read_text()
         wait_until(lambda: processes_with(mark) == [], WAIT, "every process of the run to end")
     finally:
         for pid in processes_with(mark):

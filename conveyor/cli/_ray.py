@@ -126,9 +126,7 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
             actors.append(actor_class.options(num_cpus=1, num_gpus=gpus, max_restarts=bound or 0).remote())
         try:
             places = ray.get([actor.host.remote() for actor in actors], timeout=_PLACE_S)
-        except ray.exceptions.GetTimeoutError:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
+        except ray.exceptions.GetTimeoutError:  # the actors end below
             raise ConfigError(f"--launcher ray: Ray placed not all {layout.n_nodes} actors within {_PLACE_S:g} s (each "
                               f"asks for 1 CPU, the learner's also for 1 GPU with --device cuda); the cluster has "
                               f"{ray.cluster_resources()}") from None
@@ -140,10 +138,12 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         calls += [run(rank) for rank in range(layout.n_nodes)]
         return _gathered(ray, _Restarts(ray, actors, calls, places, run, bound))
     except KeyboardInterrupt:
-        _stop(ray, actors, calls, places)
+        _stop(ray, calls, places)
         signum = _signals.pop() if _signals else signal.SIGINT
         raise TrainingInterrupted(signum, DistributedRun(), _ckpt_dir(args, cfg)) from None
     finally:
+        for actor in actors:  # now, not when the garbage collector drops the last handle: a cluster that outlives
+            ray.kill(actor, no_restart=True)  # the run gets its CPUs back at once
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         if started:
@@ -162,10 +162,10 @@ def _interrupted(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _stop(ray: Any, actors: List[Any], calls: List[Any], places: List[Tuple[str, str, int]]) -> None:
+def _stop(ray: Any, calls: List[Any], places: List[Tuple[str, str, int]]) -> None:
     """Stop every node as a launcher's Ctrl-C does: SIGINT to each actor's process, sent by a task on its Ray node
     (the actor itself is busy running its node); its ``Parallel.runner`` gives its node ``grace_s`` to end the
-    run, the learner to write its final checkpoint. Then end the actors."""
+    run, the learner to write its final checkpoint. The caller ends the actors."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     interrupt = ray.remote(num_cpus=0)(_interrupt)
@@ -173,8 +173,6 @@ def _stop(ray: Any, actors: List[Any], calls: List[Any], places: List[Tuple[str,
              for _, node, pid in places], timeout=_GRACE_S)
     if calls:
         ray.wait(calls, num_returns=len(calls), timeout=_GRACE_S)
-    for actor in actors:
-        ray.kill(actor, no_restart=True)
 
 
 def _ckpt_dir(args: argparse.Namespace, cfg: Optional[Any]) -> Any:
