@@ -5,12 +5,11 @@ import copy
 import pytest
 
 from conveyor.cli import main as cli_main
-from conveyor.middleware import load_checkpoint
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import train_distributed
 from tests.middleware.test_logger import read_scalars
 
-from .resume_bar import differences, train
+from .resume_bar import differences, straight_and_split
 
 ENTRY = "cartpole/impala"
 
@@ -105,13 +104,8 @@ def test_cli_trains_the_entry_distributed(in_tmp, capsys):
 @pytest.mark.parametrize("replay", [(), ("--set", "policy.learn.replay_ratio=2", "--set",
                                      "policy.learn.replay_size=20")], ids=["each-unroll-once", "replay"])
 def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, replay):
-    common = (ENTRY, "--seed", "3", "--set", "policy.learn.batch_size=6", *replay)  # unrolls left queued across calls
-    straight = train(in_tmp, *common, "--exp-name", "straight", "--max-env-step", "2048")
-    first = train(in_tmp, *common, "--exp-name", "split", "--max-env-step", "1024")
-    second = train(in_tmp, ENTRY, "--exp-name", "split", "--resume", "--max-env-step", "2048")
-    assert straight.returncode == first.returncode == second.returncode == 0, second.stderr
-    a = load_checkpoint(in_tmp / "runs" / "straight" / "ckpt" / "final.pth.tar")
-    b = load_checkpoint(in_tmp / "runs" / "split" / "ckpt" / "final.pth.tar")
+    options = ("--seed", "3", "--set", "policy.learn.batch_size=6", *replay)  # unrolls left queued across calls
+    a, b = straight_and_split(in_tmp, ENTRY, options, 1024)
     assert a["ctx"]["env_step"] >= 2048 and a["ctx"]["train_iter"] > 0
     assert differences(a, b) == []
 

@@ -18,7 +18,7 @@ from conveyor.middleware import evaluate, load_checkpoint
 from conveyor.policy import DQNPolicy
 from conveyor.zoo import load_entry
 
-from .resume_bar import differences, train
+from .resume_bar import differences, straight_and_split
 
 
 @pytest.fixture
@@ -35,12 +35,7 @@ def in_tmp(tmp_path, monkeypatch):
     ("cartpole_masked/ppo_gru", 1024, ()),  # mid-episode at the split: the GRU's hidden state must carry over
 ])
 def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, entry, n, options):
-    straight = train(in_tmp, entry, *options, "--seed", "3", "--exp-name", "straight", "--max-env-step", str(2 * n))
-    first = train(in_tmp, entry, *options, "--seed", "3", "--exp-name", "split", "--max-env-step", str(n))
-    second = train(in_tmp, entry, "--exp-name", "split", "--resume", "--max-env-step", str(2 * n))
-    assert straight.returncode == first.returncode == second.returncode == 0, second.stderr
-    a = load_checkpoint(in_tmp / "runs" / "straight" / "ckpt" / "final.pth.tar")
-    b = load_checkpoint(in_tmp / "runs" / "split" / "ckpt" / "final.pth.tar")
+    a, b = straight_and_split(in_tmp, entry, (*options, "--seed", "3"), n)
     assert a["ctx"]["env_step"] >= 2 * n and a["ctx"]["train_iter"] > 0
     assert differences(a, b) == []
 
