@@ -167,9 +167,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (well under a minute)")
     args = parser.parse_args()
     workloads = {  # name: (env factory, lock-steps per round, rounds)
-        "cartpole": (cartpole, 500, 8) if args.quick else (cartpole, 1000, 25),
-        "cartpole_1ms": (expensive_cartpole, 30, 4) if args.quick else (expensive_cartpole, 100, 8),
-        "cartpole_wait_1ms": (waiting_cartpole, 30, 3) if args.quick else (waiting_cartpole, 100, 5),
+        "cartpole": (cartpole, 500, 3) if args.quick else (cartpole, 1000, 25),
+        "cartpole_1ms": (expensive_cartpole, 30, 2) if args.quick else (expensive_cartpole, 100, 8),
+        "cartpole_wait_1ms": (waiting_cartpole, 30, 2) if args.quick else (waiting_cartpole, 100, 5),
     }
     results = {name: measure(fn, steps, rounds) for name, (fn, steps, rounds) in workloads.items()}
 
