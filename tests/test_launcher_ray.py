@@ -233,7 +233,12 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
         wait_until(lambda: len(rows(run_dir)) == 3 or driver.poll() is not None, WAIT, "every node in nodes.json")
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=WAIT) == 143, (tmp_path / "driver.out").read_text()
-        assert (run_dir / "ckpt" / "final.pth.tar").is_file(), (tmp_path / "driver.out").read_text()
+        out = (tmp_path / "driver.out").read_text()
+        assert (run_dir / "ckpt" / "final.pth.tar").is_file(), out
+        assert out.strip().splitlines()[-1] == ("conveyor: interrupted by SIGTERM; final and latest checkpoints "
+                                                "written, continue with --resume; run directory runs/cartpole_dqn"), out
+        # the driver's Ctrl-C reached the learner's node (Ray blocks SIGINT in its actors unless the run lets it in)
+        assert "worker 0: asked to stop; the run ends after this iteration" in (run_dir / "log.txt").read_text()
         wait_until(lambda: processes_with(mark) == [], WAIT, "every process of the run to end")
     finally:
         for pid in processes_with(mark):

@@ -63,8 +63,19 @@ class _Node:
             restarts: int = 0) -> Any:
         """Node ``job.rank`` of ``job``: ``where`` (the launch options and the secret) placed as a Slurm task's.
         ``restarts``: how many times Ray restarted this actor (the driver's count of the restarts it waited for), its
-        node's ``task.router.restarts`` before any restart inside the actor: a learner above 0 resumes."""
-        return run_nodes(args, cfg, {**node_arguments(where, job, port), "restarts_before": restarts})
+        node's ``task.router.restarts`` before any restart inside the actor: a learner above 0 resumes.
+
+        Ctrl-C is how :func:`_stop` ends the node (its ``Parallel.runner`` stops the node process gracefully), but
+        Ray blocks SIGINT in every thread of an actor, and an actor whose cluster a process with SIGINT ignored
+        started (a driver run in the background) ignores it too: while the node runs, this thread (the main one)
+        takes SIGINT with Python's default handler."""
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        try:
+            return run_nodes(args, cfg, {**node_arguments(where, job, port), "restarts_before": restarts})
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            signal.signal(signal.SIGINT, handler)
 
 
 def _interrupt(pid: int) -> None:

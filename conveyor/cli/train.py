@@ -104,9 +104,8 @@ def _train(args: argparse.Namespace) -> int:
         else:
             ctx = entry.main(cfg, **_keywords(entry, args))
     except TrainingInterrupted as stop:
-        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name} at {_position(stop.ctx)} (last "
-              f"eval {number(stop.ctx.last_eval_value)}); final and latest checkpoints written, continue with "
-              f"--resume; run directory {run_dir}", file=sys.stderr)
+        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name}{_stopped_at(stop.ctx)}; final and latest "
+              f"checkpoints written, continue with --resume; run directory {run_dir}", file=sys.stderr)
         return 128 + stop.signum
     except KeyboardInterrupt:
         print("conveyor: stopped at once by a second interrupt; the last latest.pth.tar is kept", file=sys.stderr)
@@ -194,6 +193,14 @@ def _keywords(entry: ModuleType, args: argparse.Namespace) -> dict:
 def _position(ctx: Any) -> str:
     """Where a run is: its env step, or its train iteration in an offline run (which takes no env steps)."""
     return f"env step {ctx.env_step}" if hasattr(ctx, "env_step") else f"train iter {ctx.train_iter}"
+
+
+def _stopped_at(ctx: Any) -> str:
+    """`` at <position> (last eval R)`` for an interrupted run; nothing where its counters are not known here (the
+    driver of a Ray run, whose learner ran in an actor)."""
+    if getattr(ctx, "env_step", 0) is None or getattr(ctx, "train_iter", 0) is None:
+        return ""
+    return f" at {_position(ctx)} (last eval {number(ctx.last_eval_value)})"
 
 
 def _used_config(run_dir: Path, cfg: Optional[Any], entry: ModuleType) -> Any:
