@@ -73,6 +73,15 @@ def processes_with(mark):
     return found
 
 
+def group_gone(pgid):
+    """Whether process group ``pgid`` has no member left (a zombie, killed but not reaped yet, still counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def wait_until(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():

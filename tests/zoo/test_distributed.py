@@ -20,7 +20,7 @@ from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
 from tests.cli_helpers import TINY, assert_usage_error
-from tests.launcher_helpers import wait_until
+from tests.launcher_helpers import group_gone, wait_until
 from tests.test_cli_task import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,15 +301,7 @@ def launch(in_tmp):
         with contextlib.suppress(ProcessLookupError):  # a stopped learner too: SIGKILL ends it
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        wait_until(lambda: not group_alive(proc.pid), 30, f"the end of process group {proc.pid}")
-
-
-def group_alive(pgid):
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        wait_until(lambda: group_gone(proc.pid), 30, f"the end of process group {proc.pid}")
 
 
 def training_nodes(run):

@@ -17,6 +17,7 @@ from conveyor.middleware import ckpt as ckpt_module
 from conveyor.middleware import evaluate, load_checkpoint
 from conveyor.policy import DQNPolicy
 from conveyor.zoo import load_entry
+from tests.launcher_helpers import group_gone
 
 from .resume_bar import differences, straight_and_split
 
@@ -159,14 +160,6 @@ def spawn(request):
     return start
 
 
-def group_is_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code, manager", [(signal.SIGINT, 130, "sync"), (signal.SIGTERM, 143, "subprocess")])
 def test_a_signal_finishes_the_iteration_writes_final_and_exits_cleanly(in_tmp, spawn, signum, code, manager):
@@ -186,7 +179,7 @@ def test_a_signal_finishes_the_iteration_writes_final_and_exits_cleanly(in_tmp, 
     assert final["ctx"]["env_step"] > 0
     assert "leaked" not in err
     deadline = time.monotonic() + 10  # helpers (the resource tracker) exit once they read the parent's EOF
-    while not group_is_gone(proc.pid):
+    while not group_gone(proc.pid):
         left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True)
         assert time.monotonic() < deadline, f"processes left: {left.stdout}"
         time.sleep(0.05)

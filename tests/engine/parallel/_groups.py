@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.launcher_helpers import wait_until
+from tests.launcher_helpers import group_gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -19,16 +19,7 @@ def kill_group(proc, timeout):
     except ProcessLookupError:
         pass
     proc.wait(timeout=timeout)
-    wait_until(lambda: _gone(proc.pid), timeout, f"the members of process group {proc.pid} to be reaped after SIGKILL")
-
-
-def _gone(pgid):
-    """Whether process group ``pgid`` has no member left."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    wait_until(lambda: group_gone(proc.pid), timeout, f"the members of process group {proc.pid} to be reaped after SIGKILL")
 
 
 @contextlib.contextmanager
