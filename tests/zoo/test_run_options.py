@@ -51,6 +51,21 @@ def test_a_refused_resume_names_the_keys_that_differ(in_tmp, capsys):
     assert_usage_error(code, capsys, "policy.learn.learning_rate: saved 0.003, given 0.002")
 
 
+def test_the_command_line_that_started_a_run_resumes_it(in_tmp, capsys):
+    started = ["train", "cartpole/dqn", *TINY, "--seed", "4", "--exp-name", "again"]
+    assert cli(started) == 0
+    assert cli([*started, "--max-env-step", "96", "--resume"]) == 0
+    assert cli([*started, "--max-env-step", "128", "--resume-if-exists"]) == 0
+    without_seed = [arg for arg in started if arg not in ("--seed", "4")]
+    assert cli([*without_seed, "--max-env-step", "160", "--resume"]) == 0  # the seed is the run's
+    lines = (in_tmp / "runs" / "again" / "log.txt").read_text().splitlines()
+    assert [line.split("run ended at ")[1].split()[0] for line in lines if "run ended at " in line] == \
+        ["env_step=64", "env_step=96", "env_step=128", "env_step=160"]
+    capsys.readouterr()
+    assert_usage_error(cli([*without_seed, "--set", "seed=5", "--resume"]), capsys,
+                       "--seed 5 differs from the seed 4 of run 'again'")
+
+
 def test_every_run_directory_holds_a_plain_text_log(in_tmp):
     dqn.main(tiny(), exp_name="logged", max_env_step=64, progress=False)
     dqn.main(tiny(), exp_name="logged", max_env_step=96, progress=False, resume=True)

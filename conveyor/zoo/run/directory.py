@@ -65,7 +65,8 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
 
     A new run: ``cfg`` (default ``main_config``) with the overrides; its name must not hold a run yet;
     the directory is created and the resolved config saved in it. ``resume=True``: the config saved by
-    the run (``cfg`` and ``seed``, if given, must agree with it). ``owner=False`` (a distributed run's node
+    the run (``cfg`` and ``seed``, if given, must agree with it: the command line that started a run resumes it,
+    and so does one that leaves its ``--seed`` out). ``owner=False`` (a distributed run's node
     other than the learner): only the compiled config; the run directory is the learner's.
     """
     raw = EasyDict(copy.deepcopy(dict(cfg if cfg is not None else main_config)))
@@ -75,6 +76,8 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
         return compile_config(raw if seed is None else EasyDict(raw, seed=seed), policy=policy)
     run_dir = experiment_dir(raw)
     if resume:
+        if cfg is not None and seed is None and raw.get("seed") != main_config.get("seed"):
+            seed = raw.seed  # a seed the given config sets is checked as --seed is
         return _saved_config(run_dir, policy, None if cfg is None else raw, seed, distributed)
     if seed is not None:
         raw.seed = seed
@@ -177,9 +180,10 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
     if seed is not None and seed != cfg.seed:
         raise RunDirError(f"--seed {seed} differs from the seed {cfg.seed} of run '{run_dir.name}': leave --seed "
                           f"out to resume it")
-    if given is not None:
+    if given is not None:  # the same command line resumes: its seed was checked above, the rest must agree
         differ = config_differences(json.loads(json.dumps(cfg)),
-                                    json.loads(json.dumps(compile_config(given, policy=policy))))
+                                    json.loads(json.dumps(compile_config(EasyDict(given, seed=cfg.seed),
+                                                                         policy=policy))))
         if differ:
             raise RunDirError(f"the config given differs from the one run '{run_dir.name}' saved in {path} "
                               f"({_leaves(differ)}): resume without a config, or start a new run")
