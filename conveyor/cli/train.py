@@ -46,14 +46,16 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--seed", type=int, default=None, help="seed (default: the entry's config)")
     train.add_argument("--exp-name", default=None, help="run name (default: the entry's config)")
     train.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                       help="where the learner's policy runs (sets policy.device; default: the entry's config)")
+                       help="where the learner's policy runs (sets policy.device; default: the entry's config; with "
+                            "--resume, moves the run there)")
     train.add_argument("--max-env-step", type=int, default=None,
                        help="stop after this many env steps in total (a resumed run counts the steps before it)")
     train.add_argument("--max-train-iter", type=int, default=None,
                        help="stop after this many gradient steps in total")
     train.add_argument("--resume", action="store_true",
                        help="continue runs/<exp-name> from its saved config and ckpt/latest.pth.tar (exactly where "
-                            "it stopped); without it, a name that already holds a run is an error")
+                            "it stopped; --set, --config and --seed, if given, must agree with it); without it, a name that "
+                            "already holds a run is an error")
     train.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",
                        help="--resume when runs/<exp-name> holds a run (its config.json), else start it: for a job "
                             "the scheduler may start again (sbatch --requeue, a restarted pod)")
@@ -99,6 +101,8 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = run_directory(cfg if cfg is not None else entry.main_config, args.exp_name)
         if args.resume_if_exists:  # a run that stopped before its first checkpoint starts over from its config
             args.resume = args.resume or (run_dir / CONFIG_FILE).is_file()
+        if args.resume and args.device is not None and args.config is None and not args.overrides:
+            cfg = _saved_on(run_dir, args.device)
         if distributed.requested(args):  # learner, collectors and evaluators as processes (cli/_distributed.py)
             ctx = distributed.train(args, cfg)
         else:
@@ -162,6 +166,21 @@ def _config(entry: ModuleType, args: argparse.Namespace) -> Optional[Any]:
     if args.device is not None:
         overrides.append(f"policy.device={args.device}")
     return apply_overrides(cfg, overrides)
+
+
+def _saved_on(run_dir: Path, device: str) -> Optional[Any]:
+    """``--resume --device D`` with no other config: the run's saved config (``None``: the entry reads it), moved
+    to ``D`` where it trained elsewhere (its checkpoints load on any device). The entry's own config with ``D``
+    would differ from that of a run started with ``--set``."""
+    from conveyor.zoo.run import CONFIG_FILE, read_run_config
+
+    if not (run_dir / CONFIG_FILE).is_file():
+        return None  # nothing to resume: the entry says so
+    saved = read_run_config(run_dir)["config"]
+    if str(saved.get("policy", {}).get("device", "cpu")).split(":")[0] == device:
+        return None
+    saved["policy"]["device"] = device
+    return saved
 
 
 _KEYWORDS = (("seed", "--seed"), ("exp_name", "--exp-name"), ("max_env_step", "--max-env-step"),

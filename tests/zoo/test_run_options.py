@@ -1,6 +1,7 @@
 """What every run gets from conveyor.zoo.run: --no-stop, a refused --resume that names the keys that differ, and a
 plain-text log in the run directory."""
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -64,6 +65,21 @@ def test_the_command_line_that_started_a_run_resumes_it(in_tmp, capsys):
     capsys.readouterr()
     assert_usage_error(cli([*without_seed, "--set", "seed=5", "--resume"]), capsys,
                        "--seed 5 differs from the seed 4 of run 'again'")
+    named = ["train", "cartpole/dqn", "--exp-name", "again", "--no-progress", "--resume"]
+    assert cli([*named, "--device", "cpu", "--max-env-step", "192"]) == 0  # the saved config, on its own device
+    assert "run ended at env_step=192" in (in_tmp / "runs" / "again" / "log.txt").read_text().splitlines()[-1]
+
+
+def test_a_run_resumes_on_another_device_with_its_saved_config(in_tmp):
+    assert cli(["train", "cartpole/dqn", *TINY, "--seed", "3", "--exp-name", "moved"]) == 0
+    saved = in_tmp / "runs" / "moved" / "config.json"
+    elsewhere = json.loads(saved.read_text())
+    elsewhere["config"]["policy"]["device"] = "cuda:0"  # as a run started on a GPU machine saves it
+    saved.write_text(json.dumps(elsewhere))
+    assert cli(["train", "cartpole/dqn", "--exp-name", "moved", "--device", "cpu", "--max-env-step", "96",
+                "--no-progress", "--resume"]) == 0
+    log = (in_tmp / "runs" / "moved" / "log.txt").read_text().splitlines()
+    assert any("run 'moved' resumed: DQNPolicy, seed 3" in line for line in log) and "env_step=96" in log[-1]
 
 
 def test_every_run_directory_holds_a_plain_text_log(in_tmp):

@@ -66,7 +66,7 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
     A new run: ``cfg`` (default ``main_config``) with the overrides; its name must not hold a run yet;
     the directory is created and the resolved config saved in it. ``resume=True``: the config saved by
     the run (``cfg`` and ``seed``, if given, must agree with it: the command line that started a run resumes it,
-    and so does one that leaves its ``--seed`` out). ``owner=False`` (a distributed run's node
+    and so does one that leaves its ``--seed`` out; ``policy.device`` may differ: the run moves). ``owner=False`` (a distributed run's node
     other than the learner): only the compiled config; the run directory is the learner's.
     """
     raw = EasyDict(copy.deepcopy(dict(cfg if cfg is not None else main_config)))
@@ -184,9 +184,12 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
         differ = config_differences(json.loads(json.dumps(cfg)),
                                     json.loads(json.dumps(compile_config(EasyDict(given, seed=cfg.seed),
                                                                          policy=policy))))
+        differ = [line for line in differ if not line.startswith("policy.device:")]
         if differ:
             raise RunDirError(f"the config given differs from the one run '{run_dir.name}' saved in {path} "
                               f"({_leaves(differ)}): resume without a config, or start a new run")
+        if "device" in given.get("policy", {}):  # a run may move between devices: its checkpoints load on any
+            cfg.policy.device = given.policy.device
     if not latest.is_file():
         log.warning("run '%s' stopped before its first checkpoint (a failed or killed start): it starts over from "
                     "its saved config", run_dir.name)
