@@ -77,6 +77,11 @@ class Inbox:
         if listen is None:
             self._tmpdir = tempfile.mkdtemp(prefix="conveyor-router-")
             listen = f"ipc://{self._tmpdir}/{node_id.replace('/', '_')}.ipc"
+        try:
+            check_ipc_address(listen, f"Router {node_id!r} cannot listen")
+        except OSError:
+            self._remove_tmpdir()
+            raise
         recv_max = 2 * router.max_message_size
         self.guard = PipeGuard(max_connections, max(1, max_pending_bytes // recv_max), auth_timeout_s,
                                router._count, log, node_id)
@@ -258,6 +263,21 @@ def control_message(frame: Frame) -> Optional[Dict[str, Any]]:
     except Exception:
         return None
     return message
+
+
+UNIX_SOCKET_PATH_MAX = 107
+"""Bytes in the longest path a Unix socket takes on Linux (``sockaddr_un.sun_path`` holds 108 with its NUL)."""
+
+
+def check_ipc_address(url: str, what: str) -> None:
+    """Refuse in one line an ``ipc://`` address whose path no Unix socket takes (nng says only 'Address
+    invalid', or a dialer retries it for ever)."""
+    if url.startswith("ipc://"):
+        size = len(os.fsencode(url[len("ipc://"):]))
+        if size > UNIX_SOCKET_PATH_MAX:
+            raise OSError(errno.ENAMETOOLONG, f"{what}: the path of {url} is {size} bytes, more than the "
+                                              f"{UNIX_SOCKET_PATH_MAX} a Unix socket takes; use a shorter folder "
+                                              f"(the address given, or $TMPDIR for a run's own) or tcp")
 
 
 def nng_os_error(what: str, error: Exception) -> OSError:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from conveyor.engine.compose import note
 from conveyor.engine.parallel.frame import SECRET_ENV, generate_secret, load_secret
+from conveyor.engine.parallel.inbox import check_ipc_address
 from conveyor.engine.parallel.worker import WorkerRouter
 from conveyor.processes import (Forked, RemoteTraceback, UnguardedStart, Zygote, describe_exit, importing_main,
                                 preparation, private_dir, sigterm_raises, signals_ignored, stop, unlink_quietly,
@@ -73,6 +74,8 @@ def launch(plan: Any, main: Callable[..., Any], args: tuple) -> List[Any]:
     workers: List[_Worker] = []
     zygote: Optional[Zygote] = None
     try:
+        for url in listens:
+            check_ipc_address(url or "", "Parallel.runner")
         if generated and plan.topology != "alone":
             _check_local(listens + plan.attach_to)
         with sigterm_raises():

@@ -166,6 +166,15 @@ def test_a_port_in_use_is_an_immediate_error_naming_the_address(make_router):
     assert info.value.errno == errno.EADDRINUSE and first.address in str(info.value)
 
 
+def test_an_ipc_path_too_long_for_a_unix_socket_is_refused_naming_its_size(make_router, tmp_path):
+    folder = tmp_path / ("d" * (120 - len(str(tmp_path))))
+    folder.mkdir()
+    with pytest.raises(OSError, match=r"cannot listen: the path of ipc://.* is 1\d\d bytes, more than the 107 a "
+                                      r"Unix socket takes; use a shorter folder") as info:
+        make_router("long", listen=f"ipc://{folder}/node.ipc")
+    assert info.value.errno == errno.ENAMETOOLONG
+
+
 def test_a_non_loopback_address_without_a_secret_is_refused():
     with pytest.raises(ValueError, match="without a secret"):
         Router("open", None, listen="tcp://0.0.0.0:0")

@@ -26,6 +26,12 @@ def runner(n, **kwargs):
     return Parallel.runner(n, ready_timeout_s=WAIT, router_options=FAST, **kwargs)
 
 
+def children():
+    """The pids of this process's children."""
+    return {int(pid) for tid in os.listdir("/proc/self/task")
+            for pid in Path(f"/proc/self/task/{tid}/children").read_text().split()}
+
+
 def assert_gone(pid):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -52,12 +58,12 @@ def test_each_worker_knows_its_node_id_and_gets_the_secret_neither_by_env_nor_by
 
 
 def test_workers_fork_from_one_zygote_run_their_exit_handlers_and_leave_no_child_process(tmp_path):
+    before = children()  # an earlier test's helpers (multiprocessing's resource tracker) may live on
     parents = runner(3)(mains.note_at_exit, str(tmp_path))
     assert len(set(parents)) == 1 and parents[0] != os.getpid()  # one zygote forked them all
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exit-0", "exit-1", "exit-2"]
     assert_gone(parents[0])
-    children = [Path(f"/proc/self/task/{tid}/children").read_text().split() for tid in os.listdir("/proc/self/task")]
-    assert not any(children)
+    assert children() == before
 
 
 def test_one_worker_alone_runs_main_in_this_process_without_a_router():
@@ -144,12 +150,6 @@ def test_a_launch_removes_the_ipc_directories_that_killed_launchers_left(tmp_pat
     assert list(tmp.iterdir()) == [live]
 
 
-def children():
-    """The pids of this process's children."""
-    return {int(pid) for tid in os.listdir("/proc/self/task")
-            for pid in Path(f"/proc/self/task/{tid}/children").read_text().split()}
-
-
 def test_a_launch_takes_the_zygote_started_ahead_and_one_left_untaken_is_ended(tmp_path, monkeypatch):
     before = children()
     with zygote_ahead(["tests.engine.parallel._runner_mains"]):
@@ -164,6 +164,20 @@ def test_a_launch_takes_the_zygote_started_ahead_and_one_left_untaken_is_ended(t
         monkeypatch.chdir(tmp_path)  # the workers would start elsewhere than the zygote started ahead
         parents = runner(2)(mains.note_at_exit, str(tmp_path))
     assert spare not in parents and children() == before
+
+
+def test_an_ipc_folder_too_long_for_a_unix_socket_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    long = tmp_path / ("d" * (110 - len(str(tmp_path))))
+    long.mkdir()
+    before = children()
+    with pytest.raises(OSError, match=r"Parallel.runner: the path of ipc://.*node0.ipc is 1\d\d bytes, more than the "
+                                      r"107 a Unix socket takes"):
+        runner(2, protocol="ipc", address=str(long))(mains.whoami, 1)
+    monkeypatch.setenv("TMPDIR", str(long))  # the run's own folder under it
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with pytest.raises(OSError, match=r"the path of ipc://.*conveyor-run-.* is 1\d\d bytes"):
+        runner(2)(mains.whoami, 1)
+    assert list(long.iterdir()) == [] and children() == before
 
 
 def test_a_misspelt_topology_is_refused_with_the_closest_name():
