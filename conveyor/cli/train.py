@@ -54,8 +54,8 @@ def register(commands: "argparse._SubParsersAction") -> None:
                        help="stop after this many gradient steps in total")
     train.add_argument("--resume", action="store_true",
                        help="continue runs/<exp-name> from its saved config and ckpt/latest.pth.tar (exactly where "
-                            "it stopped; --set, --config and --seed, if given, must agree with it); without it, a name that "
-                            "already holds a run is an error")
+                            "it stopped; --set, --config and --seed, if given, must agree with it); without it, a "
+                            "name that already holds a run is an error")
     train.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",
                        help="--resume when runs/<exp-name> holds a run (its config.json), else start it: for a job "
                             "the scheduler may start again (sbatch --requeue, a restarted pod)")

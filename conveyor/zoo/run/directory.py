@@ -66,8 +66,9 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
     A new run: ``cfg`` (default ``main_config``) with the overrides; its name must not hold a run yet;
     the directory is created and the resolved config saved in it. ``resume=True``: the config saved by
     the run (``cfg`` and ``seed``, if given, must agree with it: the command line that started a run resumes it,
-    and so does one that leaves its ``--seed`` out; ``policy.device`` may differ: the run moves). ``owner=False`` (a distributed run's node
-    other than the learner): only the compiled config; the run directory is the learner's.
+    and so does one that leaves its ``--seed`` out; ``policy.device`` may differ: the run moves). ``owner=False``
+    (a distributed run's node other than the learner): only the compiled config; the run directory is the
+    learner's.
     """
     raw = EasyDict(copy.deepcopy(dict(cfg if cfg is not None else main_config)))
     if exp_name is not None:
