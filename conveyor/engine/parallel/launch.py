@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from conveyor.engine.compose import note
 from conveyor.engine.parallel.frame import SECRET_ENV, generate_secret, load_secret
-from conveyor.engine.parallel.inbox import check_ipc_address
 from conveyor.engine.parallel.worker import WorkerRouter
 from conveyor.processes import (Forked, RemoteTraceback, UnguardedStart, Zygote, describe_exit, importing_main,
                                 preparation, private_dir, sigterm_raises, signals_ignored, stop, unlink_quietly,
@@ -74,6 +73,7 @@ def launch(plan: Any, main: Callable[..., Any], args: tuple) -> List[Any]:
     workers: List[_Worker] = []
     zygote: Optional[Zygote] = None
     try:
+        from conveyor.engine.parallel.inbox import check_ipc_address  # imports pynng: only once workers start
         for url in listens:
             check_ipc_address(url or "", "Parallel.runner")
         if generated and plan.topology != "alone":
