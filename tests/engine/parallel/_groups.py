@@ -19,7 +19,8 @@ def kill_group(proc, timeout):
     except ProcessLookupError:
         pass
     proc.wait(timeout=timeout)
-    wait_until(lambda: group_gone(proc.pid), timeout, f"the members of process group {proc.pid} to be reaped after SIGKILL")
+    wait_until(lambda: group_gone(proc.pid), timeout,
+               f"the members of process group {proc.pid} to be reaped after SIGKILL")
 
 
 @contextlib.contextmanager
