@@ -76,6 +76,14 @@ def test_the_device_path_benchmark_without_a_gpu_is_one_line():
     assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_the_offline_benchmark_on_cuda_without_a_gpu_is_one_line_before_any_run(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "offline.py"), "--quick", "--device", "cuda",
+                          "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr.strip().splitlines()[-1], out.stderr
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_the_device_path_benchmark_reports_cuda_against_cpu(tmp_path):
