@@ -285,9 +285,9 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
 def test_a_layout_the_cluster_cannot_place_is_a_one_line_error(ray_cluster, monkeypatch, capsys):
     import conveyor.cli._ray as launcher
 
-    monkeypatch.setattr(launcher, "_PLACE_S", 3.0)
+    monkeypatch.setattr(launcher, "_PLACE_S", 1.0)
     code = cli_main(["train", "cartpole/dqn", "--collectors", "3", "--launcher", "ray", *TINY])  # 4 actors, 3 CPUs
-    assert_usage_error(code, capsys, "Ray placed not all 4 actors within 3 s", "'CPU': 3.0")
+    assert_usage_error(code, capsys, "Ray placed not all 4 actors within 1 s", "'CPU': 3.0")
 
 
 def test_several_learners_with_auto_recover_are_refused_before_ray_starts(cluster, capsys):
