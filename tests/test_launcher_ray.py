@@ -56,6 +56,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """The module's :class:`Cluster`, stopped at the end."""
     shared = Cluster(pytest.importorskip("ray", reason="the ray extra is not installed"),
                      tmp_path_factory.mktemp("ray-workdir"))
     yield shared
