@@ -1,4 +1,4 @@
-"""``conveyor train ... --launcher ray`` on a local Ray cluster started by each test (a private temp dir,
+"""``conveyor train ... --launcher ray`` on a local Ray cluster that the tests share (a private temp dir,
 ``ray.shutdown`` at the end; never ``ray stop``, which ends every Ray process on the machine): cartpole/dqn with
 1 learner and 2 collectors as Ray actors over loopback."""
 import builtins
@@ -27,16 +27,59 @@ WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
 
 
+class Cluster:
+    """The local Ray cluster of 3 CPUs that this module's tests take turns on (starting one takes about 5 s here,
+    stopping one 1.5 s), started when a test needs it. Ray starts every worker in the directory the cluster
+    started in, ``workdir``: each run goes to its ``runs``."""
+
+    def __init__(self, ray, workdir):
+        self.ray, self.workdir, self.temp_dir = ray, workdir, None
+
+    def start(self):
+        if self.ray.is_initialized():
+            return
+        self.temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-test-")  # short: Ray's socket paths must fit in 107 bytes
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(self.workdir)
+            self.ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=self.temp_dir)
+
+    def stop(self):
+        self.ray.shutdown()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+    def idle(self):
+        """Whether every CPU of the cluster is free: no actor is left."""
+        return self.ray.available_resources().get("CPU") == 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The module's :class:`Cluster`, stopped at the end."""
+    shared = Cluster(pytest.importorskip("ray", reason="the ray extra is not installed"),
+                     tmp_path_factory.mktemp("ray-workdir"))
+    yield shared
+    shared.stop()
+
+
 @pytest.fixture
-def ray_cluster(tmp_path, monkeypatch):
-    """A local Ray cluster of 3 CPUs, its workers started in ``tmp_path`` (where the runs go)."""
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-    monkeypatch.chdir(tmp_path)
-    temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-test-")  # short: Ray's socket paths must fit in 107 bytes
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
-    yield ray
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+def ray_cluster(cluster, tmp_path, monkeypatch):
+    """The shared cluster, idle, with the driver in its ``workdir``, whose ``runs`` is this test's own
+    ``tmp_path / "runs"`` (a link). After the test every actor it started must be gone (Ray frees their CPUs at
+    once); else the cluster is stopped, so that the next test starts on a new one, and the test fails."""
+    cluster.start()
+    (tmp_path / "runs").mkdir()
+    link = cluster.workdir / "runs"
+    link.unlink(missing_ok=True)
+    link.symlink_to(tmp_path / "runs")
+    monkeypatch.chdir(cluster.workdir)
+    yield cluster
+    try:
+        wait_until(cluster.idle, 30, "every actor of the test to end")
+    except AssertionError:
+        cluster.stop()
+        raise
 
 
 def train(*argv):
@@ -84,7 +127,7 @@ def in_background(*argv):
 def test_with_auto_recover_a_killed_collector_process_is_restarted_in_its_actor_and_rejoins(ray_cluster, tmp_path,
                                                                                               capsys):
     run_dir = tmp_path / "runs" / "cartpole_dqn"
-    driver, codes = in_background("--max-env-step", "20000", "--auto-recover")
+    driver, codes = in_background("--max-env-step", "5000", "--auto-recover")
     wait_until(lambda: len(rows(run_dir)) == 3 or codes, WAIT, "every node in nodes.json")
     first = rows(run_dir)[1]["pid"]
     os.kill(first, signal.SIGKILL)
@@ -176,13 +219,6 @@ def test_with_auto_recover_ray_restarts_a_killed_learner_actor_which_resumes_fro
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
 
 
-def test_several_learners_with_auto_recover_are_refused_before_ray_starts(capsys):
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-    assert_usage_error(train("--learners", "2", "--auto-recover", *TINY), capsys,
-                       "--learners > 1 with --auto-recover")
-    assert not ray.is_initialized()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(2 * WAIT)
 def test_a_collector_actor_dead_beyond_max_retries_is_done_without_then_named_in_one_line(ray_cluster, tmp_path,
@@ -250,9 +286,16 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
 def test_a_layout_the_cluster_cannot_place_is_a_one_line_error(ray_cluster, monkeypatch, capsys):
     import conveyor.cli._ray as launcher
 
-    monkeypatch.setattr(launcher, "_PLACE_S", 3.0)
+    monkeypatch.setattr(launcher, "_PLACE_S", 1.0)
     code = cli_main(["train", "cartpole/dqn", "--collectors", "3", "--launcher", "ray", *TINY])  # 4 actors, 3 CPUs
-    assert_usage_error(code, capsys, "Ray placed not all 4 actors within 3 s", "'CPU': 3.0")
+    assert_usage_error(code, capsys, "Ray placed not all 4 actors within 1 s", "'CPU': 3.0")
+
+
+def test_several_learners_with_auto_recover_are_refused_before_ray_starts(cluster, capsys):
+    cluster.stop()  # the shared one, if it runs
+    assert_usage_error(train("--learners", "2", "--auto-recover", *TINY), capsys,
+                       "--learners > 1 with --auto-recover")
+    assert not cluster.ray.is_initialized()
 
 
 def test_without_ray_the_launcher_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):

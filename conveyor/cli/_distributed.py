@@ -22,7 +22,8 @@ from conveyor.cli._common import message
 from conveyor.cli._placement import placed, run_nodes
 from conveyor.cli.task import add_launch_arguments, launch_options
 
-__all__ = ["LAUNCHERS", "add_arguments", "placed", "requested", "run_nodes", "started_ahead", "train"]
+__all__ = ["LAUNCHERS", "add_arguments", "nodes_ahead", "placed", "requested", "run_nodes", "started_ahead",
+           "train"]
 
 LAUNCHERS = ("local", "slurm", "kubernetes", "ray")
 """``--launcher``: this host's processes (local), one node per Slurm task or per pod of an indexed Job, or one
@@ -56,9 +57,15 @@ def requested(args: argparse.Namespace) -> bool:
 
 def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
     """For a distributed run, its zygote started now (``Parallel.runner``'s zygote_ahead), so that its imports
-    (torch among them, about 2 s) overlap those of this process, which reads the entry's config first."""
-    if not requested(args) or args.launcher == "ray":  # under Ray the nodes start in actors, not from here
+    (torch among them, about 2 s) overlap those of this process, which reads the entry's config first. Under Ray
+    the nodes start in actors, not from here: each actor starts its own so (:func:`nodes_ahead`)."""
+    if not requested(args) or args.launcher == "ray":
         return contextlib.nullcontext()
+    return nodes_ahead()
+
+
+def nodes_ahead() -> ContextManager[None]:
+    """The zygote of the nodes this process starts next (``Parallel.runner``'s zygote_ahead), started now."""
     from conveyor.engine.parallel.runner import zygote_ahead
     return zygote_ahead(["conveyor.zoo.run"])
 
