@@ -28,8 +28,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from _peers import ensure_package, run_worker, scratch_dir
-from learning_curve import TRAIN_EPISODES, final_train_return
+from _peers import TRAIN_EPISODES, ensure_package, final_train_return, run_worker, scratch_dir
 
 ENTRY = "atari/ppo"
 QUICK_SETS = ["env.collector_env_num=2", "policy.collect.n_sample=256", "env.evaluator_env_num=1"]

@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from _peers import scratch_dir
+from _peers import TRAIN_EPISODES, final_train_return, scratch_dir
 from atari_learning import ours, per_seed, print_pairs
-from learning_curve import TRAIN_EPISODES, final_train_return
 
 HERE = Path(__file__).resolve().parent
 QUICK_SETS = ["env.collector_env_num=2", "policy.collect.n_sample=40", "env.evaluator_env_num=1",
