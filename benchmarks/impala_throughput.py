@@ -24,7 +24,7 @@ processes share two cores, so expect little above 1 there.
 
     python benchmarks/impala_throughput.py                        # 40,000 agent steps a run, 1 round
     python benchmarks/impala_throughput.py --env-steps 64000 --rounds 2
-    python benchmarks/impala_throughput.py --quick                # 2 envs, 10-step unrolls one a batch, 800 steps
+    python benchmarks/impala_throughput.py --quick                # 2 envs, 10-step unrolls one a batch, 700 steps
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ from _peers import alternate, run_worker, scratch_dir, tensorboard_scalars  # no
 
 ENTRY = "atari/impala"
 SIDES = ("1", "2")  # collector processes
-QUICK_ENV_STEPS = 800
+QUICK_ENV_STEPS = 700
 """The smoke run's agent steps a run: the learner logs at its first gradient step and every 100 after, and the
 figure needs 3 points. With the quick config the learner took 0.4 gradient steps an agent step in every run
-measured (1 and 2 collectors, 800 to 1,200 steps, load 2-6), its points at 280, 560, 840... agent steps: 800 give 3."""
+measured (1 and 2 collectors, 700 to 1,200 steps, load 2-6), its points at 280, 560, 840... agent steps: 700 give 3."""
 
 
 def config(quick: bool) -> Any:
