@@ -44,12 +44,12 @@ CASES = {
                              "wall_ratio_after_startup"}),
 }
 
-LONGEST_FIRST = ("launch_overhead", "impala_throughput", "offline", "atari_throughput", "distributed_throughput",
-                 "impala_learning", "atari_learning", "learner_scaling", "solve --distributed", "env_managers",
+LONGEST_FIRST = ("launch_overhead", "impala_throughput", "offline", "atari_throughput", "learner_scaling",
+                 "impala_learning", "distributed_throughput", "atari_learning", "solve --distributed", "env_managers",
                  "mujoco_throughput", "learning_curve")
-"""The cases started first, in this order (their quick runs took about 60 to 6 s alone on 2 cores; the others 2 to
-6 s): the long ones overlap, and the short ones fill the second slot at the end instead of one long run holding the
-module up alone. launch_overhead mostly waits for Slurm and Ray to start."""
+"""The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the
+others 2 to 6 s): the long ones overlap, and the short ones fill the second slot at the end instead of one long run
+holding the module up alone. launch_overhead mostly waits for Slurm and Ray to start."""
 
 
 def _start_order(name: str) -> tuple:
