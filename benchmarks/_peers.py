@@ -1,5 +1,7 @@
 """What the side-by-side benchmarks share: installing a peer framework into the running interpreter, running
-one measurement in a fresh interpreter, and reading the TensorBoard log of a Conveyor run.
+one measurement in a fresh interpreter, reading the TensorBoard log of a Conveyor run, and the mean of a run's last
+training episodes. Nothing here imports torch or Conveyor at import time: a parent that only starts workers stays
+light.
 
 Peers (Stable-Baselines3) are installed by the benchmark that compares against them, never copied into the
 project, and imported only inside the measurement that uses them.
@@ -15,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 import statistics
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 
 def ensure_package(requirement: str, module: str) -> None:
@@ -25,6 +27,16 @@ def ensure_package(requirement: str, module: str) -> None:
     print(f"{module} is missing: installing it with `{sys.executable} -m pip install {requirement}`", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", requirement], check=True)
     importlib.invalidate_caches()
+
+
+TRAIN_EPISODES = 20
+"""Training episodes :func:`final_train_return` averages, per run (the last ones of its budget)."""
+
+
+def final_train_return(returns: Sequence[float]) -> Optional[float]:
+    """The mean of the last :data:`TRAIN_EPISODES` training episodes' returns (None before any ended)."""
+    last = list(returns)[-TRAIN_EPISODES:]
+    return statistics.fmean(last) if last else None
 
 
 def device_name(device: str) -> str:

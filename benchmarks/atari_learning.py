@@ -17,7 +17,7 @@ SB3's on the same seeds. Prints a table and ends with one JSON line (``ours_fina
 SB3 is pip-installed into this interpreter when missing.
 
     python benchmarks/atari_learning.py --seeds 3 --first-seed 1        # 250k agent steps a run: hours on CPU
-    python benchmarks/atari_learning.py --quick                         # ours only, 1 seed, 1024 agent steps
+    python benchmarks/atari_learning.py --quick        # ours only, 1 seed, 2 envs x 128 steps, 256 agent steps
 """
 from __future__ import annotations
 
@@ -28,24 +28,29 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from _peers import ensure_package, run_worker, scratch_dir
-from learning_curve import TRAIN_EPISODES, final_train_return
+from _peers import TRAIN_EPISODES, ensure_package, final_train_return, run_worker, scratch_dir
 
 ENTRY = "atari/ppo"
+QUICK_SETS = ["env.collector_env_num=2", "policy.collect.n_sample=256", "env.evaluator_env_num=1"]
+"""The smoke run's config: rollouts of 2 envs x 128 steps (one 256-transition minibatch, 4 epochs) and one game
+evaluated on one env: the same pipeline with 3 ALE envs to start instead of 16 and 1 evaluation game instead of 8."""
+QUICK_BUDGET = 256
+"""The smoke run's agent steps: two rollouts (the run ends on the first step past the budget), about two games."""
 
 
 def ours(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
     """The entry for ``budget`` agent steps; the mean of its last full-game training episodes."""
     import torch
 
+    from conveyor.config import apply_overrides
     from conveyor.zoo import load_entry
     from learning_curve import run_seed
 
     torch.set_num_threads(1)
     entry = load_entry(ENTRY)
+    n_episode = apply_overrides(entry.main_config, overrides).env.evaluator_env_num  # a game per eval env
     with scratch_dir():
-        run = run_seed(entry, seed, budget, eval_every=budget, n_episode=entry.main_config.env.evaluator_env_num,
-                       overrides=overrides)
+        run = run_seed(entry, seed, budget, eval_every=budget, n_episode=n_episode, overrides=overrides)
     return {"side": "ours", "seed": seed, "final_train_return": run["final_train_return"],
             "train_episodes": run["train_episodes"], "wall_s": run["wall_s"]}
 
@@ -122,20 +127,21 @@ def main() -> None:
     parser.add_argument("--max-env-step", type=int, default=250_000, help="agent steps per run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config value of both sides, as `conveyor train --set` (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 1024 agent steps")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"ours only, 1 seed, {QUICK_BUDGET} agent steps, with --set {' '.join(QUICK_SETS)}")
     parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    budget = 1024 if args.quick else args.max_env_step
+    budget = QUICK_BUDGET if args.quick else args.max_env_step
     if args.worker is not None:
         print(json.dumps(SIDES[args.worker](args.seed, budget, args.overrides)))
         return
+    overrides = [*QUICK_SETS, *args.overrides] if args.quick else args.overrides
     sides = ["ours"] if args.quick else list(SIDES)  # the smoke run installs and runs no peer
     if "sb3" in sides:
         ensure_package("stable-baselines3", "stable_baselines3")
     seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
-    extra = ["--max-env-step", str(budget), *(["--quick"] if args.quick else []),
-             *(word for pair in args.overrides for word in ("--set", pair))]
+    extra = ["--max-env-step", str(budget), *(word for pair in overrides for word in ("--set", pair))]
     rows = per_seed(__file__, list(SIDES), sides, seeds, extra)
 
     print(f"{ENTRY} on Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game "
@@ -143,7 +149,7 @@ def main() -> None:
     print_pairs(rows, "ours", "sb3", ("ours", "SB3"))
     finals = {side: [r["final_train_return"] for r in rows[side]] for side in SIDES}
     means = {side: statistics.fmean(v) if None not in v else None for side, v in finals.items()}
-    summary = {"entry": ENTRY, "max_env_step": budget, "seeds": seeds, "overrides": args.overrides,
+    summary = {"entry": ENTRY, "max_env_step": budget, "seeds": seeds, "overrides": overrides,
                "ours_final_train_returns": finals["ours"], "sb3_final_train_returns": finals["sb3"],
                "ours_mean": means["ours"], "sb3_mean": means["sb3"],
                "ratio": round(means["ours"] / means["sb3"], 3) if means["ours"] and means["sb3"] else None,

@@ -82,11 +82,11 @@ def measure(collectors: int, step_s: float, window_s: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 3 s window instead of 15 s")
+    parser.add_argument("--quick", action="store_true", help="a 1 s window instead of 15 s")
     parser.add_argument("--seconds", type=float, default=None, help="length of each timed window")
     parser.add_argument("--step-ms", type=float, default=1.0, help="CPU milliseconds per env step (default 1)")
     args = parser.parse_args()
-    window_s = args.seconds or (3.0 if args.quick else 15.0)
+    window_s = args.seconds or (1.0 if args.quick else 15.0)
     step_s = args.step_ms / 1000
     one = measure(1, step_s, window_s)
     two = measure(2, step_s, window_s)

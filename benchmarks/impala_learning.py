@@ -14,7 +14,7 @@ JSON line: ``impala_final_train_returns``, ``ppo_final_train_returns``, ``impala
 ``seeds_at_or_above``, ``seeds_faster``. ``--no-ppo`` runs IMPALA alone (to compare with PPO runs taken before).
 
     python benchmarks/impala_learning.py --seeds 3 --first-seed 1      # 250k agent steps a run: hours on CPU
-    python benchmarks/impala_learning.py --quick                       # 1 seed, 1600 agent steps, IMPALA only
+    python benchmarks/impala_learning.py --quick            # IMPALA only, 1 seed, 2 envs a collector, 400 agent steps
 """
 from __future__ import annotations
 
@@ -26,11 +26,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from _peers import scratch_dir
+from _peers import TRAIN_EPISODES, final_train_return, scratch_dir
 from atari_learning import ours, per_seed, print_pairs
-from learning_curve import TRAIN_EPISODES, final_train_return
 
 HERE = Path(__file__).resolve().parent
+QUICK_SETS = ["env.collector_env_num=2", "policy.collect.n_sample=40", "env.evaluator_env_num=1",
+              "env.n_evaluator_episode=1"]
+"""The smoke run's config: 2 envs a collector process (unrolls of 2 x 20 steps) and one game evaluated on one env:
+the same distributed pipeline with 5 ALE envs to start instead of 24 and 1 evaluation game instead of 8."""
+QUICK_BUDGET = 400
+"""The smoke run's agent steps: a few gradient steps and about two full games."""
 
 
 def impala(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dict[str, Any]:
@@ -75,19 +80,21 @@ def main() -> None:
     parser.add_argument("--no-ppo", action="store_true", help="IMPALA only (ppo_* keys are null)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="change atari/impala's config, as `conveyor train --set`")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 1600 agent steps, IMPALA only")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"IMPALA only, 1 seed, {QUICK_BUDGET} agent steps, with --set {' '.join(QUICK_SETS)}")
     parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    budget = 1600 if args.quick else args.max_env_step
+    budget = QUICK_BUDGET if args.quick else args.max_env_step
     if args.worker is not None:
         overrides = args.overrides if args.worker == "impala" else []
         print(json.dumps(SIDES[args.worker](args.seed, budget, args.collectors, overrides)))
         return
+    overrides = [*QUICK_SETS, *args.overrides] if args.quick else args.overrides
     sides = ["impala"] if args.quick or args.no_ppo else list(SIDES)
     seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
     extra = ["--max-env-step", str(budget), "--collectors", str(args.collectors),
-             *(["--quick"] if args.quick else []), *(word for pair in args.overrides for word in ("--set", pair))]
+             *(word for pair in overrides for word in ("--set", pair))]
     rows = per_seed(__file__, list(SIDES), sides, seeds, extra)
     print(f"Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game training episodes, "
           f"atari/impala with {args.collectors} collectors against atari/ppo in one process")
@@ -95,7 +102,7 @@ def main() -> None:
     finals = {side: [r["final_train_return"] for r in rows[side]] for side in SIDES}
     walls = {side: [r["wall_s"] for r in rows[side]] for side in SIDES}
     pairs = list(zip(rows["impala"], rows["ppo"]))
-    summary = {"max_env_step": budget, "seeds": seeds, "collectors": args.collectors, "overrides": args.overrides,
+    summary = {"max_env_step": budget, "seeds": seeds, "collectors": args.collectors, "overrides": overrides,
                "impala_final_train_returns": finals["impala"], "ppo_final_train_returns": finals["ppo"],
                "impala_wall_s": walls["impala"], "ppo_wall_s": walls["ppo"],
                "impala_train_episodes": [r.get("train_episodes") for r in rows["impala"]],

@@ -20,9 +20,9 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
-from _peers import tensorboard_events
+from _peers import TRAIN_EPISODES, final_train_return, tensorboard_events
 from conveyor.config import apply_overrides
 from conveyor.engine import task
 from conveyor.middleware import EPISODE_EVENT
@@ -34,16 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def read_scalars(logdir: Path, tag: str) -> List[Tuple[int, float]]:
     """``(step, value)`` of every ``tag`` scalar in the TensorBoard event files under ``logdir``, by step."""
     return [(step, value) for step, value, _ in tensorboard_events(logdir, tag)]
-
-
-TRAIN_EPISODES = 20
-"""Training episodes ``final_train_returns`` averages, per seed (the last ones of the budget)."""
-
-
-def final_train_return(returns: Sequence[float]) -> Optional[float]:
-    """The mean of the last :data:`TRAIN_EPISODES` training episodes' returns (None before any ended)."""
-    last = list(returns)[-TRAIN_EPISODES:]
-    return statistics.fmean(last) if last else None
 
 
 def run_seed(entry, seed: int, max_env_step: int, eval_every: int, n_episode: int,
