@@ -19,11 +19,10 @@ import contextlib
 from typing import Any, ContextManager, Optional
 
 from conveyor.cli._common import message
-from conveyor.cli._placement import placed, run_nodes
+from conveyor.cli._placement import nodes_ahead, placed, run_nodes
 from conveyor.cli.task import add_launch_arguments, launch_options
 
-__all__ = ["LAUNCHERS", "add_arguments", "nodes_ahead", "placed", "requested", "run_nodes", "started_ahead",
-           "train"]
+__all__ = ["LAUNCHERS", "add_arguments", "placed", "requested", "run_nodes", "started_ahead", "train"]
 
 LAUNCHERS = ("local", "slurm", "kubernetes", "ray")
 """``--launcher``: this host's processes (local), one node per Slurm task or per pod of an indexed Job, or one
@@ -62,12 +61,6 @@ def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
     if not requested(args) or args.launcher == "ray":
         return contextlib.nullcontext()
     return nodes_ahead()
-
-
-def nodes_ahead() -> ContextManager[None]:
-    """The zygote of the nodes this process starts next (``Parallel.runner``'s zygote_ahead), started now."""
-    from conveyor.engine.parallel.runner import zygote_ahead
-    return zygote_ahead(["conveyor.zoo.run"])
 
 
 def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:

@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, ContextManager, Dict, Mapping, Optional
 
-__all__ = ["job_port", "node_arguments", "placed", "run_nodes"]
+__all__ = ["job_port", "node_arguments", "nodes_ahead", "placed", "run_nodes"]
+
+
+def nodes_ahead() -> ContextManager[None]:
+    """The zygote of the nodes this process starts next (``Parallel.runner``'s zygote_ahead), started now, so that
+    its imports (torch among them, about 2 s) overlap this process's own."""
+    from conveyor.engine.parallel.runner import zygote_ahead
+
+    return zygote_ahead(["conveyor.zoo.run"])
 
 
 def run_nodes(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any]) -> Any:

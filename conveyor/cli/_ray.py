@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from conveyor.cli._placement import job_port, node_arguments, run_nodes
+from conveyor.cli._placement import job_port, node_arguments, nodes_ahead, run_nodes
 from conveyor.schema import ConfigError
 
 __all__ = ["INSTALL", "train_on_ray"]
@@ -72,8 +72,6 @@ class _Node:
 
         The node's zygote starts first, so that its imports (torch among them, about 2 s) overlap this process's
         own: an actor, started or restarted, has its node running that much sooner where a CPU is free."""
-        from conveyor.cli._distributed import nodes_ahead
-
         handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         try:
