@@ -48,6 +48,7 @@ the address a node advertises (``advertise=``, default its listen address, neede
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -123,6 +124,7 @@ class Router:
         self._seq: Dict[str, int] = {}
         self._counter: Dict[bytes, int] = {}  # per receiver incarnation: the next link counter
         self._send_locks: Dict[str, threading.Lock] = {}
+        self._delivering = threading.local()  # the delivery thread: the sender of the message being handled
         self._counts = dict.fromkeys(("sent", "received", "rejected_auth", "rejected_size", "rejected_replay",
                                       "rejected_connections", "malformed", "lost", "duplicated", "send_timeouts",
                                       "handler_errors", "receive_errors", "peers_lost"), 0)
@@ -149,6 +151,12 @@ class Router:
     def incarnation(self) -> str:
         """This router's incarnation, in hex: drawn afresh by every router, so a restarted node has a new one."""
         return self._inc.hex()
+
+    @property
+    def sender(self) -> Optional[str]:
+        """Inside a handler given to :meth:`on`: the node id of the peer that sent the message it handles, as
+        authenticated (the tag covers it, and membership knows that peer's incarnation); None elsewhere."""
+        return getattr(self._delivering, "sender", None)
 
     def __repr__(self) -> str:
         return f"<Router {self.node_id!r} at {self.address}, peers {self.peers()}>"
@@ -323,7 +331,15 @@ class Router:
             if not self._members.accept(frame):
                 return []
             self._counts["received"] += 1
-            return list(self._handlers.get(frame.topic, ()))
+            return [functools.partial(self._deliver, frame.sender, fn) for fn in self._handlers.get(frame.topic, ())]
+
+    def _deliver(self, sender: str, fn: Callable[[Any], Any], payload: Any) -> None:
+        """Call a handler with :attr:`sender` set to the message's sender."""
+        self._delivering.sender = sender
+        try:
+            fn(payload)
+        finally:
+            self._delivering.sender = None
 
     def _on_hello(self, frame: Frame, message: Dict[str, Any]) -> None:
         self._members.on_hello(frame, message)
