@@ -17,13 +17,17 @@ every other node; the secret comes from a Kubernetes Secret mounted as a file.
 
 Node table: every node publishes its :func:`node_record` on :data:`NODES_TOPIC`; a :class:`NodeTable`
 (on one node, e.g. the learner) gathers them and rewrites a JSON file as nodes join, so users can see
-which process is which.
+which process is which. A node writes only its own row: a row is kept only from the node it describes (the
+router's authenticated sender), in :func:`node_record`'s schema (short strings, an int pid), and the table
+holds at most :data:`MAX_ROWS` rows; any other row is refused, counted and logged at a bounded rate.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import reprlib
 import socket
 import tempfile
 import threading
@@ -31,10 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
+from conveyor.engine.parallel.guard import RateLimitedLog
 from conveyor.engine.task import Role, task
 
-__all__ = ["DEFAULT_PORT", "HOST_ENV", "KubernetesError", "NODES_ENV", "NODES_TOPIC", "NodeTable", "SlurmError",
-           "SlurmTask", "kubernetes_task", "node_record", "slurm_task"]
+__all__ = ["DEFAULT_PORT", "HOST_ENV", "KubernetesError", "MAX_ROWS", "NODES_ENV", "NODES_TOPIC", "NodeTable",
+           "SlurmError", "SlurmTask", "kubernetes_task", "node_record", "row_problem", "slurm_task"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29650
 """The first port of a Slurm or Kubernetes job's nodes when none is given (node ``r`` listens on
@@ -48,6 +55,12 @@ HOST_ENV = "CONVEYOR_NODE_HOST"
 
 NODES_TOPIC = "conveyor.cluster.nodes"
 """Every node -> the node keeping the table: its :func:`node_record`."""
+
+MAX_ROWS = 1024
+"""The most rows a :class:`NodeTable` keeps (a row per node; a peer with the secret may make up node ids)."""
+_MAX_TEXT = 255  # characters of a host name (RFC 1035's bound), an address, a label, a role
+_MAX_ITEMS = 64  # roles or labels of one row
+_MAX_ID, _MAX_PID = 1 << 31, 1 << 22  # Linux pids stay below 2**22 (pid_max's ceiling)
 
 _COUNTS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
@@ -185,22 +198,80 @@ def node_record() -> Dict[str, Any]:
             "labels": sorted(task.labels)}
 
 
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= _MAX_TEXT
+
+
+def _count(value: Any, below: int, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < below
+
+
+def row_problem(row: Any) -> Optional[str]:
+    """What makes ``row`` no :func:`node_record` (None if it is one): its keys, ``node_id`` an int in
+    ``[0, 2**31)``, ``pid`` one in ``[1, 2**22)``, ``host`` a string of 1 to 255 characters, ``address`` one or
+    None, ``roles`` and ``labels`` lists of at most 64 such strings (roles among :class:`Role`'s values)."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not a dict"
+    if set(row) != _ROW_KEYS:
+        return f"keys {sorted(map(str, row))[:8]}, expected {sorted(_ROW_KEYS)}"
+    roles = {role.value for role in Role}
+    for key, ok in (("node_id", _count(row["node_id"], _MAX_ID)), ("pid", _count(row["pid"], _MAX_PID, 1)),
+                    ("host", _text(row["host"])), ("address", row["address"] is None or _text(row["address"])),
+                    ("roles", _texts(row["roles"]) and set(row["roles"]) <= roles), ("labels", _texts(row["labels"]))):
+        if not ok:
+            return f"{key} cannot be {reprlib.repr(row[key])}"
+    return None
+
+
+def _texts(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= _MAX_ITEMS and all(_text(v) for v in value)
+
+
+_ROW_KEYS = frozenset(("node_id", "roles", "pid", "host", "address", "labels"))
+
+
 class NodeTable:
     """Gathers every node's :func:`node_record` and keeps them in the JSON file ``path`` (rewritten atomically
     as nodes join), beginning with this node's own. The other nodes call :meth:`announce`. ``keep``: start
     from the rows already in the file (a restarted node keeps those of the peers that announced to its
-    previous life)."""
+    previous life). A received row is kept only from the node it describes, where :func:`row_problem` finds
+    nothing and the table has room (:data:`MAX_ROWS`); :meth:`stats` counts the others."""
 
     def __init__(self, path: Union[str, "os.PathLike[str]"], keep: bool = False) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._rows: Dict[int, Dict[str, Any]] = {}
+        self._rejected = 0
+        self._log = RateLimitedLog(log)
         if keep and self.path.is_file():
-            self._rows = {int(row["node_id"]): row for row in json.loads(self.path.read_text())}
-        router = task.router
+            self._rows = {row["node_id"]: row for row in json.loads(self.path.read_text())[:MAX_ROWS]
+                          if row_problem(row) is None}
+        self._router = router = task.router
         if router is not None and getattr(router, "is_active", True):
-            router.on(NODES_TOPIC, self._add)
+            router.on(NODES_TOPIC, self._received)
         self._add(node_record())
+
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: rows refused (another node's, not a :func:`node_record`, or beyond :data:`MAX_ROWS`)."""
+        with self._lock:
+            return {"rejected": self._rejected}
+
+    def _received(self, record: Any) -> None:
+        """A peer's row (on the router's delivery thread): kept, or refused, counted and logged."""
+        sender = getattr(self._router, "sender", None)
+        why = row_problem(record)
+        if why is None and sender is not None and str(record["node_id"]) != str(sender):
+            why = f"it describes node {record['node_id']}, not its sender"
+        if why is None and record["node_id"] not in self._rows and len(self._rows) >= MAX_ROWS:
+            why = f"the table already holds {MAX_ROWS} rows, the limit"
+        if why is None:
+            self._add(record)
+            return
+        with self._lock:
+            self._rejected += 1
+            count = self._rejected
+        self._log.log("row", "node table %s: refused a row from node %s: %s (%d refused so far)", self.path,
+                      sender, why, count)
 
     @property
     def rows(self) -> List[Dict[str, Any]]:
