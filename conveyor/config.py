@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Type
 import gymnasium as gym
 from easydict import EasyDict
 
-from conveyor.envs import ENV_SCHEMA, check_env_id, env_factory
+from conveyor.envs import ENV_SCHEMA, check_env_id, env_spaces
 from conveyor.schema import ConfigError, Option, validate
 
 __all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError", "apply_overrides", "load_config_file",
@@ -61,7 +61,7 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
     """Validate ``cfg`` against the top-level, env and policy schemas and return it with every default.
 
     ``policy`` is the policy class (e.g. ``DQNPolicy``). With ``infer_shapes`` one env is built as the
-    collector's are (:func:`~conveyor.envs.env_factory`: an Atari id preprocessed) and closed, to read its
+    collector's are (:func:`~conveyor.envs.env_spaces`: an Atari id preprocessed) and closed, to read its
     spaces: the policy's ``check_config`` checks the config against them and across keys, a
     ``policy.model`` ``obs_shape`` / ``action_shape`` left unset is read from them, and so are
     ``action_low`` / ``action_high`` of a Box action space where the policy's model schema declares them;
@@ -77,11 +77,7 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
     check_env_id(compiled.env.env_id)
     if not infer_shapes or policy is None:
         return compiled
-    env = env_factory(compiled.env)()
-    try:
-        observation_space, action_space = env.observation_space, env.action_space
-    finally:
-        env.close()
+    observation_space, action_space = env_spaces(compiled.env)
     check = getattr(policy, "check_config", None)
     if check is not None:
         check(compiled, observation_space, action_space)

@@ -14,7 +14,7 @@ from conveyor.envs._subprocess import SubprocessEnvManager
 from conveyor.envs._sync import SyncEnvManager
 from conveyor.schema import ConfigError, Option, closest, non_negative, positive, validate
 
-__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_id", "env_factory", "make_env_manager"]
+__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_id", "env_factory", "env_spaces", "make_env_manager"]
 
 ENV_SCHEMA: dict[str, Option] = {
     "env_id": Option("CartPole-v1", "Gymnasium env id passed to gymnasium.make ('module:Id' imports module first)",
@@ -122,6 +122,16 @@ def env_factory(env_cfg: Mapping[str, Any], role: Role = "collector") -> EnvFact
     if is_atari_id(cfg.env_id):
         return AtariFactory.from_config(cfg, collector=role == "collector")
     return EnvFactory(cfg.env_id, dict(cfg.env_kwargs), cfg.max_episode_steps)
+
+
+def env_spaces(env_cfg: Mapping[str, Any]) -> tuple:
+    """``(observation_space, action_space)`` of the envs ``cfg.env`` asks for, read from one env built as the
+    collector's are (:func:`env_factory`) and closed at once."""
+    env = env_factory(env_cfg)()
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
 
 
 def make_env_manager(env_cfg: Mapping[str, Any], role: Role, seed: int | None = None) -> EnvManager:

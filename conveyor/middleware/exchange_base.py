@@ -60,7 +60,7 @@ class Exchanger:
         self._stopping = False
         self._learner = self._collector = False
         self._subscribed: List[tuple] = []  # (topic, handler)
-        self._rejections = Rejections(f"{name} on node {getattr(self._router, 'node_id', '-')}")
+        self._rejections = Rejections(f"{name} on node {getattr(self._router, 'node_id', '-')}", self._router)
         if self._router is None:
             return
         if not task.roles:

@@ -30,19 +30,29 @@ Faults (membership comes from the router: a peer that dies, disconnects or close
 - Both unsubscribe from their topics when the ``with task.start():`` block that made them closes.
 - A message that is not what its topic carries (a peer with the secret sent a wrong type, a missing key,
   a negative count, arrays of another layout than the first accepted batch or than this node's weights) is
-  dropped on receipt, counted in ``stats()["rejected"]`` and logged at most once a minute per topic: it
-  never reaches the pipeline, and never ends the run.
+  dropped on receipt, counted in ``stats()["rejected"]`` and logged at most once a minute per topic with its
+  sender: it never reaches the pipeline, and never ends the run. So is a batch whose ``node`` is not its
+  authenticated sender (``router.sender``), from a node not among the learner's ``collectors``, or (given the
+  env's ``spaces``) with values no env could have produced (:class:`~conveyor.middleware.batch_check.SpaceCheck`:
+  an action outside the action space, NaN or infinite numbers...), and a version of the weights from a node
+  that is not a learner (:class:`ModelExchanger`).
+- A collector's ``env_step`` is credited up to the transitions it sent: over its batches, the learner credits
+  it with the smaller of the env steps it claimed and the transitions it sent (an n-step enhancer's carried
+  rows are credited once they arrive); claims ahead of the transitions by more than :data:`CREDIT_SLACK` of
+  its largest batches (an honest collector's lag: rows an n-step enhancer holds back, episodes still running)
+  are counted in ``stats()["credit_capped"]`` and logged at most once a minute.
 """
 from __future__ import annotations
 
 import logging
 import math
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set
 
 from conveyor.engine import OnlineRLContext, declares, task
 from conveyor.middleware.exchange_base import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC,
                                                TRAIN_ITER_TOPIC, Exchanger, anything, seconds)
+from conveyor.middleware.batch_check import SpaceCheck
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.middleware.model_exchanger import ModelExchanger
 
@@ -50,6 +60,10 @@ __all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "CO
            "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout", "shard_topics"]
 
 log = logging.getLogger(__name__)
+
+CREDIT_SLACK = 16
+"""How many of its largest batches a collector's claimed env steps may run ahead of the transitions it sent before
+the learner counts and logs the claim (it is credited with the transitions either way)."""
 
 
 def shard_topics(shard: int) -> tuple:
@@ -69,6 +83,22 @@ def _transitions(trajectories: Any) -> int:
     except (KeyError, IndexError, TypeError, AttributeError):
         raise BadMessage("its trajectory_end_idx comes with trajectories without a 'reward' array to count them by") \
             from None
+
+
+def _held(payload: Dict[str, Any], rows: Dict[str, int]) -> int:
+    """How many transitions a checked batch holds at most: its trajectories', its training data's (``reward``'s
+    size, else their first dim: ``rows``), or its episodes' together."""
+    counts = [sum(_held_in(ep, 0) for ep in payload["episodes"] or ())]
+    counts += [_held_in(payload[name], rows.get(name, 0)) for name in ("trajectories", "train_data")
+               if payload[name] is not None]
+    return max(counts)
+
+
+def _held_in(batch: Any, rows: int) -> int:
+    try:
+        return math.prod(batch["reward"].shape)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return rows
 
 
 def _end_idx(value: Any) -> bool:
@@ -142,11 +172,16 @@ class ContextExchanger(Exchanger):
     ``shard``: with data-parallel learners (conveyor/zoo/run/learners.py), the rank of the learner this
     collector sends to, or of this learner: each rank has its own data and collector topics
     (:func:`shard_topics`), so a batch reaches one learner only. A learner's :attr:`received` counts the env
-    steps it took from each collector, by node id.
+    steps it took from each collector, by node id (see the module docstring for what it credits).
+
+    Learner: ``spaces``, the env's ``(observation_space, action_space)``: every received batch is checked against
+    them (:class:`~conveyor.middleware.batch_check.SpaceCheck`) and dropped whole where it fails. ``collectors``:
+    the node ids whose batches it takes (None: any peer's).
     """
 
     def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0,
-                 skip_n_iter: Optional[int] = None, shard: int = 0) -> None:
+                 skip_n_iter: Optional[int] = None, shard: int = 0, spaces: Optional[tuple] = None,
+                 collectors: Optional[Iterable[Any]] = None) -> None:
         if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
             raise ValueError(f"ContextExchanger(shard={shard!r}): must be an int >= 0 (the learner's rank)")
         if skip_n_iter is not None and (not isinstance(skip_n_iter, int) or isinstance(skip_n_iter, bool)
@@ -170,6 +205,10 @@ class ContextExchanger(Exchanger):
         self.shard = shard
         self._data_topic, self._collector_topic = shard_topics(shard)
         self.received: Dict[str, int] = {}  # learner: env steps taken from each collector's batches, by node id
+        self._check = None if spaces is None else SpaceCheck(*spaces)
+        self._producers = None if collectors is None else {str(node) for node in collectors}
+        self._credit: Dict[str, List[int]] = {}  # learner, by collector: env steps claimed, transitions, largest batch
+        self._capped = 0
         super().__init__("ContextExchanger", self._data_topic, self._got_data, TRAIN_ITER_TOPIC,
                          self._got_train_iter)
         if self._collector:
@@ -181,19 +220,34 @@ class ContextExchanger(Exchanger):
         return f"ContextExchanger({side}, timeout_s={self.timeout_s}, grace_s={self.grace_s}, " \
                f"skip_n_iter={self.skip_n_iter})"
 
+    def stats(self) -> Dict[str, int]:
+        """``rejected``: messages dropped on receipt (module docstring); ``credit_capped``: batches whose claimed
+        env steps went beyond the transitions their collector sent."""
+        return {**super().stats(), "credit_capped": self._capped}
+
     def _got_data(self, payload: Any) -> None:
         check_fields(payload, node=lambda v: isinstance(v, str), env_step=int, env_episode=int,
                      episodes=lambda v: v is None or isinstance(v, list), trajectories=anything, train_data=anything)
+        node, sender = payload["node"], getattr(self._router, "sender", None)
+        if sender is not None and node != str(sender):
+            raise BadMessage(f"it says it comes from node {node!r}")
+        if self._producers is not None and node not in self._producers:
+            raise BadMessage(f"node {node!r} is not one of this learner's collectors "
+                             f"({', '.join(sorted(self._producers))})")
         end_idx = payload.get("trajectory_end_idx")
         if end_idx is not None:
             if payload["trajectories"] is None or not _end_idx(end_idx):
                 raise BadMessage("its trajectory_end_idx is not a 1-D array of indices >= 0 sent with trajectories")
             if end_idx.size and int(end_idx.max()) >= _transitions(payload["trajectories"]):
                 payload["trajectory_end_idx"] = None  # set before a later middleware (n-step) reshaped them: unknown
-        layouts = [(name, self._batch_layout(name, value)) for name, value in (
+        batches = [(name, value) for name, value in (
             ("trajectories", payload["trajectories"]), ("train_data", payload["train_data"]),
             *(("episodes", ep) for ep in payload["episodes"] or ())) if value is not None]
-        node = payload["node"]
+        rows: Dict[str, int] = {}
+        layouts = [(name, self._batch_layout(name, value, rows)) for name, value in batches]
+        if self._check is not None:
+            for name, value in batches:
+                self._check(name, value)
         live = node not in self._gone or node in self._router.peers()  # not a late message of a lost one
         with self._cond:
             first = {**dict(reversed(layouts)), **self._layouts}  # the accepted ones, else this message's first
@@ -202,6 +256,7 @@ class ContextExchanger(Exchanger):
                     raise BadMessage(f"its {name} are laid out otherwise than the first batch's (keys, dtypes, "
                                      f"shapes after the first dim)")
             self._layouts = first
+            self._credit_steps(node, payload, _held(payload, rows))
             self._inbox.append(payload)
             if live:
                 self._collectors.add(node)
@@ -209,12 +264,27 @@ class ContextExchanger(Exchanger):
             self._cond.notify_all()
 
     @staticmethod
-    def _batch_layout(name: str, value: Any) -> Any:
-        rows: Set[int] = set()
-        found = layout(value, rows)
-        if len(rows) > 1:
-            raise BadMessage(f"its {name} hold arrays of different lengths ({sorted(rows)})")
+    def _batch_layout(name: str, value: Any, rows: Dict[str, int]) -> Any:
+        lengths: Set[int] = set()
+        found = layout(value, lengths)
+        if len(lengths) > 1:
+            raise BadMessage(f"its {name} hold arrays of different lengths ({sorted(lengths)})")
+        rows[name] = next(iter(lengths), 0)
         return found
+
+    def _credit_steps(self, node: str, payload: Dict[str, Any], held: int) -> None:
+        """Set ``payload["env_step"]`` to what ``node`` is credited: its claims so far, up to the transitions it
+        sent so far, less what it was credited before (module docstring). Called holding ``_cond``."""
+        claimed, sent, largest = self._credit.get(node, (0, 0, 0))
+        credited = min(claimed, sent)
+        claimed, sent, largest = claimed + payload["env_step"], sent + held, max(largest, held)
+        self._credit[node] = [claimed, sent, largest]
+        if claimed > sent + CREDIT_SLACK * max(largest, 1):
+            self._capped += 1
+            self._rejections.log(
+                "credit", "%s: node %s claims %d env steps in all but sent %d transitions; it is credited with the "
+                "transitions (%d batches capped so far)", self._rejections.owner, node, claimed, sent, self._capped)
+        payload["env_step"] = min(claimed, sent) - credited
 
     def _got_train_iter(self, payload: Any) -> None:
         check_fields(payload, train_iter=int)

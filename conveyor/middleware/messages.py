@@ -22,11 +22,13 @@ class BadMessage(ValueError):
 
 class Rejections:
     """The messages a node's handlers dropped as :class:`BadMessage`: counted, and logged at most once a
-    minute per topic (a peer may send many)."""
+    minute per topic (a peer may send many), naming the sender where ``router`` says who it was
+    (``router.sender``, the authenticated sender of the message being handled)."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, router: Any = None) -> None:
         self.owner = owner
         self.count = 0
+        self._router = router
         self._log = RateLimitedLog(log)
         self._lock = threading.Lock()
 
@@ -44,7 +46,14 @@ class Rejections:
         with self._lock:
             self.count += 1
             count = self.count
-        self._log.log(topic, "%s: dropped a message on %r: %s (%d rejected so far)", self.owner, topic, why, count)
+        sender = getattr(self._router, "sender", None)
+        self.log(topic, "%s: dropped a message on %r%s: %s (%d rejected so far)", self.owner, topic,
+                 "" if sender is None else f" from node {sender}", why, count)
+
+    def log(self, kind: str, message: str, *args: Any) -> None:
+        """Log a refusal of ``kind`` (a topic, or what a handler refused of a message it kept), at most once a
+        minute per kind."""
+        self._log.log(kind, message, *args)
 
 
 def _count(value: Any) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Any, Dict, Iterator, Optional, Set
+from typing import Any, Dict, Iterable, Iterator, Optional, Set
 
 from conveyor.engine import declares, task
 from conveyor.engine.parallel import codec
@@ -59,11 +59,18 @@ class ModelExchanger(Exchanger):
     when the last one was lost (not finished) it first waits that long for a learner to (re)join (one
     restarted by ``auto_recover``) and goes on with that learner's first version, whatever its number.
 
+    Whose versions count: a receiver takes a version only from a learner, as the router authenticates its
+    sender (``router.sender``): one of ``learners`` (node ids) where given, else a peer subscribed to
+    :data:`MODEL_REQUEST_TOPIC` (learners answer requests; collectors and evaluators do not). An honest
+    learner, restarted or not, numbers its versions as it likes and is always heard; a version from any other
+    node, whatever its number, is dropped and counted (``stats()["rejected"]``) before it can be heard of, so
+    no one else can make a receiver wait for a version that will never come or act on weights of its own.
+
     Reads / writes ctx: nothing; it reads and writes the policy's weights.
     """
 
     def __init__(self, model_or_policy: Any, max_staleness: Optional[int] = None, timeout_s: float = 60.0,
-                 rejoin_s: float = 0.0) -> None:
+                 rejoin_s: float = 0.0, learners: Optional[Iterable[Any]] = None) -> None:
         self.policy = _versioned(model_or_policy)
         self._bare = self.policy is not model_or_policy
         if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
@@ -71,6 +78,7 @@ class ModelExchanger(Exchanger):
             raise ValueError(f"ModelExchanger(max_staleness={max_staleness!r}): must be an int >= 0, or None")
         self.max_staleness, self.timeout_s = max_staleness, seconds("ModelExchanger", "timeout_s", timeout_s)
         self.rejoin_s = seconds("ModelExchanger", "rejoin_s", rejoin_s, zero_ok=True)
+        self._sources = None if learners is None else {str(node) for node in learners}
         self._learners: Set[str] = set()  # receiver: the live learners seen subscribed to requests
         self._left: Set[str] = set()  # receiver: peers that finished (never counted as learners again)
         self._learners_gone = False  # receiver: every learner seen has left
@@ -114,6 +122,10 @@ class ModelExchanger(Exchanger):
 
     # --- receiver ------------------------------------------------------------------------------------
     def _got_model(self, state: Any) -> None:
+        sender = getattr(self._router, "sender", None)
+        if sender is not None and str(sender) not in (self._router.subscribers(MODEL_REQUEST_TOPIC)
+                                                      if self._sources is None else self._sources):
+            raise BadMessage(f"node {sender} is not a learner: only a learner's versions are taken")
         check_fields(state, version=int, tensors=lambda v: isinstance(v, list), extras=anything)
         if self._layout is None:  # this node's own weights: what every version must look like
             own = self.policy.acting_state()

@@ -223,7 +223,8 @@ def learner_with_a_batch_from_3(router):
     task.add_role(task.role.LEARNER)
     exchanger = ContextExchanger(timeout_s=60, grace_s=0.05)
     [deliver] = router.handlers[DATA_TOPIC]
-    deliver({"node": "3", "trajectories": None, "episodes": [1], "train_data": None, "env_step": 1, "env_episode": 1})
+    deliver({"node": "3", "trajectories": ttorch.Tensor({"reward": torch.ones(1)}), "episodes": None,
+             "train_data": None, "env_step": 1, "env_episode": 1})
     return exchanger
 
 
@@ -311,7 +312,7 @@ def test_a_learner_drops_and_counts_wrong_data_from_a_peer_with_the_secret(peer_
         with caplog.at_level(logging.WARNING, logger="conveyor.middleware.exchanger"):
             task.run(max_step=10)
         assert task.ctx.env_step == 2 and sum(n for shape in shapes for n in shape[:1]) == 7
-    assert exchanger.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
+    assert exchanger.stats() == {"rejected": len(wrong), "credit_capped": 0} and mine.stats()["handler_errors"] == 0
     assert caplog.text.count("dropped a message on 'conveyor.exchange.data'") == 1  # once a minute, not per message
 
 
@@ -328,6 +329,8 @@ def test_a_collector_drops_and_counts_wrong_weights_from_a_peer_with_the_secret(
         task.add_role(task.role.COLLECTOR)
         exchanger = ModelExchanger(policy, timeout_s=WAIT)
         task.use(exchanger)
+        peer.on(MODEL_REQUEST_TOPIC, lambda request: None)  # a learner: it answers requests
+        mine.wait_for_subscribers(MODEL_REQUEST_TOPIC, 1, WAIT)
         peer.wait_for_subscribers("conveyor.exchange.model", 1, WAIT)
         for payload in wrong:
             peer.publish("conveyor.exchange.model", payload)
@@ -463,7 +466,7 @@ def test_a_learner_drops_a_trajectory_end_idx_that_does_not_index_its_trajectori
         [deliver] = fake_router.handlers[DATA_TOPIC]
         deliver({"node": "1", "trajectories": sent, "trajectory_end_idx": end_idx,
                  "episodes": None, "train_data": None, "env_step": 6, "env_episode": 2})
-    assert exchanger.stats() == {"rejected": 1}
+    assert exchanger.stats() == {"rejected": 1, "credit_capped": 0}
 
 
 def test_skip_n_iter_must_be_a_count_or_none(fake_router):

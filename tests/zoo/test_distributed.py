@@ -385,6 +385,29 @@ def test_a_collectors_clock_drops_and_counts_wrong_progress_from_a_peer_with_the
     assert clock.stats() == {"rejected": len(wrong)} and mine.stats()["handler_errors"] == 0
 
 
+def test_a_collectors_clock_follows_the_learner_only_so_no_other_node_can_stop_it(peer_with_the_secret):
+    import threading
+
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
+    mine, peer = peer_with_the_secret
+    forged = [{"node": "9", "train_iter": 1 << 62, "env_step": 1 << 62, "stop": True},  # node 9 is not the learner
+              {"node": "0", "train_iter": 1 << 62, "env_step": 1 << 62, "stop": True}]  # node 9 in node 0's name
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.COLLECTOR)
+        clock = LearnerClock(lead=5, timeout_s=20, learner=0)
+        arrived, seen = threading.Event(), []
+        mine.on(PROGRESS_TOPIC, lambda payload: seen.append(payload) or len(seen) == len(forged) and arrived.set())
+        task.use(clock)
+        peer.wait_for_subscribers(PROGRESS_TOPIC, 1, 20)
+        for payload in forged:
+            peer.publish(PROGRESS_TOPIC, payload)
+        assert arrived.wait(20)
+        task.run(max_step=2)
+        assert (task.ctx.train_iter, task.ctx.env_step) == (0, 0) and not task.finish
+    assert clock.stats() == {"rejected": len(forged)}
+
+
 def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_secret(peer_with_the_secret):
     import threading
 

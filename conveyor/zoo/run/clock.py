@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional
 from conveyor.engine import FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, Role, declares, task
 from conveyor.engine.parallel import codec
 from conveyor.middleware import EVAL_EVENT
-from conveyor.middleware.messages import Rejections, check_fields
+from conveyor.middleware.messages import BadMessage, Rejections, check_fields
 from conveyor.policy.base import Snapshot
 
 __all__ = ["COLLECTOR_LEAD", "EXCHANGE_TIMEOUT_S", "EvaluatedWeights", "LearnerClock", "PROGRESS_TOPIC",
@@ -79,16 +79,19 @@ class LearnerClock:
     ``rejoin_s`` > 0 (the zoo's under ``auto_recover``) a lost learner instead restarts the count of
     iterations, and the exchangers (given the same ``rejoin_s``) wait for it to come back. ``publish=False``: a
     learner that is not rank 0 of data-parallel learners; it sends nothing and only listens (every peer is
-    counted as a listener of the final ``stop``).
+    counted as a listener of the final ``stop``). ``learner``: the node id whose counters the others follow
+    (None: any node that sends them); counters from another node, or naming a node other than their
+    authenticated sender (``router.sender``), are dropped and counted in :meth:`stats`.
 
     Reads / writes ctx: ``train_iter``, ``env_step``. Place it first, before the exchangers.
     """
 
     def __init__(self, lead: int = COLLECTOR_LEAD, timeout_s: float = EXCHANGE_TIMEOUT_S,
-                 rejoin_s: float = 0.0, publish: bool = True) -> None:
+                 rejoin_s: float = 0.0, publish: bool = True, learner: Optional[Any] = None) -> None:
         if not isinstance(lead, int) or lead < 1:
             raise ValueError(f"LearnerClock(lead={lead!r}): must be an int >= 1")
         self.timeout_s, self.rejoin_s = timeout_s, rejoin_s
+        self._source = None if learner is None else str(learner)
         self.collected = 0
         self.first_step_at: Optional[float] = None
         self._router = task.router
@@ -104,7 +107,7 @@ class LearnerClock:
         self._sent: Optional[Dict[str, Any]] = None  # learner: the counters it sent last
         self._busy_since: Optional[float] = None  # learner: when the iteration under way began
         self._finished = threading.Event()  # learner: its run ended
-        self._rejections = Rejections(f"LearnerClock on node {self._router.node_id}")
+        self._rejections = Rejections(f"LearnerClock on node {self._router.node_id}", self._router)
         if self._quiet:
             self._router.on(PROGRESS_TOPIC, lambda progress: None)  # counted among those told to stop
         elif self._learner:
@@ -145,6 +148,11 @@ class LearnerClock:
     def _got(self, progress: Any) -> None:
         check_fields(progress, node=lambda v: isinstance(v, str), train_iter=int, env_step=int,
                      stop=lambda v: isinstance(v, bool))
+        sender = getattr(self._router, "sender", None)
+        if sender is not None and progress["node"] != str(sender):
+            raise BadMessage(f"it says it comes from node {progress['node']!r}")
+        if self._source is not None and progress["node"] != self._source:
+            raise BadMessage(f"node {progress['node']} is not the learner (node {self._source})")
         with self._changed:
             self._heard = time.monotonic()
             if self._latest is None or not self._latest["stop"]:  # a stop heard stays heard

@@ -273,13 +273,15 @@ def current_node() -> "Node":
     return _node if _node is not None else Node(Layout(1))
 
 
-def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: bool = True) -> LearnerClock:
+def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: bool = True,
+                   spaces: Optional[tuple] = None) -> LearnerClock:
     """The first middleware of every node (inside ``task.start``): node 0 writes ``nodes.json`` (the others
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
     entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
     learners, these form their group and add :class:`~conveyor.zoo.run.learners.LearnerSync` (``node.sync``), which
     for an entry without a replay buffer (``buffered`` False) agrees on the rows of ``train_data`` each trains on.
-    Returns the clock."""
+    What a node takes from another is what that node may send: counters and weights from node 0 only, batches from
+    this learner's collectors only, checked against the env's ``spaces`` (a learner's). Returns the clock."""
     node = current_node()
     node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
     node_id, layout = task.router.node_id, node.layout
@@ -290,13 +292,16 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
         NodeTable.announce(EXCHANGE_TIMEOUT_S)
     rejoin_s = EXCHANGE_TIMEOUT_S if node.auto_recover else 0.0  # a lost learner is restarted: wait for it
     clock = LearnerClock(lead=COLLECTOR_LEAD, timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s,
-                         publish=node_id == 0 or not learner)
+                         publish=node_id == 0 or not learner, learner=0)
     task.use(clock)
     if node_id == 0 or not learner:
         task.use(ModelExchanger(policy, max_staleness=0 if on_policy else None, timeout_s=EXCHANGE_TIMEOUT_S,
-                                rejoin_s=rejoin_s))
+                                rejoin_s=rejoin_s, learners=[0]))
     shard = layout.learner_of(node_id) if node_id < layout.learners + layout.collectors else 0
-    exchanger = ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s, shard=shard)
+    collectors = [node for node in range(layout.learners, layout.learners + layout.collectors)
+                  if layout.learner_of(node) == shard]
+    exchanger = ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s, shard=shard,
+                                 spaces=spaces if learner else None, collectors=collectors)
     task.use(exchanger)
     if learner:
         node.received = exchanger.received

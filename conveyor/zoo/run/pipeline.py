@@ -16,7 +16,7 @@ from easydict import EasyDict
 
 from conveyor.data import DequeBuffer, dataset_root, load_dataset
 from conveyor.engine import OfflineRLContext, OnlineRLContext, Role, task
-from conveyor.envs import make_env_manager
+from conveyor.envs import env_spaces, make_env_manager
 from conveyor.middleware import (CkptSaver, load_checkpoint, offline_logger, online_logger, progress_bar,
                                  termination_checker)
 from conveyor.middleware.collector_process import ProcessCollector
@@ -145,7 +145,8 @@ class Run:
             on_policy = getattr(self._policy_cls, "learns_on_policy", not buffered)
             if owner:  # listening before node 0 sends its first weights: an evaluator node's first result is kept
                 self._evaluations = RemoteEvaluations(self.policy, stop_value=self._stop_here)
-            self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy, buffered=buffered)
+            self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy, buffered=buffered,
+                                         spaces=env_spaces(cfg.env) if learner else None)
 
     def _device(self, learner: bool, several: bool) -> Optional[str]:
         """Where this process's policy runs: collector and evaluator nodes act on CPU; a learner takes
