@@ -136,8 +136,9 @@ class CkptSaver:
     - ``latest.pth.tar``: ``task.state_dict()`` every ``train_freq`` train iterations and every
       ``interval_s`` seconds of wall-clock time (what ``--resume`` reads); taken between iterations.
     - ``final.pth.tar`` and ``latest.pth.tar`` when the run ends normally (``max_step``, ``task.finish``:
-      a budget, the stop value, a signal). If the run stopped because an evaluation reached the stop
-      value, the policy in them is the evaluated snapshot.
+      a budget, the stop value, a signal), or in an error raised at an iteration's start, before anything of
+      it ran (``error.at_iteration_start``: an exchanger's wait for another node that timed out). If the run
+      stopped because an evaluation reached the stop value, the policy in them is the evaluated snapshot.
     - ``eval_best.pth.tar``: ``{"policy": snapshot.state_dict(), "eval": {...}, "meta": {...}}`` of each
       evaluation that beats the best so far; the best score is part of the saver's state, so it
       survives a resume.
@@ -233,7 +234,7 @@ class CkptSaver:
         self.save("eval_best.pth.tar", state=state)
 
     def _on_finish(self, error: Optional[BaseException] = None) -> None:
-        if error is not None or not self._save_finish:
+        if (error is not None and not getattr(error, "at_iteration_start", False)) or not self._save_finish:
             return
         state = task.state_dict()
         snapshot = self._stop_snapshot

@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, List, Optional
 from conveyor.engine import CLOSE_EVENT, PEER_LOST_EVENT, STOP_EVENT, task
 from conveyor.middleware.messages import Rejections
 
-__all__ = ["COLLECTOR_TOPIC", "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "Exchanger",
-           "anything", "seconds"]
+__all__ = ["COLLECTOR_TOPIC", "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "ExchangeTimeout",
+           "Exchanger", "anything", "seconds"]
 
 log = logging.getLogger("conveyor.middleware.exchanger")  # where the exchangers always logged
 
@@ -28,6 +28,14 @@ COLLECTOR_TOPIC = "conveyor.exchange.collector"
 """Subscribed to by collectors, so that learners know them before their first batch; nothing is sent on it."""
 
 _RETRY_S = 0.25  # a receiver waiting for weights repeats its request this often (a request can pass its subscription)
+
+
+class ExchangeTimeout(TimeoutError):
+    """An exchanger's wait for another node ran out. It is raised where that wait began, at an iteration's start,
+    before anything of the iteration ran: the pipeline's state is a consistent cut (``at_iteration_start``), so
+    a :class:`~conveyor.middleware.CkptSaver` still writes the final checkpoint before the run ends in it."""
+
+    at_iteration_start = True
 
 
 def anything(value: Any) -> bool:
@@ -126,8 +134,8 @@ class Exchanger:
             self._cond.wait(min(left, _RETRY_S) if poke is not None else left)
         return True
 
-    def _timeout(self, what: str, sender: str, timeout_s: float) -> TimeoutError:
-        return TimeoutError(f"node {self._router.node_id}: no {what} within {timeout_s}s (live peers: "
+    def _timeout(self, what: str, sender: str, timeout_s: float) -> ExchangeTimeout:
+        return ExchangeTimeout(f"node {self._router.node_id}: no {what} within {timeout_s}s (live peers: "
                             f"{self._router.peers()}); is a {sender} running, with this exchanger in its chain? "
                             f"Raise timeout_s if it is just slow")
 

@@ -9,7 +9,8 @@ before an exchanger is made.
 Messages go by topic to the processes that subscribed to them only (collected data to learners, never to
 evaluators or other collectors) through the router's codec: numpy arrays, torch tensors and treetensor
 trees travel as raw bytes, nothing is unpickled. Every wait is bounded by ``timeout_s`` and ends in a
-``TimeoutError`` that names what was awaited and the live peers.
+``TimeoutError`` that names what was awaited and the live peers (an :class:`ExchangeTimeout`: raised at an
+iteration's start, so a learner's ``CkptSaver`` still writes the final checkpoint before the run ends in it).
 
 Place them first in the chain, ``ModelExchanger`` before ``ContextExchanger``: on a collector the weights
 are loaded, then the learner's ``train_iter`` read, before collecting; on the learner ``train_iter`` is
@@ -51,13 +52,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Set
 
 from conveyor.engine import OnlineRLContext, declares, task
 from conveyor.middleware.exchange_base import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC,
-                                               TRAIN_ITER_TOPIC, Exchanger, anything, seconds)
+                                               TRAIN_ITER_TOPIC, ExchangeTimeout, Exchanger, anything, seconds)
 from conveyor.middleware.batch_check import SpaceCheck
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.middleware.model_exchanger import ModelExchanger
 
-__all__ = ["BadMessage", "ContextExchanger", "ModelExchanger", "Rejections", "COLLECTOR_TOPIC", "DATA_TOPIC",
-           "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout", "shard_topics"]
+__all__ = ["BadMessage", "ContextExchanger", "ExchangeTimeout", "ModelExchanger", "Rejections", "COLLECTOR_TOPIC",
+           "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout",
+           "shard_topics"]
 
 log = logging.getLogger(__name__)
 

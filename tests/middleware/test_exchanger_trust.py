@@ -11,6 +11,7 @@ import torch
 import treetensor.torch as ttorch
 
 from conveyor.engine import PEER_LOST_EVENT, OnlineRLContext, task
+from conveyor.middleware import CkptSaver
 from conveyor.middleware.exchanger import DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC, ContextExchanger, ModelExchanger
 from tests.middleware import _exchanger_mains as mains
 from tests.middleware.test_exchanger import fake_router  # noqa: F401 (a fixture)
@@ -132,6 +133,16 @@ def test_a_learner_given_its_collectors_drops_the_batches_of_any_other_node(peer
         peer.publish(DATA_TOPIC, batch())
         assert arrived.wait(WAIT)
     assert exchanger.stats()["rejected"] == 1
+
+
+def test_when_a_learners_wait_times_out_the_run_still_ends_with_its_final_checkpoint(fake_router, policy, tmp_path):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        task.use(ContextExchanger(timeout_s=0.2))
+        task.use(CkptSaver(policy, tmp_path))
+        with pytest.raises(TimeoutError, match="no collected data"):
+            task.run(max_step=1)
+    assert (tmp_path / "ckpt" / "final.pth.tar").is_file()
 
 
 def weights(version):
