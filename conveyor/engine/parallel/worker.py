@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from conveyor.engine.parallel.guard import RateLimitedLog
 from conveyor.processes import Terminated, pack_exception
 
 __all__ = ["FINISHED_TOPIC", "WorkerRouter", "serve"]
@@ -34,7 +35,8 @@ __all__ = ["FINISHED_TOPIC", "WorkerRouter", "serve"]
 log = logging.getLogger(__name__)
 
 FINISHED_TOPIC = "conveyor.runner.finished"
-"""Published by a worker whose ``main`` has returned; its peers close only after hearing it (or losing it)."""
+"""Published by a worker whose ``main`` has returned; its peers close only after hearing it (or losing it). Its
+payload, the worker's node id, counts only from that node (``Router.sender``): no peer can say another finished."""
 
 
 class WorkerRouter:
@@ -51,6 +53,8 @@ class WorkerRouter:
         self._finished: set = set()
         self._finished_changed = threading.Condition()
         self._left_callbacks: List[Callable[[str], Any]] = []
+        self._refused = 0  # FINISHED messages in another node's name
+        self._log = RateLimitedLog(log)
         if router is not None:  # before any dial, so the first hello already lists the topic
             router.on(FINISHED_TOPIC, self._peer_finished)
             router.on_peer_lost(self._peer_left)
@@ -86,6 +90,11 @@ class WorkerRouter:
         if fn in self._left_callbacks:
             self._left_callbacks.remove(fn)
 
+    def stats(self) -> Dict[str, Any]:
+        """The router's counters (:meth:`Router.stats`), with ``rejected_finished``: messages on
+        :data:`FINISHED_TOPIC` that said another node than their sender had finished."""
+        return {**(self._router.stats() if self._router is not None else {}), "rejected_finished": self._refused}
+
     def __getattr__(self, name: str) -> Any:
         router = self.__dict__.get("_router")
         if name.startswith("_") or router is None:
@@ -97,6 +106,12 @@ class WorkerRouter:
         return f"<WorkerRouter node {self.node_id} of {self.n_workers}: {self._router!r}>"
 
     def _peer_finished(self, node: Any) -> None:
+        sender = getattr(self._router, "sender", None)
+        if sender is not None and str(node) != sender:
+            self._refused += 1  # the delivery thread alone runs this
+            self._log.log("finished", "worker %s: node %s said node %.40r finished; only a node itself can say so "
+                          "(%d refused so far)", self.node_id, sender, node, self._refused)
+            return
         with self._finished_changed:
             self._finished.add(str(node))
         self._peer_left(node)

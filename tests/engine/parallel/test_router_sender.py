@@ -15,3 +15,17 @@ def test_a_handler_learns_who_sent_the_message_it_handles(make_router):
     b.publish("x", "from a, it says")  # what a payload claims is not who sent it
     assert sorted(got.get(timeout=WAIT) for _ in range(2)) == [("from a, it says", "a"), ("from a, it says", "b")]
     assert hub.sender is None
+
+
+def test_no_peer_can_tell_a_worker_that_another_node_finished(make_router):
+    from conveyor.engine.parallel.worker import FINISHED_TOPIC, WorkerRouter
+    hub = make_router("0", listen="tcp://127.0.0.1:0")
+    peer = make_router("9", peers=[hub.address])
+    worker = WorkerRouter(hub, 0, 3)
+    left = queue.Queue()
+    worker.on_peer_lost(left.put)
+    peer.wait_for_subscribers(FINISHED_TOPIC, 1, WAIT)
+    peer.publish(FINISHED_TOPIC, "1")  # node 1, the learner, is alive: node 9 says otherwise
+    peer.publish(FINISHED_TOPIC, "9")
+    assert left.get(timeout=WAIT) == "9" and left.empty()
+    assert worker.stats()["rejected_finished"] == 1
