@@ -1,5 +1,5 @@
 """atari/impala whose learner appends the return of every training episode the collectors report (a full game)
-to the file ``$IMPALA_LEARNING_EPISODES``, one per line: what ``impala_learning.py`` averages."""
+to the file ``$IMPALA_LEARNING_EPISODES``, one per line: what ``benchmarks.impala_learning`` averages."""
 from __future__ import annotations
 
 import os

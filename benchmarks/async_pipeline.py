@@ -11,9 +11,9 @@ Two modes:
   others'. Bar (issue 7): async is never slower (ratio >= 0.97 on every entry), and where the ideal is
   >= 1.3 it reaches >= 0.8 of it.
 
-    python benchmarks/async_pipeline.py [--quick] [--pairs N] [--async-collector auto|process|thread]
+    python -m benchmarks.async_pipeline [--quick] [--pairs N] [--async-collector auto|process|thread]
                                         [--entries cartpole/dqn,cartpole/ppo,pendulum/sac]
-    python benchmarks/async_pipeline.py --synthetic [--collect-ms 20] [--learn-ms 20] [--steps 100]
+    python -m benchmarks.async_pipeline --synthetic [--collect-ms 20] [--learn-ms 20] [--steps 100]
 
 ``--quick`` runs a quarter of each budget, one pair unless ``--pairs`` says otherwise. The last line is
 JSON: ``entries`` maps each entry to its ``sync_s``, ``async_s``, ``speedup``, ``ideal_speedup``,
@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import os
 import statistics
 import tempfile
 import time
 from typing import Dict, Tuple
 
+from benchmarks._harness import print_json_line
 from conveyor import OnlineRLContext, task
 from conveyor.engine import FINISH_EVENT
 
@@ -75,8 +75,8 @@ def synthetic(args: argparse.Namespace) -> None:
     for mode, wall in (("sync", sync_s), ("async", async_s)):
         print(f"{mode:<8}{steps:>12}{wall:>10.3f}{wall / steps * 1000:>14.2f}")
     print(f"collector {args.collect_ms} ms, learner {args.learn_ms} ms: speedup {speedup:.2f}x (ideal {ideal:.2f}x)")
-    print(json.dumps({"sync_s": round(sync_s, 4), "async_s": round(async_s, 4), "speedup": round(speedup, 3),
-                      "ideal_speedup": round(ideal, 3)}))
+    print_json_line({"sync_s": round(sync_s, 4), "async_s": round(async_s, 4), "speedup": round(speedup, 3),
+                     "ideal_speedup": round(ideal, 3)})
 
 
 def zoo_run(name: str, async_mode: bool, budget: int,
@@ -142,8 +142,8 @@ def zoo(args: argparse.Namespace) -> None:
               f"{r['learn_s']:>8.2f}{r['speedup']:>9.2f}{r['ideal_speedup']:>7.2f}{r['of_ideal']:>10.2f}"
               f"{r['sync_cpu_s']:>10.2f}{r['async_cpu_s']:>10.2f}")
     paying = [r["of_ideal"] for r in rows.values() if r["ideal_speedup"] >= 1.3]
-    print(json.dumps({"entries": rows, "min_speedup": min(r["speedup"] for r in rows.values()),
-                      "min_of_ideal": min(paying) if paying else None}))
+    print_json_line({"entries": rows, "min_speedup": min(r["speedup"] for r in rows.values()),
+                     "min_of_ideal": min(paying) if paying else None})
 
 
 def main() -> None:

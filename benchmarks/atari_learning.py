@@ -2,8 +2,8 @@
 
 Per seed, each side trains from scratch in a fresh interpreter, one after the other, on one torch thread:
 
-- ours: the ``atari/ppo`` zoo entry as it ships (``benchmarks/learning_curve.py``'s ``run_seed``: no early stop,
-  one evaluation at the end), with any ``--set KEY=VALUE`` on top;
+- ours: the ``atari/ppo`` zoo entry as it ships (trained as ``benchmarks.learning_curve`` trains an entry: no
+  early stop, one evaluation at the end), with any ``--set KEY=VALUE`` on top;
 - SB3: ``PPO("CnnPolicy")`` on ``make_atari_env`` + ``VecFrameStack(4)`` (ALE v5, frame skip 4, sticky actions
   0.25, life loss ends training episodes, clipped rewards) with the entry's hyperparameters: 8 envs x 128 steps,
   4 epochs of 256-transition minibatches, clip 0.1, entropy 0.01, value 0.5, gradient norm 0.5, gamma 0.99,
@@ -16,43 +16,26 @@ SB3's on the same seeds. Prints a table and ends with one JSON line (``ours_fina
 ``sb3_final_train_returns``, their means, ``ratio`` = ours / SB3 of the means, ``seeds_at_or_above``, walls).
 SB3 is pip-installed into this interpreter when missing.
 
-    python benchmarks/atari_learning.py --seeds 3 --first-seed 1        # 250k agent steps a run: hours on CPU
-    python benchmarks/atari_learning.py --quick        # ours only, 1 seed, 2 envs x 128 steps, 256 agent steps
+    python -m benchmarks.atari_learning --seeds 3 --first-seed 1        # 250k agent steps a run: hours on CPU
+    python -m benchmarks.atari_learning --quick        # ours only, 1 seed, 2 envs x 128 steps, 256 agent steps
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from typing import Any, Dict, List
 
-from _peers import TRAIN_EPISODES, ensure_package, final_train_return, run_worker, scratch_dir
+from benchmarks._harness import TRAIN_EPISODES, ensure_package, final_train_return, print_json_line, worker_done
+from benchmarks._training import ATARI_PPO as ENTRY
+from benchmarks._training import add_seed_options, atari_ppo, per_seed, print_pairs, seeds_run
 
-ENTRY = "atari/ppo"
 QUICK_SETS = ["env.collector_env_num=2", "policy.collect.n_sample=256", "env.evaluator_env_num=1"]
 """The smoke run's config: rollouts of 2 envs x 128 steps (one 256-transition minibatch, 4 epochs) and one game
 evaluated on one env: the same pipeline with 3 ALE envs to start instead of 16 and 1 evaluation game instead of 8."""
 QUICK_BUDGET = 256
 """The smoke run's agent steps: two rollouts (the run ends on the first step past the budget), about two games."""
-
-
-def ours(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
-    """The entry for ``budget`` agent steps; the mean of its last full-game training episodes."""
-    import torch
-
-    from conveyor.config import apply_overrides
-    from conveyor.zoo import load_entry
-    from learning_curve import run_seed
-
-    torch.set_num_threads(1)
-    entry = load_entry(ENTRY)
-    n_episode = apply_overrides(entry.main_config, overrides).env.evaluator_env_num  # a game per eval env
-    with scratch_dir():
-        run = run_seed(entry, seed, budget, eval_every=budget, n_episode=n_episode, overrides=overrides)
-    return {"side": "ours", "seed": seed, "final_train_return": run["final_train_return"],
-            "train_episodes": run["train_episodes"], "wall_s": run["wall_s"]}
 
 
 def sb3(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
@@ -96,53 +79,25 @@ def sb3(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:
             "train_episodes": len(returns), "wall_s": round(wall, 1)}
 
 
-SIDES = {"ours": ours, "sb3": sb3}
-
-
-def per_seed(script: str, sides: List[str], selected: List[str], seeds: List[int],
-             extra: List[str]) -> Dict[str, List[Dict[str, Any]]]:
-    """The rows of every side by seed: each ``selected`` side trained in a fresh interpreter (``script --worker
-    SIDE --seed N EXTRA``), one run after another; a side left out gets rows with no figures."""
-    return {side: [run_worker(script, ["--worker", side, "--seed", str(seed), *extra], timeout=6 * 3600)
-                   if side in selected else {"seed": seed, "final_train_return": None, "wall_s": None}
-                   for seed in seeds] for side in sides}
-
-
-def print_pairs(rows: Dict[str, List[Dict[str, Any]]], first: str, second: str, labels: tuple) -> None:
-    """A table of two sides' final training returns and walls, a line per seed; ``labels``: their names."""
-    def cell(value: Any, width: int) -> str:
-        return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
-
-    walls = [f"{label} wall s" for label in labels]
-    print(f"{'seed':>5} {labels[0]:>9} {labels[1]:>9} {walls[0]:>{len(walls[0]) + 1}} {walls[1]:>{len(walls[1]) + 1}}")
-    for a, b in zip(rows[first], rows[second]):
-        print(f"{a['seed']:>5} {cell(a['final_train_return'], 9)} {cell(b['final_train_return'], 9)} "
-              f"{cell(a['wall_s'], len(walls[0]) + 1)} {cell(b['wall_s'], len(walls[1]) + 1)}")
+SIDES = {"ours": atari_ppo, "sb3": sb3}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--first-seed", type=int, default=1, help="seeds run are first-seed, first-seed + 1, ...")
-    parser.add_argument("--max-env-step", type=int, default=250_000, help="agent steps per run")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config value of both sides, as `conveyor train --set` (repeatable)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"ours only, 1 seed, {QUICK_BUDGET} agent steps, with --set {' '.join(QUICK_SETS)}")
-    parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+    add_seed_options(parser, SIDES,
+                     changes="override one config value of both sides, as `conveyor train --set` (repeatable)",
+                     quick=f"ours only, 1 seed, {QUICK_BUDGET} agent steps, with --set {' '.join(QUICK_SETS)}")
     args = parser.parse_args()
     budget = QUICK_BUDGET if args.quick else args.max_env_step
-    if args.worker is not None:
-        print(json.dumps(SIDES[args.worker](args.seed, budget, args.overrides)))
+    if worker_done(args, lambda side: SIDES[side](args.seed, budget, args.overrides)):
         return
     overrides = [*QUICK_SETS, *args.overrides] if args.quick else args.overrides
     sides = ["ours"] if args.quick else list(SIDES)  # the smoke run installs and runs no peer
     if "sb3" in sides:
         ensure_package("stable-baselines3", "stable_baselines3")
-    seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
+    seeds = seeds_run(args)
     extra = ["--max-env-step", str(budget), *(word for pair in overrides for word in ("--set", pair))]
-    rows = per_seed(__file__, list(SIDES), sides, seeds, extra)
+    rows = per_seed(list(SIDES), sides, seeds, extra)
 
     print(f"{ENTRY} on Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game "
           f"training episodes")
@@ -156,7 +111,7 @@ def main() -> None:
                "seeds_at_or_above": sum(a is not None and b is not None and a >= b
                                         for a, b in zip(finals["ours"], finals["sb3"])),
                "ours_wall_s": [r["wall_s"] for r in rows["ours"]], "sb3_wall_s": [r["wall_s"] for r in rows["sb3"]]}
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

@@ -24,24 +24,24 @@ interpreter where torch or envs could differ:
 Where the time goes (env / inference / update / handover) is printed from our run's per-middleware times
 (``time/..._ms`` in its TensorBoard log) and the bare env loops, and from SB3's rollout and update phases.
 
-    python benchmarks/atari_throughput.py                   # 15 rollouts per PPO run, 2 rounds
-    python benchmarks/atari_throughput.py --rollouts 8 --rounds 1   # what docs/benchmarks.md reports
-    python benchmarks/atari_throughput.py --quick           # a smoke run: tiny PPO, short loops, no SB3
-    python benchmarks/atari_throughput.py --device cuda --manager subprocess --parts ppo   # the GPU table
+    python -m benchmarks.atari_throughput                   # 15 rollouts per PPO run, 2 rounds
+    python -m benchmarks.atari_throughput --rollouts 8 --rounds 1   # what docs/benchmarks.md reports
+    python -m benchmarks.atari_throughput --quick           # a smoke run: tiny PPO, short loops, no SB3
+    python -m benchmarks.atari_throughput --device cuda --manager subprocess --parts ppo   # the GPU table
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-from _peers import (alternate, device_name, ensure_package, print_sides, run_worker, scratch_dir,
-                    tensorboard_events, tensorboard_scalars)
+from benchmarks._harness import (add_worker_option, alternate, device_name, ensure_package, print_json_line,
+                                 print_sides, run_worker, scratch_dir, tensorboard_events, tensorboard_scalars,
+                                 worker_done)
 
 ENV_ID = "ALE/Breakout-v5"
 ENVS = 8
@@ -272,10 +272,9 @@ def main() -> None:
     parser.add_argument("--manager", default="envpool",
                         help="our env manager in the PPO part (envpool, subprocess, sync): subprocess where envpool "
                              "is not installed")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    add_worker_option(parser)
     args = parser.parse_args()
-    if args.worker is not None:
-        print(json.dumps(worker(args.worker, args)))
+    if worker_done(args, lambda side: worker(side, args)):
         return
     if args.quick:  # in this process, ours in sync mode only: a smoke test of each part
         args.rollouts, args.rounds, args.loop_steps, args.loop_rounds, args.no_sb3 = 2, 1, 256, 1, True
@@ -287,7 +286,7 @@ def main() -> None:
               "--manager", args.manager]
 
     def measure(side: str) -> Dict[str, Any]:
-        return worker(side, args) if args.quick else run_worker(__file__, ["--worker", side, *common], timeout=3600)
+        return worker(side, args) if args.quick else run_worker(side, common, timeout=3600)
 
     parts = set(args.parts.split(","))
     if not parts or parts - {"ppo", "loops"}:
@@ -305,7 +304,7 @@ def report(args: argparse.Namespace, ppo: Dict[str, List[Dict]], loops: Dict[str
         summary.update(report_ppo(args, ppo))
     if loops:
         summary.update(report_loops(args, loops))
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 def report_ppo(args: argparse.Namespace, ppo: Dict[str, List[Dict]]) -> Dict[str, Any]:

@@ -4,12 +4,11 @@
 with the same network and keeps nothing; the collector also stores every transition as a batch.
 Rounds alternate between the two so machine noise hits both alike.
 
-    python benchmarks/collector_throughput.py [--quick] [--steps 20000]
+    python -m benchmarks.collector_throughput [--quick] [--steps 20000]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import gymnasium as gym
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 from easydict import EasyDict
 
+from benchmarks._harness import print_json_line
 from conveyor import OnlineRLContext, task
 from conveyor.config import compile_config
 from conveyor.envs import make_env_manager
@@ -88,8 +88,8 @@ def main() -> None:
     print(f"{'bare loop':<24}{best_b:>14,.0f}{float(np.median(bare)):>16,.0f}")
     print(f"ratio {best_c / best_b:.2f} (bar: >= 0.7); {ENVS} CartPole envs, {args.n_sample} transitions per call, "
           f"best of {rounds} rounds of {steps} env steps")
-    print(json.dumps({"steps_per_s": round(best_c), "baseline_steps_per_s": round(best_b),
-                      "ratio": round(best_c / best_b, 3)}))
+    print_json_line({"steps_per_s": round(best_c), "baseline_steps_per_s": round(best_b),
+                     "ratio": round(best_c / best_b, 3)})
 
 
 if __name__ == "__main__":

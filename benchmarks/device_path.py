@@ -8,30 +8,26 @@
   SAC's update runs twice too: eagerly and replayed from a CUDA graph (``policy.learn.cuda_graph``, the default).
   CPU at torch's default threads (every core), as a learner on a GPU-less node would run.
 - Env steps/s while training of ``atari/ppo`` (8 envs of ``--manager``) and ``mujoco/sac``, each on CPU and with
-  ``--device cuda``, measured as ``atari_throughput.py`` and ``mujoco_throughput.py`` measure "ours", each in a
+  ``--device cuda``, measured as ``benchmarks.atari_throughput`` and ``benchmarks.mujoco_throughput`` measure "ours", each in a
   fresh interpreter.
 
 Ends with one JSON line: the device's name, every figure, and ``cuda_vs_cpu`` ratios.
 
-    python benchmarks/device_path.py                      # needs a CUDA device
-    python benchmarks/device_path.py --quick              # fewer steps and rollouts
+    python -m benchmarks.device_path                      # needs a CUDA device
+    python -m benchmarks.device_path --quick              # fewer steps and rollouts
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict
 
 import numpy as np
 import torch
 
-from _peers import device_name, run_worker
-
-HERE = Path(__file__).resolve().parent
+from benchmarks._harness import device_name, print_json_line, run_worker
 
 
 def host_batch(kind: str, size: int) -> Any:
@@ -99,11 +95,11 @@ def updates_per_s(kind: str, device: str, mixed_precision: bool, graph: bool, st
 def env_steps_per_s(workload: str, device: str, args: argparse.Namespace) -> float:
     """Env steps/s while training ``workload`` ('atari_ppo' or 'mujoco_sac') in a fresh interpreter."""
     if workload == "atari_ppo":
-        out = run_worker(str(HERE / "atari_throughput.py"), ["--worker", "ours", "--device", device, "--manager",
-                                                             args.manager, "--rollouts", str(args.rollouts)])
+        out = run_worker("ours", ["--device", device, "--manager", args.manager, "--rollouts", str(args.rollouts)],
+                         module="benchmarks.atari_throughput")
     else:
-        out = run_worker(str(HERE / "mujoco_throughput.py"), ["--worker", "ours", "--device", device, "--warmup",
-                                                              "1000", "--steps", str(args.sac_steps)])
+        out = run_worker("ours", ["--device", device, "--warmup", "1000", "--steps", str(args.sac_steps)],
+                         module="benchmarks.mujoco_throughput")
     return out["steps_per_s"]
 
 
@@ -146,7 +142,7 @@ def main() -> None:
             ratios[f"{workload}_env_steps"] = round(rows[f"{workload} cuda"] / rows[f"{workload} cpu"], 2)
         summary["env_steps_per_s"] = {k: round(v, 1) for k, v in rows.items()}
     summary["cuda_vs_cpu"] = ratios
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

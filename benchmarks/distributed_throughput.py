@@ -7,7 +7,7 @@ receives the batches, counts the env steps they carry and does nothing else, so 
 collection and transport deliver. Each configuration is timed over a window that starts after the first
 batch arrived (process start-up and imports excluded). Bar on a 2-core machine: ratio >= 1.6.
 
-    python benchmarks/distributed_throughput.py [--quick] [--seconds S] [--step-ms MS]
+    python -m benchmarks.distributed_throughput [--quick] [--seconds S] [--step-ms MS]
 
 Prints a table, then one JSON line with ``one_collector_steps_per_s``, ``two_collectors_steps_per_s`` and
 ``ratio`` (two / one).
@@ -15,13 +15,10 @@ Prints a table, then one JSON line with ``one_collector_steps_per_s``, ``two_col
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from conveyor.engine import OnlineRLContext, Parallel, Role, task  # noqa: E402
+from benchmarks._harness import print_json_line
+from conveyor.engine import OnlineRLContext, Parallel, Role, task
 
 BATCH = 32  # env steps per collector iteration
 OBS = 4
@@ -96,8 +93,8 @@ def main() -> None:
     for n, rate in ((1, one), (2, two)):
         print(f"{n:>10}{rate:>14.0f}{rate / ideal:>11.2f}")
     print(f"ratio (2 / 1): {two / one:.2f}  (bar >= 1.6 on 2 cores)")
-    print(json.dumps({"one_collector_steps_per_s": round(one, 1), "two_collectors_steps_per_s": round(two, 1),
-                      "ratio": round(two / one, 3), "step_ms": args.step_ms, "window_s": window_s}))
+    print_json_line({"one_collector_steps_per_s": round(one, 1), "two_collectors_steps_per_s": round(two, 1),
+                     "ratio": round(two / one, 3), "step_ms": args.step_ms, "window_s": window_s})
 
 
 if __name__ == "__main__":

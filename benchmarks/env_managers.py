@@ -13,23 +13,20 @@ Each candidate runs several timed rounds, interleaved with the others; the best 
 machine is shared). Ratios are against SyncEnvManager in the same run. Prints a table, then one JSON
 object as the last line.
 
-    python benchmarks/env_managers.py [--quick]
+    python -m benchmarks.env_managers [--quick]
 """
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conveyor.envs import SubprocessEnvManager, SyncEnvManager, default_num_workers  # noqa: E402
+from benchmarks._harness import print_json_line
+from conveyor.envs import SubprocessEnvManager, SyncEnvManager, default_num_workers
 
 ENV_NUM = 8
 
@@ -192,7 +189,7 @@ def main() -> None:
         }
     figures["sync_overhead_vs_bare_loop"] = round(1 - results["cartpole"]["SyncEnvManager"] /
                                                   results["cartpole"]["bare loop"], 3)
-    print(json.dumps(figures))
+    print_json_line(figures)
 
 
 if __name__ == "__main__":

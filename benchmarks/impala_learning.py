@@ -5,29 +5,28 @@ end of the budget:
 
 - IMPALA: the ``atari/impala`` entry as it ships, distributed with ``--collectors`` collector processes (2 by
   default) and no evaluator node; its learner records every full-game training episode the collectors report
-  (``_impala_episodes_entry.py``);
-- PPO: the ``atari/ppo`` entry as it ships, in one process (``atari_learning.py``'s "ours" side).
+  (``benchmarks/_impala_episodes_entry.py``);
+- PPO: the ``atari/ppo`` entry as it ships, in one process (``benchmarks.atari_learning``'s "ours" side).
 
 The figures are the mean return of the last 20 full-game training episodes (unclipped) and the wall time of the
 run, start-up included. The issue's bar: IMPALA at or above PPO on the same seeds, in less wall time. Ends with one
 JSON line: ``impala_final_train_returns``, ``ppo_final_train_returns``, ``impala_wall_s``, ``ppo_wall_s``,
 ``seeds_at_or_above``, ``seeds_faster``. ``--no-ppo`` runs IMPALA alone (to compare with PPO runs taken before).
 
-    python benchmarks/impala_learning.py --seeds 3 --first-seed 1      # 250k agent steps a run: hours on CPU
-    python benchmarks/impala_learning.py --quick            # IMPALA only, 1 seed, 2 envs a collector, 400 agent steps
+    python -m benchmarks.impala_learning --seeds 3 --first-seed 1      # 250k agent steps a run: hours on CPU
+    python -m benchmarks.impala_learning --quick            # IMPALA only, 1 seed, 2 envs a collector, 400 agent steps
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from _peers import TRAIN_EPISODES, final_train_return, scratch_dir
-from atari_learning import ours, per_seed, print_pairs
+from benchmarks._harness import TRAIN_EPISODES, final_train_return, print_json_line, scratch_dir, worker_done
+from benchmarks._training import add_seed_options, atari_ppo, per_seed, print_pairs, seeds_run
 
 HERE = Path(__file__).resolve().parent
 QUICK_SETS = ["env.collector_env_num=2", "policy.collect.n_sample=40", "env.evaluator_env_num=1",
@@ -64,8 +63,8 @@ def impala(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dic
 
 
 def ppo(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dict[str, Any]:
-    """atari/ppo in one process, as ``atari_learning.py`` trains it."""
-    return {**ours(seed, budget, overrides), "side": "ppo"}
+    """atari/ppo in one process, as ``benchmarks.atari_learning`` trains it."""
+    return {**atari_ppo(seed, budget, overrides), "side": "ppo"}
 
 
 SIDES = {"impala": impala, "ppo": ppo}
@@ -73,29 +72,21 @@ SIDES = {"impala": impala, "ppo": ppo}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--first-seed", type=int, default=1, help="seeds run are first-seed, first-seed + 1, ...")
-    parser.add_argument("--max-env-step", type=int, default=250_000, help="agent steps per run")
+    add_seed_options(parser, SIDES, changes="change atari/impala's config, as `conveyor train --set`",
+                     quick=f"IMPALA only, 1 seed, {QUICK_BUDGET} agent steps, with --set {' '.join(QUICK_SETS)}")
     parser.add_argument("--collectors", type=int, default=2, help="IMPALA's collector processes")
     parser.add_argument("--no-ppo", action="store_true", help="IMPALA only (ppo_* keys are null)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="change atari/impala's config, as `conveyor train --set`")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"IMPALA only, 1 seed, {QUICK_BUDGET} agent steps, with --set {' '.join(QUICK_SETS)}")
-    parser.add_argument("--worker", choices=sorted(SIDES), default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     budget = QUICK_BUDGET if args.quick else args.max_env_step
-    if args.worker is not None:
-        overrides = args.overrides if args.worker == "impala" else []
-        print(json.dumps(SIDES[args.worker](args.seed, budget, args.collectors, overrides)))
+    if worker_done(args, lambda side: SIDES[side](args.seed, budget, args.collectors,
+                                                  args.overrides if side == "impala" else [])):
         return
     overrides = [*QUICK_SETS, *args.overrides] if args.quick else args.overrides
     sides = ["impala"] if args.quick or args.no_ppo else list(SIDES)
-    seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
+    seeds = seeds_run(args)
     extra = ["--max-env-step", str(budget), "--collectors", str(args.collectors),
              *(word for pair in overrides for word in ("--set", pair))]
-    rows = per_seed(__file__, list(SIDES), sides, seeds, extra)
+    rows = per_seed(list(SIDES), sides, seeds, extra)
     print(f"Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game training episodes, "
           f"atari/impala with {args.collectors} collectors against atari/ppo in one process")
     print_pairs(rows, "impala", "ppo", ("IMPALA", "PPO"))
@@ -110,7 +101,7 @@ def main() -> None:
                                         and a["final_train_return"] >= b["final_train_return"] for a, b in pairs),
                "seeds_faster": sum(a["wall_s"] is not None and b["wall_s"] is not None and a["wall_s"] < b["wall_s"]
                                    for a, b in pairs)}
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

@@ -22,23 +22,22 @@ Configurations alternate over rounds (the machine is shared); the median of each
 2-collector figure over the 1-collector one: with 1 learner and 2 collectors on a 2-core machine, three busy
 processes share two cores, so expect little above 1 there.
 
-    python benchmarks/impala_throughput.py                        # 40,000 agent steps a run, 1 round
-    python benchmarks/impala_throughput.py --env-steps 64000 --rounds 2
-    python benchmarks/impala_throughput.py --quick                # 2 envs, 10-step unrolls one a batch, 700 steps
+    python -m benchmarks.impala_throughput                        # 40,000 agent steps a run, 1 round
+    python -m benchmarks.impala_throughput --env-steps 64000 --rounds 2
+    python -m benchmarks.impala_throughput --quick                # 2 envs, 10-step unrolls one a batch, 700 steps
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from _peers import alternate, run_worker, scratch_dir, tensorboard_scalars  # noqa: E402
+from benchmarks._harness import (add_worker_option, alternate, print_json_line, run_worker, scratch_dir,
+                                 tensorboard_scalars, worker_done)
 
 ENTRY = "atari/impala"
 SIDES = ("1", "2")  # collector processes
@@ -99,14 +98,13 @@ def main() -> None:
     parser.add_argument("--env-steps", type=int, default=40_000, help="agent steps per run (default 40,000)")
     parser.add_argument("--rounds", type=int, default=1, help="runs per configuration, alternating")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    add_worker_option(parser, SIDES)
     args = parser.parse_args()
     env_steps = QUICK_ENV_STEPS if args.quick else args.env_steps
-    if args.worker is not None:
-        print(json.dumps(measure(int(args.worker), env_steps, args.quick, args.seed)))
+    if worker_done(args, lambda side: measure(int(side), env_steps, args.quick, args.seed)):
         return
     flags = ["--env-steps", str(env_steps), "--seed", str(args.seed), *(["--quick"] if args.quick else [])]
-    results = alternate(SIDES, args.rounds, lambda side: run_worker(__file__, [*flags, "--worker", side]))
+    results = alternate(SIDES, args.rounds, lambda side: run_worker(side, flags))
     report(args, env_steps, results)
 
 
@@ -125,12 +123,12 @@ def report(args: argparse.Namespace, env_steps: int, results: Dict[str, List[Dic
               f"{'-' if lag is None else f'{lag:.2f}':>10}  {'-' if lag_max is None else f'{lag_max:.1f}':>7}  "
               + ", ".join(f"{r['steps_per_s']:.1f}" for r in results[side]))
     one, two = median["1"]["steps_per_s"], median["2"]["steps_per_s"]
-    print(json.dumps({"steps_per_s_1": one, "steps_per_s_2": two, "ratio": two / one,
-                      "collected_steps_per_s_1": median["1"]["collected_steps_per_s"],
-                      "collected_steps_per_s_2": median["2"]["collected_steps_per_s"],
-                      "policy_lag_1": median["1"]["policy_lag"], "mean_policy_lag": median["2"]["policy_lag"],
-                      "policy_lag_max_2": median["2"]["policy_lag_max"], "env_steps": env_steps,
-                      "rounds": args.rounds, "seed": args.seed}))
+    print_json_line({"steps_per_s_1": one, "steps_per_s_2": two, "ratio": two / one,
+                     "collected_steps_per_s_1": median["1"]["collected_steps_per_s"],
+                     "collected_steps_per_s_2": median["2"]["collected_steps_per_s"],
+                     "policy_lag_1": median["1"]["policy_lag"], "mean_policy_lag": median["2"]["policy_lag"],
+                     "policy_lag_max_2": median["2"]["policy_lag_max"], "env_steps": env_steps,
+                     "rounds": args.rounds, "seed": args.seed})
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ with 1 learner and 2 collectors (a tiny config: the run ends soon after), starte
 
 - local: ``conveyor train cartpole/dqn --collectors 2`` (the nodes are processes of this host);
 - slurm: ``sbatch`` of the script ``conveyor slurm-script ... --nodes 1`` prints, on a one-node Slurm cluster
-  the benchmark starts beforehand (``tests/slurm_cluster.py``: Debian's ``slurm-wlm``, as root) and stops at the
-  end; where none can start, the same script run by a stand-in ``srun`` (``tests/launcher_helpers.py``: one
+  the benchmark starts beforehand (``benchmarks/_cluster.py``: Debian's ``slurm-wlm``, as root) and stops at the
+  end; where none can start, the same script run by a stand-in ``srun`` (``benchmarks/_cluster.py`` too: one
   process per task, no scheduler). The table and the JSON line say which;
 - ray: ``conveyor train cartpole/dqn --collectors 2 --launcher ray``, which starts a local Ray cluster (its
   start is part of the figure).
@@ -13,10 +13,10 @@ Each command is the real CLI, as a user types it; the ``conveyor`` on PATH (also
 probe that runs the CLI and, when ``conveyor train`` returns, appends the node summaries of its run
 (``DistributedRun.nodes``) to a file as JSON lines. The figure is the earliest ``first_step_at`` of a collector (the
 ``time.time()`` of its first collected step) minus the wall time just before the command started. The launchers
-take turns, the order reversed every other round (``_peers.alternate``); the medians are reported, and their
+take turns, the order reversed every other round (``_harness.alternate``); the medians are reported, and their
 ratios to local.
 
-    python benchmarks/launch_overhead.py [--quick] [--rounds N]
+    python -m benchmarks.launch_overhead [--quick] [--rounds N]
 
 ``--quick``: one round. The last line is JSON: ``local_s``, ``slurm_s``, ``ray_s`` (medians, seconds),
 ``slurm_vs_local``, ``ray_vs_local`` (ratios), ``slurm_mode`` (``cluster`` or ``stand-in srun``), ``rounds``.
@@ -36,14 +36,14 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing; the cluster and srun helpers of the tests
-from benchmarks._peers import alternate, scratch_dir  # noqa: E402
-from tests.launcher_helpers import SETS, SRUN, marked_jobs, stand_in_sbatch  # noqa: E402
-from tests.slurm_cluster import Cluster, unavailable  # noqa: E402
-from tests.test_cli_task import free_ports  # noqa: E402
+from benchmarks._cluster import SRUN, Cluster, marked_jobs, stand_in_sbatch, unavailable
+from benchmarks._harness import alternate, free_ports, print_json_line, scratch_dir
 
 WAIT = 300.0  # seconds: the bound on each run
+SETS = ["--set", "env.collector_env_num=2", "--set", "env.evaluator_env_num=2", "--set", "env.n_evaluator_episode=2",
+        "--set", "policy.model.hidden_sizes=[8]", "--set", "policy.eval.evaluator.eval_freq=8",
+        "--set", "policy.other.replay_buffer.size=500"]
+"""The tiny config of every launcher's run: 2 envs a side, 8 hidden units, an evaluation every 8 iterations."""
 BUDGET = ["--max-env-step", "200"]
 LAUNCHERS = ("local", "slurm", "ray")
 
@@ -156,11 +156,11 @@ def main() -> None:
     for launcher, runs in results.items():
         print(f"{labels[launcher]:<36}{median[launcher]:>10.2f}{median[launcher] / median['local']:>10.2f}   " +
               ", ".join(f"{r['first_step_s']:.1f}/{r['last_first_step_s']:.1f}/{r['wall_s']:.1f}" for r in runs))
-    print(json.dumps({"local_s": round(median["local"], 3), "slurm_s": round(median["slurm"], 3),
-                      "ray_s": round(median["ray"], 3),
-                      "slurm_vs_local": round(median["slurm"] / median["local"], 3),
-                      "ray_vs_local": round(median["ray"] / median["local"], 3), "slurm_mode": mode,
-                      "rounds": rounds}))
+    print_json_line({"local_s": round(median["local"], 3), "slurm_s": round(median["slurm"], 3),
+                     "ray_s": round(median["ray"], 3),
+                     "slurm_vs_local": round(median["slurm"] / median["local"], 3),
+                     "ray_vs_local": round(median["ray"] / median["local"], 3), "slurm_mode": mode,
+                     "rounds": rounds})
 
 
 if __name__ == "__main__":

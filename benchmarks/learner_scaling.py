@@ -9,13 +9,12 @@ The gradients are all-reduced in buckets while the backward pass runs (:meth:`Da
 ``allreduce_ms`` is the mean time per step rank 0 still waits for them after its backward pass (communication the
 overlap did not hide, waiting for the other learner included).
 
-    python benchmarks/learner_scaling.py            # batch 256, 20 timed steps, 3 rounds
-    python benchmarks/learner_scaling.py --quick    # batch 64, 4 timed steps, 1 round
+    python -m benchmarks.learner_scaling            # batch 256, 20 timed steps, 3 rounds
+    python -m benchmarks.learner_scaling --quick    # batch 64, 4 timed steps, 1 round
 """
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import statistics
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 import treetensor.torch as ttorch
 
+from benchmarks._harness import print_json_line
 from conveyor.policy import DataParallel, PPOPolicy
 
 OBS, ACTIONS, WARMUP = (4, 84, 84), 4, 2
@@ -119,9 +119,9 @@ def main() -> None:
         print(f"  {world} learner{'s' if world > 1 else ' '}: {med[world]:7.2f} updates/s   "
               f"({', '.join(f'{x:.2f}' for x in r)})")
     print(f"  all-reduce wait per step after backward (2 learners, rank 0): {statistics.median(allreduce):.1f} ms")
-    print(json.dumps({"updates_per_s_1": round(med[1], 3), "updates_per_s_2": round(med[2], 3),
-                      "ratio": round(med[2] / med[1], 3), "allreduce_ms": round(statistics.median(allreduce), 2),
-                      "batch": args.batch, "steps": args.steps, "rounds": args.rounds}))
+    print_json_line({"updates_per_s_1": round(med[1], 3), "updates_per_s_2": round(med[2], 3),
+                     "ratio": round(med[2] / med[1], 3), "allreduce_ms": round(statistics.median(allreduce), 2),
+                     "batch": args.batch, "steps": args.steps, "rounds": args.rounds})
 
 
 if __name__ == "__main__":

@@ -7,55 +7,21 @@ into a PNG (mean over seeds, each seed faint) and written as JSON beside it. Bes
 ``final_train_returns`` gives per seed the mean return of the last 20 training episodes (full games on Atari:
 the collectors' ``EPISODE_EVENT``). ``--set KEY=VALUE`` changes the entry's config as ``conveyor train --set``.
 
-    python benchmarks/learning_curve.py lunarlander_continuous/sac --seeds 3 --max-env-step 100000
-    python benchmarks/learning_curve.py pendulum/sac --quick        # 1 seed, 4000 env steps, no figure
-    python benchmarks/learning_curve.py pendulum/sac --set env.env_id=HalfCheetah-v5 --max-env-step 100000
+    python -m benchmarks.learning_curve lunarlander_continuous/sac --seeds 3 --max-env-step 100000
+    python -m benchmarks.learning_curve pendulum/sac --quick        # 1 seed, 4000 env steps, no figure
+    python -m benchmarks.learning_curve pendulum/sac --set env.env_id=HalfCheetah-v5 --max-env-step 100000
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
-import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List
 
-from _peers import TRAIN_EPISODES, final_train_return, tensorboard_events
-from conveyor.config import apply_overrides
-from conveyor.engine import task
-from conveyor.middleware import EPISODE_EVENT
+from benchmarks._harness import ROOT, TRAIN_EPISODES, print_json_line, scratch_dir
+from benchmarks._training import run_seed
 from conveyor.zoo import load_entry
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def read_scalars(logdir: Path, tag: str) -> List[Tuple[int, float]]:
-    """``(step, value)`` of every ``tag`` scalar in the TensorBoard event files under ``logdir``, by step."""
-    return [(step, value) for step, value, _ in tensorboard_events(logdir, tag)]
-
-
-def run_seed(entry, seed: int, max_env_step: int, eval_every: int, n_episode: int,
-             overrides: Sequence[str] = ()) -> Dict:
-    cfg = apply_overrides(entry.main_config, overrides)  # typed like `conveyor train --set`; main() validates
-    cfg.seed = seed
-    cfg.exp_name = f"curve_seed{seed}"
-    cfg.env.stop_value = None  # spend the whole budget
-    cfg.env.n_evaluator_episode = n_episode
-    cfg.policy.setdefault("eval", {}).setdefault("evaluator", {})
-    cfg.policy.eval.evaluator.eval_freq = 10**9  # evaluate by env steps only
-    cfg.policy.eval.evaluator.eval_env_step_freq = eval_every
-    train_returns: List[float] = []  # every finished training episode (a full game on Atari), in order
-    task.on(EPISODE_EVENT, lambda env_index, ret, length: train_returns.append(ret))  # dropped when the run ends
-    start = time.perf_counter()
-    # One env step past the budget: the iteration that starts at the budget evaluates before it stops.
-    ctx = entry.main(cfg, max_env_step=max_env_step + 1, progress=False)
-    wall = time.perf_counter() - start
-    points = read_scalars(Path("runs") / cfg.exp_name / "tb", "eval/return")
-    return {"seed": seed, "env_steps": [s for s, _ in points], "returns": [r for _, r in points],
-            "final_return": points[-1][1], "final_train_return": final_train_return(train_returns),
-            "train_episodes": len(train_returns), "wall_s": round(wall, 1), "train_iter": ctx.train_iter}
 
 
 def plot(entry_name: str, runs: List[Dict], max_env_step: int, n_episode: int, out: Path,
@@ -107,15 +73,9 @@ def main() -> None:
     eval_every = 2000 if args.quick else args.eval_every
     out = args.out or ROOT / "docs" / f"{args.entry.replace('/', '_')}_curve.png"
 
-    runs = []
-    with tempfile.TemporaryDirectory() as workdir:
-        cwd = os.getcwd()
-        os.chdir(workdir)  # runs/ of each seed lands in a scratch folder
-        try:
-            for seed in range(args.first_seed, args.first_seed + seeds):
-                runs.append(run_seed(entry, seed, budget, eval_every, args.eval_episodes, args.overrides))
-        finally:
-            os.chdir(cwd)
+    with scratch_dir():  # runs/ of each seed lands in a scratch folder
+        runs = [run_seed(entry, seed, budget, eval_every, args.eval_episodes, args.overrides)
+                for seed in range(args.first_seed, args.first_seed + seeds)]
 
     print(f"{args.entry}: eval return (mean of {args.eval_episodes} episodes) over {budget} env steps")
     steps = runs[0]["env_steps"]
@@ -136,7 +96,7 @@ def main() -> None:
         summary["figure"] = str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out)
     print(f"final returns {summary['final_returns']}, mean {summary['mean_final_return']}; mean of the last "
           f"{TRAIN_EPISODES} training episodes {train_finals}; wall {summary['wall_s']} s")
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,22 @@ SB3's; the median of each side counts. Then one gradient step of each (sample an
 one thread, in alternating blocks: the share of the update in an env step. SB3 is pip-installed into this
 interpreter when missing.
 
-    python benchmarks/mujoco_throughput.py                    # 1000 random + 3000 training steps, 2 rounds
-    python benchmarks/mujoco_throughput.py --quick            # a short smoke run of ours only (no SB3)
-    python benchmarks/mujoco_throughput.py --device cuda      # both sides' networks on the GPU
+    python -m benchmarks.mujoco_throughput                    # 1000 random + 3000 training steps, 2 rounds
+    python -m benchmarks.mujoco_throughput --quick            # a short smoke run of ours only (no SB3)
+    python -m benchmarks.mujoco_throughput --device cuda      # both sides' networks on the GPU
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
 import statistics
 from typing import Any, Dict, Tuple
 
-from _peers import alternate, device_name, ensure_package, print_sides, run_worker, scratch_dir, tensorboard_events
+from benchmarks._harness import (add_worker_option, alternate, device_name, ensure_package, print_json_line,
+                                 print_sides, run_worker, scratch_dir, tensorboard_events, worker_done)
 
 ENV_ID = "HalfCheetah-v5"
 MEASURE_FROM = 100  # gradient steps after the warm-up before the clock starts (first logger point)
@@ -180,10 +180,9 @@ def main() -> None:
     parser.add_argument("--no-sb3", action="store_true", help="measure ours only")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides' networks train "
                         "(the one-gradient-step comparison stays on CPU)")
-    parser.add_argument("--worker", choices=sorted(SIDES) + ["learn_step"], default=None, help=argparse.SUPPRESS)
+    add_worker_option(parser, [*SIDES, "learn_step"])
     args = parser.parse_args()
-    if args.worker is not None:
-        print(json.dumps(measure(args.worker, args)))
+    if worker_done(args, lambda side: measure(side, args)):
         return
     if args.quick:
         args.warmup, args.steps, args.rounds, args.no_sb3 = 300, 300, 1, True
@@ -193,7 +192,7 @@ def main() -> None:
     worker_args = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
                    "--device", args.device]
     results = alternate(sides, args.rounds, lambda side: measure(side, args) if args.quick
-                        else run_worker(__file__, ["--worker", side, *worker_args]))
+                        else run_worker(side, worker_args))
     entry = results["ours"][0]["entry"]
     print(f"SAC on {ENV_ID}, 1 env, {device_name(args.device)}: {args.warmup} random env steps, then {args.steps} training env steps; "
           f"env steps/s while training, {args.rounds} rounds alternating")
@@ -203,7 +202,7 @@ def main() -> None:
     learn = None
     if ratio is not None:
         print(f"sac_vs_sb3 {ratio:.2f} (bar: >= 1.5); against SB3 on one thread {ratio_1t:.2f}")
-        learn = run_worker(__file__, ["--worker", "learn_step"])
+        learn = run_worker("learn_step")
         where = (f"where the time goes: one gradient step on CPU (sample + update, 1 thread, alternating blocks in one "
                  f"process) ours {learn['ours_ms']:.1f} ms, SB3 {learn['sb3_ms']:.1f} ms "
                  f"({learn['sb3_ms'] / learn['ours_ms']:.2f}x)")
@@ -218,7 +217,7 @@ def main() -> None:
                **{f"{side}_steps_per_s": [round(r["steps_per_s"], 1) for r in runs] for side, runs in results.items()},
                "sb3_torch_threads": results["sb3"][0]["torch_threads"] if "sb3" in results else None,
                "learn_step_ms": None if learn is None else {k: learn[k] for k in ("ours_ms", "sb3_ms")}}
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

@@ -20,17 +20,17 @@ Per seed, in one run, everything from scratch in a work folder (``runs/`` and ``
 Each offline row is the mean return of the run's final policy over the budget's evaluation episodes; the table
 shows every seed, the JSON line the median over seeds of the issue 9 rows and the mean over seeds of the
 ``{bc,cql,iql,behaviour}_{halfcheetah,hopper}_{m,mr}`` rows (issue 19; m = medium, mr = medium-replay).
-``fetch_ratio`` comes from benchmarks/offline_fetch.py (minibatches/s of ``offline_data_fetcher`` over direct
+``fetch_ratio`` comes from ``benchmarks.offline_fetch``'s measure (minibatches/s of ``offline_data_fetcher`` over direct
 indexing, same run).
 The entries' configs were tuned on seeds 0-2, so the default seeds are others (the MuJoCo entries were not
 tuned: they take the papers' settings).
 
-    python benchmarks/offline.py                      # seeds 3 4 5, full budgets (hours a seed: MuJoCo)
-    python benchmarks/offline.py --seeds 0 --quick    # tiny budgets: checks that everything runs
-    python benchmarks/offline.py --workdir /tmp/off   # keep runs and datasets
-    python benchmarks/offline.py --d4rl-dir DIR       # MuJoCo datasets there (default: the local Minari folder,
+    python -m benchmarks.offline                      # seeds 3 4 5, full budgets (hours a seed: MuJoCo)
+    python -m benchmarks.offline --seeds 0 --quick    # tiny budgets: checks that everything runs
+    python -m benchmarks.offline --workdir /tmp/off   # keep runs and datasets
+    python -m benchmarks.offline --d4rl-dir DIR       # MuJoCo datasets there (default: the local Minari folder,
                                                       # with --quick the work folder's datasets/)
-    python benchmarks/offline.py --device cuda        # the MuJoCo offline runs on a GPU (CQL: minutes, not hours)
+    python -m benchmarks.offline --device cuda        # the MuJoCo offline runs on a GPU (CQL: minutes, not hours)
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ from typing import Any, Dict
 import torch
 
 import conveyor.policy
+from benchmarks._fetch import measure_fetch
+from benchmarks._harness import print_json_line
 from conveyor.cli.collect import collect_dataset
 from conveyor.cli.d4rl import d4rl_dataset
 from conveyor.config import apply_overrides, compile_config
@@ -57,9 +59,6 @@ from conveyor.data import DatasetWriter, concat_datasets, dataset_metadata, data
 from conveyor.envs import make_env_manager
 from conveyor.middleware import evaluate, load_checkpoint, restore
 from conveyor.zoo import load_entry
-
-sys.path.insert(0, str(Path(__file__).parent))
-from offline_fetch import measure_fetch  # noqa: E402  (a sibling benchmark script)
 
 ROWS = ("bc_expert", "cql_expert", "bc_mixed", "cql_mixed", "behaviour_pendulum", "cql_pendulum", "iql_pendulum")
 MUJOCO_ENVS = {"halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5"}
@@ -266,8 +265,8 @@ def main() -> None:
     for key in notes[seeds[0]]:
         print(f"{key:<26}" + "".join(f"{notes[s][key]:>12.1f}" for s in seeds))
     print(f"{'fetch_ratio':<26}{fetch['fetch_ratio']:>12.2f}")
-    print(json.dumps({**{row: round(value, 1) for row, value in summary.items()},
-                      "fetch_ratio": round(fetch["fetch_ratio"], 3)}))
+    print_json_line({**{row: round(value, 1) for row, value in summary.items()},
+                     "fetch_ratio": round(fetch["fetch_ratio"], 3)})
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ in this process, alternately; the figure is their ratio. Threads: by default eac
 (ours on one intra-op thread, as every zoo run sets; Stable-Baselines3 on torch's default, every core);
 ``--threads N`` gives both N. Stable-Baselines3 is pip-installed into this interpreter when missing.
 
-    python benchmarks/ppo_update.py                # 5 rounds each
-    python benchmarks/ppo_update.py --threads 1    # both on one thread
-    python benchmarks/ppo_update.py --quick        # 2 rounds each of 1 epoch (4 gradient steps)
+    python -m benchmarks.ppo_update                # 5 rounds each
+    python -m benchmarks.ppo_update --threads 1    # both on one thread
+    python -m benchmarks.ppo_update --quick        # 2 rounds each of 1 epoch (4 gradient steps)
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any, Callable
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 from easydict import EasyDict
 
-from _peers import ensure_package
+from benchmarks._harness import ensure_package, print_json_line
 from conveyor.engine import OnlineRLContext
 from conveyor.middleware import multistep_trainer
 from conveyor.policy import PPOPolicy
@@ -149,7 +148,7 @@ def main() -> None:
     if "sb3" in med:
         out.update(sb3_s=round(med["sb3"], 4), sb3_threads=threads["sb3"],
                    update_vs_sb3=round(med["sb3"] / med["conveyor"], 3))
-    print(json.dumps(out))
+    print_json_line(out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ even pairs, forkserver first in odd ones) and the ratios are of the medians, for
 1 the zygote is faster. The runner keeps the zygote unless forkserver is within about 10% (a ratio
 <= 1.1).
 
-    python benchmarks/process_start.py [--quick] [--pairs N] [--workers N]
+    python -m benchmarks.process_start [--quick] [--pairs N] [--workers N]
 
 ``--quick``: two pairs. The last line is JSON: ``workers``, ``pairs``, ``zygote_ready_s``,
 ``forkserver_ready_s``, ``zygote_total_s``, ``forkserver_total_s`` (medians) and ``ready_ratio``,
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import multiprocessing as mp
 import multiprocessing.forkserver as mp_forkserver
 import os
@@ -40,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch  # noqa: F401  at module level, as in a zoo entry: both starters preload this module, so torch too
 
+from benchmarks._harness import print_json_line
 from conveyor.engine import Parallel
 from conveyor.engine.parallel import launch
 from conveyor.processes import preparation
@@ -164,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"medians: zygote ready {summary['zygote_ready_s']} s, total {summary['zygote_total_s']} s; forkserver "
           f"ready {summary['forkserver_ready_s']} s, total {summary['forkserver_total_s']} s; forkserver / zygote: "
           f"ready {summary['ready_ratio']}, total {summary['total_ratio']}")
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

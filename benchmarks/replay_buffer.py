@@ -10,7 +10,7 @@ buffer of CartPole-sized transitions. Times are the best of several repeats, our
 timed in alternation (the machines are shared). Prints a table, then one JSON line with the figures
 (us per call) and speedups (baseline time / ours).
 
-    python benchmarks/replay_buffer.py [--quick]
+    python -m benchmarks.replay_buffer [--quick]
 
 With ``--atari`` it measures memory instead: it fills a frame-deduplicated buffer (``frame_stack="auto"``) of
 ``--size`` Atari-shaped transitions (default 1M; obs / next_obs uint8 4x84x84 stacks from 8 envs stepped in
@@ -18,14 +18,12 @@ lock-step, 4 steps per ``extend``, episodes of log-normal length, median 400 age
 repeated reset frame), then prints the process's resident memory (VmRSS / VmHWM) and, computed, what the naive
 layout would need; the JSON line has ``atari_1m_rss_gb`` when ``--size`` is 1M (else a projection to 1M).
 
-    python benchmarks/replay_buffer.py --atari [--size N]
+    python -m benchmarks.replay_buffer --atari [--size N]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sys
 import time
 import timeit
 import warnings
@@ -37,7 +35,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # treevalue's torch p
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from benchmarks._harness import print_json_line  # noqa: E402
 from conveyor.data import DequeBuffer, as_tree, stack_nested  # noqa: E402
 
 EXTEND_ROWS = 256
@@ -247,7 +245,7 @@ def main() -> None:
         else:  # the buffer's part grows with its size; the interpreter's does not
             figures["atari_1m_rss_gb_projected"] = round(
                 figures["rss_before_gb"] + figures["buffer_gb"] * 1_000_000 / size, 3)
-        print(json.dumps(figures))
+        print_json_line(figures)
         return
     capacity, repeat, scale = (10_000, 5, 0.25) if args.quick else (100_000, 9, 1.0)
     random.seed(0)
@@ -266,7 +264,7 @@ def main() -> None:
             figures[f"{mode}_{op}_speedup"] = round(baseline / ours, 2)
     print("push and update_priority: the baseline only stores a reference / one array write and pays at sample "
           "time; sample+update is the prioritized learner's step")
-    print(json.dumps(figures))
+    print_json_line(figures)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,12 @@ MLPs), ``torch.optim.Adam`` with its default per-tensor loop, the actor loss bac
 critics' weights, and a Python loop for the Polyak update. Both run in this process on the same
 batch, interleaved, one intra-op thread; the figure is their ratio.
 
-    python benchmarks/sac_learn_step.py            # hidden 128 and 256, batch 256
-    python benchmarks/sac_learn_step.py --quick
+    python -m benchmarks.sac_learn_step            # hidden 128 and 256, batch 256
+    python -m benchmarks.sac_learn_step --quick
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks._harness import print_json_line
 from conveyor.data.batch import to_tensor
 from conveyor.policy.model import MLP
 from conveyor.policy.sac import SACPolicy
@@ -131,7 +131,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['hidden']:>7}{r['learn_step_ms']:>13.2f}{r['reference_ms']:>14.2f}{r['speedup']:>9.2f}")
     speedup = math.exp(statistics.fmean(math.log(r["speedup"]) for r in rows))
-    print(json.dumps({"rows": rows, "geomean_speedup": round(speedup, 2)}))
+    print_json_line({"rows": rows, "geomean_speedup": round(speedup, 2)})
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 Each seed trains the entry from scratch, evaluating every ``--eval-every`` env steps on 10 episodes
 (evaluation time counts), until the mean return reaches ``--stop-value`` or ``--max-env-step`` runs out.
 
-    python benchmarks/solve.py cartpole/dqn --seeds 5
-    python benchmarks/solve.py cartpole/dqn --quick        # 2 seeds, smaller budget
-    python benchmarks/solve.py cartpole/dqn --seeds 10 --first-seed 10 --set policy.learn.learning_rate=2e-3
-    python benchmarks/solve.py cartpole/dqn --distributed 1,2,1 --seeds 3
+    python -m benchmarks.solve cartpole/dqn --seeds 5
+    python -m benchmarks.solve cartpole/dqn --quick        # 2 seeds, smaller budget
+    python -m benchmarks.solve cartpole/dqn --seeds 10 --first-seed 10 --set policy.learn.learning_rate=2e-3
+    python -m benchmarks.solve cartpole/dqn --distributed 1,2,1 --seeds 3
 
 ``--distributed 1,C,E`` trains each seed twice, in one process and as 1 learner, C collector and E evaluator
 processes (their start-up counts); the figures are the distributed runs', plus ``single_median_wall_s`` and
@@ -19,7 +19,6 @@ the timer, are counted whole).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ import time
 
 from typing import Optional, Tuple
 
+from benchmarks._harness import print_json_line
 from conveyor.config import ConfigError, apply_overrides
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import train_distributed
@@ -149,7 +149,7 @@ def main() -> None:
               f"after it, distributed / single median wall: {summary['wall_ratio_after_startup']} (bar <= 1.25)")
     print(f"solved {summary['solved_seeds']}/{seeds}; median {summary['median_env_steps']} env steps, "
           f"{summary['median_wall_s']} s")
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

@@ -14,29 +14,25 @@ on what MACs cost here (the AES-GMAC the router uses, HMAC-SHA256 and keyed blak
 then one JSON line with ``ratio_1k``, ``ratio_64k``, ``ratio_1m`` (ours / raw, messages per second) and the
 figures.
 
-    python benchmarks/transport.py [--quick] [--protocol ipc|tcp]
+    python -m benchmarks.transport [--quick] [--protocol ipc|tcp]
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import hmac
-import json
 import multiprocessing as mp
 import queue
 import socket
-import sys
 import tempfile
-import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pynng
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from conveyor.engine.parallel import generate_secret  # noqa: E402
-from conveyor.engine.parallel.router import Router  # noqa: E402
+from benchmarks._harness import print_json_line
+from conveyor.engine.parallel import generate_secret
+from conveyor.engine.parallel.router import Router
 
 SIZES = {"1k": 1 << 10, "64k": 64 << 10, "1m": 1 << 20}
 MESSAGES = {"1k": 20000, "64k": 4000, "1m": 400}  # full run; --quick sends a tenth
@@ -191,7 +187,7 @@ def main() -> None:
           f"{macs['aes_gmac_gb_per_s_1m']} GB/s, HMAC-SHA256 {macs['hmac_sha256_gb_per_s_64k']} / "
           f"{macs['hmac_sha256_gb_per_s_1m']} GB/s, keyed blake2b {macs['blake2b_gb_per_s_64k']} / "
           f"{macs['blake2b_gb_per_s_1m']} GB/s; router send timeouts {stats['send_timeouts']}")
-    print(json.dumps(summary))
+    print_json_line(summary)
 
 
 if __name__ == "__main__":

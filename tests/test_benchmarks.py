@@ -1,16 +1,19 @@
-"""Every benchmark script runs in its quick form and ends with the JSON line its issue names.
+"""Every benchmark script runs in its quick form (``python -m benchmarks.NAME``, as the docs run it) and ends with
+the JSON line its issue names.
 
 Figures are not checked here (machines are noisy); only that the scripts work and report what they promise.
 """
+import ast
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {
     "async_pipeline": (["--quick", "--entries", "cartpole/dqn"], {"entries", "min_speedup", "min_of_ideal"}),
@@ -56,10 +59,15 @@ def _start_order(name: str) -> tuple:
     return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST), name)
 
 
+def benchmark(name: str, *args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.NAME ARGS`` in ``cwd``, this checkout's ``benchmarks`` and ``conveyor`` imported."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": path})
+
+
 def _run(name: str, cwd: Path) -> subprocess.CompletedProcess:
-    args, _ = CASES[name]
-    return subprocess.run([sys.executable, str(BENCHMARKS / f"{name.split()[0]}.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=240)
+    return benchmark(name.split()[0], *CASES[name][0], cwd=cwd, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +91,15 @@ def test_benchmark_runs_and_ends_with_its_json_line(name, runs):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the next test runs it")
-def test_the_device_path_benchmark_without_a_gpu_is_one_line():
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "device_path.py")], capture_output=True, text=True,
-                         timeout=120)
+def test_the_device_path_benchmark_without_a_gpu_is_one_line(tmp_path):
+    out = benchmark("device_path", cwd=tmp_path, timeout=120)
     assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 def test_the_offline_benchmark_on_cuda_without_a_gpu_is_one_line_before_any_run(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "offline.py"), "--quick", "--device", "cuda",
-                          "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+    out = benchmark("offline", "--quick", "--device", "cuda", "--workdir", str(tmp_path / "work"), cwd=tmp_path,
+                    timeout=120)
     assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr.strip().splitlines()[-1], out.stderr
     assert not (tmp_path / "work").exists()
 
@@ -100,8 +107,29 @@ def test_the_offline_benchmark_on_cuda_without_a_gpu_is_one_line_before_any_run(
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_the_device_path_benchmark_reports_cuda_against_cpu(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "device_path.py"), "--quick", "--parts", "updates"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = benchmark("device_path", "--quick", "--parts", "updates", cwd=tmp_path, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"device", "updates_per_s", "cuda_vs_cpu"} <= set(summary) and "CUDA" in summary["device"]
+
+
+def test_a_benchmark_imports_only_the_helper_modules_of_its_package_never_the_tests_and_patches_no_sys_path():
+    scripts = {path.stem for path in (ROOT / "benchmarks").glob("*.py")}
+    wrong = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = ["." * node.level + (node.module or "")]
+            else:
+                if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                        and node.value.id == "sys"):
+                    wrong.append(f"{path.name}:{node.lineno}: sys.path")
+                continue
+            for module in modules:
+                top, _, rest = module.partition(".")
+                if (top in ("tests", "") or top in scripts
+                        or (top == "benchmarks" and not rest.startswith("_"))):
+                    wrong.append(f"{path.name}:{node.lineno}: imports {module}")
+    assert wrong == []

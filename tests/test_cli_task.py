@@ -2,9 +2,7 @@
 import argparse
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._harness import free_ports
 from conveyor.cli import main as cli_main
 from conveyor.cli.task import register, runner_options
 from conveyor.engine.parallel.cluster import SlurmError, slurm_task
@@ -76,27 +75,6 @@ def test_task_runs_the_function_of_the_package_on_every_worker(package, launch):
     seen = {p.stem: json.loads(p.read_text()) for p in (package / "out").iterdir()}
     assert {k: v["peers"] for k, v in seen.items()} == {"0": ["1", "2"], "1": ["0"], "2": ["0"]}
     assert len({v["pid"] for v in seen.values()}) == 3
-
-
-def free_ports(n):
-    """A first port p with p..p+n-1 all free on every interface now, from 20000-32767: below the kernel's
-    ephemeral range (32768 up), whose ports any outgoing connection (Ray's many among them) may take between this
-    check and the run's bind, and above Ray's worker ports (10002-19999)."""
-    for _ in range(50):
-        first = random.randrange(20000, 32768 - n)
-        held = []
-        try:
-            for port in range(first, first + n):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def test_two_slurm_tasks_on_loopback_find_each_other(package, launch):

@@ -19,9 +19,9 @@ import pytest
 from conveyor.cli import main as cli_main
 from conveyor.middleware import load_checkpoint
 
+from benchmarks._cluster import processes_with, wait_until
+from benchmarks._harness import free_ports
 from tests.cli_helpers import TINY, assert_usage_error
-from tests.test_cli_task import free_ports
-from tests.launcher_helpers import processes_with, wait_until
 
 WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]

@@ -14,7 +14,7 @@ import pytest
 
 from conveyor.engine import PEER_LOST_EVENT, STOP_EVENT, Parallel, task
 from conveyor.engine.parallel.frame import SECRET_ENV, generate_secret
-from tests.test_cli_task import free_ports
+from benchmarks._harness import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT = 60  # seconds: the bound on every wait; a healthy test takes a few

@@ -12,9 +12,9 @@ import yaml
 
 from conveyor.cli import main as cli_main
 
-from tests.launcher_helpers import (SETS, SRUN, WAIT, ended_at, marked_jobs, processes_with, slurm_script,
-                                    stand_in_sbatch, wait_until)
-from tests.test_cli_task import free_ports
+from benchmarks._cluster import SRUN, marked_jobs, processes_with, stand_in_sbatch, wait_until
+from benchmarks._harness import free_ports
+from tests.launcher_helpers import SETS, WAIT, ended_at, slurm_script
 
 pytestmark = pytest.mark.slow
 

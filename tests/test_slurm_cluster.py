@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from tests.launcher_helpers import WAIT, marked_jobs, processes_with, slurm_script, wait_until
-from tests.slurm_cluster import Cluster, unavailable
+from benchmarks._cluster import Cluster, marked_jobs, processes_with, unavailable, wait_until
+from tests.launcher_helpers import WAIT, slurm_script
 
 UNAVAILABLE = unavailable()
 pytestmark = [pytest.mark.slow,

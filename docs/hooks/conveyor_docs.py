@@ -266,14 +266,14 @@ def zoo_table() -> str:
 
 # --- benchmarks ------------------------------------------------------------------------------------
 def benchmark_rows() -> List[Tuple[str, str, List[str]]]:
-    """``(script, first paragraph, usage lines)`` of each ``benchmarks/*.py`` from its module docstring."""
+    """``(module, first paragraph, usage lines)`` of each script in ``benchmarks/`` from its module docstring."""
     rows = []
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
         if path.name.startswith("_"):
             continue
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        usage = [line.strip() for line in doc.splitlines() if line.strip().startswith("python benchmarks/")]
-        rows.append((path.name, rst_to_markdown(" ".join(doc.split("\n\n")[0].split())), usage))
+        usage = [line.strip() for line in doc.splitlines() if line.strip().startswith("python -m benchmarks.")]
+        rows.append((f"benchmarks.{path.stem}", rst_to_markdown(" ".join(doc.split("\n\n")[0].split())), usage))
     return rows
 
 

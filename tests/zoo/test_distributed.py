@@ -19,9 +19,10 @@ from conveyor.middleware import ContextExchanger, load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.zoo.run import Layout, train_distributed
+from benchmarks._cluster import wait_until
+from benchmarks._harness import free_ports
 from tests.cli_helpers import TINY, assert_usage_error
-from tests.launcher_helpers import group_gone, wait_until
-from tests.test_cli_task import free_ports
+from tests.launcher_helpers import group_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -33,7 +33,7 @@ main_config = EasyDict(dict(
         # lr 1e-3 with target_theta 0.01 took a median of 17k (max 26k); lr 2e-3, 11k; lr 2e-3 with
         # theta 0.02, 9k (max 14k); lr 4e-3 with theta 0.02, 11k; batch 128 with half the gradient
         # steps, 36k; a 64-64 network, 28k; 5-step returns, 18k; faster eps decay, 21k. Rerun a point with
-        # python benchmarks/solve.py cartpole/dqn --seeds 10 --set policy.learn.learning_rate=2e-3
+        # python -m benchmarks.solve cartpole/dqn --seeds 10 --set policy.learn.learning_rate=2e-3
         learn=dict(batch_size=64, learning_rate=3e-3, update_per_collect=16, target_theta=0.02),
         collect=dict(n_sample=32),
         eval=dict(evaluator=dict(eval_freq=500)),

@@ -26,7 +26,7 @@ main_config = EasyDict(dict(
     policy=dict(
         discount_factor=0.99,
         model=dict(hidden_sizes=[64, 64]),
-        # Tuned on seeds 0-1 only (benchmarks/solve.py --distributed 1,2,1, env steps to 475 distributed / one
+        # Tuned on seeds 0-1 only (python -m benchmarks.solve --distributed 1,2,1, env steps to 475 distributed / one
         # process): lr 1e-3 took 60k, 27k / 31k, 37k; lr 2e-3 26k, 37k and again 24k, 44k / 16k, 18k; lr 3e-3 29k,
         # 43k; lr 6e-4 43k, 37k; publish_every=4 with lr 2e-3 missed 475 within 100k on seed 0 distributed;
         # grad_clip 0.5 with lr 2e-3 20k, 21k and again 60k, 18k.

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.launcher_helpers import group_gone, wait_until
+from benchmarks._cluster import wait_until
+from tests.launcher_helpers import group_gone
 
 ROOT = Path(__file__).resolve().parents[3]
 

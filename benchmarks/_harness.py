@@ -1,23 +1,29 @@
-"""What the side-by-side benchmarks share: installing a peer framework into the running interpreter, running
-one measurement in a fresh interpreter, reading the TensorBoard log of a Conveyor run, and the mean of a run's last
-training episodes. Nothing here imports torch or Conveyor at import time: a parent that only starts workers stays
-light.
+"""What the benchmark scripts share: the ``--worker`` self-call (one side measured in a fresh interpreter), sides
+taken in turns, the final JSON line, peer frameworks installed into the running interpreter, a scratch folder,
+free ports, and reading a Conveyor run's TensorBoard log. Nothing here imports torch or Conveyor at import time:
+a parent that only starts workers stays light.
 
 Peers (Stable-Baselines3) are installed by the benchmark that compares against them, never copied into the
 project, and imported only inside the measurement that uses them.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
 import os
+import random
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-import statistics
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout holding this package: a worker imports ``benchmarks`` (and Conveyor) from here, as its parent."""
 
 
 def ensure_package(requirement: str, module: str) -> None:
@@ -48,13 +54,44 @@ def device_name(device: str) -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
-def run_worker(script: str, args: Sequence[str], timeout: float = 1800) -> Dict:
-    """Run ``script --worker ...`` in a fresh interpreter (its own threads, imports and allocator) and return the
-    JSON object it prints as its last line."""
-    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout)
+def add_worker_option(parser: argparse.ArgumentParser, sides: Optional[Iterable[str]] = None) -> None:
+    """The hidden ``--worker SIDE`` option (``sides``: its choices) through which :func:`run_worker` calls a script."""
+    parser.add_argument("--worker", choices=None if sides is None else sorted(sides), default=None,
+                        help=argparse.SUPPRESS)
+
+
+def worker_done(args: argparse.Namespace, measure: Callable[[str], Mapping[str, Any]]) -> bool:
+    """In a worker (``--worker SIDE`` given): print ``measure(SIDE)`` as the JSON line and return True (the script
+    then ends); otherwise False."""
+    if args.worker is None:
+        return False
+    print_json_line(measure(args.worker))
+    return True
+
+
+def run_worker(side: str, args: Sequence[str] = (), *, module: Optional[str] = None, timeout: float = 1800) -> Dict:
+    """Run ``python -m MODULE --worker SIDE ARGS`` in a fresh interpreter (its own threads, imports and allocator)
+    and return the JSON object it prints as its last line. ``module``: the running script by default."""
+    module = module or _running_script()
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-m", module, "--worker", side, *args], capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, "PYTHONPATH": path})
     if out.returncode != 0:
-        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{module} --worker {side} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _running_script() -> str:
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is None:
+        raise RuntimeError("run the benchmark as `python -m benchmarks.NAME` from the checkout's root: its workers "
+                           "start the same way")
+    return spec.name
+
+
+def print_json_line(figures: Mapping[str, Any]) -> None:
+    """The benchmark's last line: its figures as one JSON object (nothing prints after it)."""
+    print(json.dumps(figures), flush=True)
 
 
 def alternate(sides: Sequence[str], rounds: int, measure: Callable[[str], Dict]) -> Dict[str, List[Dict]]:
@@ -88,6 +125,27 @@ def scratch_dir() -> Iterator[Path]:
             yield Path(workdir)
         finally:
             os.chdir(cwd)
+
+
+def free_ports(n: int) -> int:
+    """A first port p with p..p+n-1 all free on every interface now, from 20000-32767: below the kernel's
+    ephemeral range (32768 up), whose ports any outgoing connection (Ray's many among them) may take between this
+    check and the run's bind, and above Ray's worker ports (10002-19999)."""
+    for _ in range(50):
+        first = random.randrange(20000, 32768 - n)
+        held = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no free ports")
 
 
 def tensorboard_scalars(logdir: Path) -> Dict[str, List[Tuple[int, float, float]]]:

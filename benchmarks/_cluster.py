@@ -1,15 +1,25 @@
-"""A one-node Slurm cluster of a test's (or a benchmark's) own: its ``slurm.conf`` (``auth/none``,
-``proctrack/linuxproc``, loopback, ports free now) in a directory it is given, ``slurmctld`` and ``slurmd`` as its
-children, stopped by their pids. Nothing of a system-wide Slurm is read or touched: every command it runs gets
-its ``SLURM_CONF``. Debian's ``slurm-wlm`` provides the daemons (``.ci/run`` installs it)."""
+"""Jobs as a cluster starts them, on this host, for the launcher tests and ``benchmarks.launch_overhead``: a one-node
+Slurm cluster of one's own (:class:`Cluster`), a stand-in ``srun`` and ``sbatch`` where none can start, and job
+processes marked so that none outlives the block that started them (:func:`marked_jobs`).
+
+The cluster: its ``slurm.conf`` (``auth/none``, ``proctrack/linuxproc``, loopback, ports free now) in a directory it
+is given, ``slurmctld`` and ``slurmd`` as its children, stopped by their pids. Nothing of a system-wide Slurm is
+read or touched: every command it runs gets its ``SLURM_CONF``. Debian's ``slurm-wlm`` provides the daemons
+(``.ci/run`` installs it)."""
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
-from tests.launcher_helpers import wait_until
-from tests.test_cli_task import free_ports
+from benchmarks._harness import ROOT, free_ports
+
+ENDS_WITHIN = 240  # seconds: bound on the processes of a block's jobs to end once killed
 
 INSTALL = "apt-get install -y --no-install-recommends slurm-wlm"
 TOOLS = ("slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "sinfo", "squeue")
@@ -25,7 +35,7 @@ def unavailable():
     if missing:
         return f"Slurm is not installed here ({', '.join(missing)} not found): {INSTALL}"
     if os.geteuid() != 0:
-        return "slurmd starts a job's tasks as their user, which needs root: run these tests as root"
+        return "slurmd starts a job's tasks as their user, which needs root: run as root"
     return None
 
 
@@ -140,3 +150,92 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+
+
+def wait_until(predicate, timeout, what):
+    """Poll ``predicate`` until it holds; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)  # polling a file the job writes; nothing here orders processes
+
+
+def processes_with(mark):
+    """Pids of the processes whose environment holds ``LAUNCHER_TEST=mark`` (every process a job started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"LAUNCHER_TEST={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+SRUN = '''
+import json, os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):  # srun's own options
+    args.pop(0)
+n = int(os.environ["SLURM_NTASKS"])
+step = {"SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_TASKS_PER_NODE": str(n), "SLURM_STEPID": "0"}
+tasks = [subprocess.Popen(args, env={**os.environ, **step, "SLURM_PROCID": str(rank)}) for rank in range(n)]
+path = os.environ["SRUN_PIDS"]
+with open(path + ".tmp", "w") as f:
+    json.dump([task.pid for task in tasks], f)
+os.replace(path + ".tmp", path)
+codes = [task.wait() for task in tasks]
+sys.exit(next((code if code > 0 else 128 - code for code in codes if code), 0))
+'''
+"""srun as far as a job step's tasks see it: one process per task, its rank and the step's hosts set."""
+
+
+def stand_in_sbatch(jobs, path, job_id):
+    """Start the script as sbatch does on one host: in the submit directory, with the batch step's variables (the
+    ``jobs`` of :func:`marked_jobs` must have :data:`SRUN` as ``srun``). Its srun writes the tasks' pids to
+    ``pids-<job id>`` there; the job's output goes to ``job-<job id>.out``."""
+    ntasks = re.search(r"^#SBATCH --ntasks=(\d+)$", path.read_text(), re.MULTILINE).group(1)
+    env = {"SLURM_JOB_ID": job_id, "SLURM_SUBMIT_DIR": str(path.parent), "SLURM_NTASKS": ntasks,
+           "SLURM_NNODES": "1", "SLURM_NODELIST": "127.0.0.1", "SRUN_PIDS": str(path.parent / f"pids-{job_id}")}
+    (path.parent / f"pids-{job_id}").unlink(missing_ok=True)
+    return jobs(["bash", str(path)], env, path.parent, path.parent / f"job-{job_id}.out")
+
+
+@contextlib.contextmanager
+def marked_jobs(bin_dir, tools=None):
+    """Yield ``start(argv, env, cwd, log)``, which starts a job's process (its own session, output appended to
+    ``log``) with ``bin_dir`` on PATH holding a ``conveyor`` of this interpreter and ``tools`` (name: script text).
+    ``start.mark`` is the mark of this block's processes, ``start.env`` their environment; every one still there
+    at the end is killed, also when the block fails, and the block checks that none is left."""
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "conveyor").write_text(f'#!/bin/sh\nexec {sys.executable} -m conveyor "$@"\n')
+    for name, text in (tools or {}).items():
+        (bin_dir / name).write_text(text)
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    mark = uuid.uuid4().hex
+    started = []
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONVEYOR_", "JOB_COMPLETION"))}
+    base.update(PATH=f"{bin_dir}:{base['PATH']}", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LAUNCHER_TEST=mark)
+
+    def start(argv, env, cwd, log):
+        with open(log, "a") as out:
+            proc = subprocess.Popen(argv, env={**base, **env}, cwd=cwd, start_new_session=True, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        started.append(proc)
+        return proc
+
+    start.mark, start.env = mark, base
+    try:
+        yield start
+    finally:
+        for pid in processes_with(mark):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in started:
+            proc.wait(timeout=ENDS_WITHIN)
+    wait_until(lambda: processes_with(mark) == [], ENDS_WITHIN, "every marked process to end")
