@@ -63,7 +63,10 @@ def _ignore(payload: Any) -> None:
 
 
 def _transitions(trajectories: Any) -> int:
-    """How many transitions a batch of trajectories holds: the size of its leading dims (``reward``'s shape)."""
+    """How many transitions a batch of trajectories holds: the size of its leading dims (``reward``'s shape), or the
+    length of DI-engine's form, a list of transitions."""
+    if isinstance(trajectories, list):
+        return len(trajectories)
     try:
         return math.prod(trajectories["reward"].shape)
     except (KeyError, IndexError, TypeError, AttributeError):
@@ -71,22 +74,34 @@ def _transitions(trajectories: Any) -> int:
             from None
 
 
-def _end_idx(value: Any) -> bool:
-    """Whether ``value`` is a 1-D array of non-negative integers."""
+def _end_idx(value: Any) -> Any:
+    """``value`` as a 1-D array of indices >= 0 if it is one, or DI-engine's form of one, a list of ints; else None."""
+    if isinstance(value, list):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 63 for i in value):
+            return None
+        import numpy as np  # here: a list of ints may arrive before numpy was needed
+        return np.array(value, dtype=np.int64)
     np = sys.modules.get("numpy")
-    return np is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
+    is_indices = np is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
         and (value.size == 0 or int(value.min()) >= 0)
+    return value if is_indices else None
+
+
+def _empty_list(value: Any) -> bool:
+    return isinstance(value, list) and not value
 
 
 def _merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
     """The received ``trajectory_end_idx`` as flat indices into the merged trajectories (each collector's shifted
-    by the transitions before its own); None unless every batch of trajectories came with them."""
+    by the transitions before its own), a list of ints with DI-engine's lists of transitions, else an array; None
+    unless every batch of trajectories came with them."""
     sent = [p for p in payloads if p["trajectories"] is not None]
     if not sent or any(p.get("trajectory_end_idx") is None for p in sent):
         return None
-    np = sys.modules["numpy"]  # the arrays received are numpy's
+    np = sys.modules["numpy"]  # the arrays received are numpy's (a list of indices became one on receipt)
     offsets = np.cumsum([0] + [_transitions(p["trajectories"]) for p in sent[:-1]])
-    return np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
+    merged = np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
+    return merged.tolist() if isinstance(sent[0]["trajectories"], list) else merged
 
 
 def _merge_trajectories(batches: List[Any], by_sample_dim: bool = False) -> Any:
@@ -94,6 +109,8 @@ def _merge_trajectories(batches: List[Any], by_sample_dim: bool = False) -> Any:
     (:func:`conveyor.data.batch.sample_dim`: a recurrent policy's sequences ``[L, B]`` side by side)."""
     if len(batches) <= 1:
         return batches[0] if batches else None
+    if isinstance(batches[0], list):  # DI-engine's lists of transitions (every batch is one: same layout)
+        return [item for batch in batches for item in batch]
     import treetensor.torch as ttorch  # here: these modules import no torch until data arrives
 
     from conveyor.data.batch import sample_dim
@@ -125,12 +142,17 @@ class ContextExchanger(Exchanger):
     an n-step enhancer, may have reshaped the trajectories after the collector), ``episodes`` (lists joined),
     ``env_step`` / ``env_episode`` (+ the collectors' increments). Reads ctx (learner, after): ``train_iter``.
 
-    ``skip_n_iter`` (DI-engine's argument): from its ``skip_n_iter``-th iteration on (``ctx.total_step >=
+    ``skip_n_iter`` (DI-engine's argument): after its first ``skip_n_iter`` iterations (once ``ctx.total_step >=
     skip_n_iter``), a collector or evaluator waits at the start of each iteration, at most ``timeout_s``, for
     a ``train_iter`` the learner sent since its last iteration, so it runs in step with the learner (DI-engine's
-    default, 1: all but the first iteration wait). ``None`` (the default here): it never waits and acts on the
-    newest ``train_iter`` it has. Unlike DI-engine, where the wait ends in a warning after 60 s, it ends in a
-    ``TimeoutError``, as every wait here does; it ends the run normally once every learner is gone.
+    default, 1: a collector waits from its second iteration on, and a learner gets one batch per iteration).
+    ``None`` (the default here): it never waits and acts on the newest ``train_iter`` it has. Unlike DI-engine,
+    where the wait ends in a warning after 60 s, it ends in a ``TimeoutError``, as every wait here does; it ends
+    the run normally once every learner is gone.
+
+    DI-engine's collectors' forms are taken as they are: ``trajectories`` and each episode as a list whose items
+    are the transitions (the items share one layout; a learner joins the lists), ``trajectory_end_idx`` as a
+    list of ints (a learner gets a list of ints again when the trajectories are lists, else an int array).
 
     A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
     knows (subscribed to :data:`COLLECTOR_TOPIC`, or sent a batch) is lost it waits ``grace_s`` for one to
@@ -186,10 +208,18 @@ class ContextExchanger(Exchanger):
                      episodes=lambda v: v is None or isinstance(v, list), trajectories=anything, train_data=anything)
         end_idx = payload.get("trajectory_end_idx")
         if end_idx is not None:
-            if payload["trajectories"] is None or not _end_idx(end_idx):
-                raise BadMessage("its trajectory_end_idx is not a 1-D array of indices >= 0 sent with trajectories")
+            end_idx = None if payload["trajectories"] is None else _end_idx(end_idx)
+            if end_idx is None:
+                raise BadMessage("its trajectory_end_idx is not a 1-D array (or list) of indices >= 0 sent with "
+                                 "trajectories")
             if end_idx.size and int(end_idx.max()) >= _transitions(payload["trajectories"]):
-                payload["trajectory_end_idx"] = None  # set before a later middleware (n-step) reshaped them: unknown
+                end_idx = None  # set before a later middleware (n-step) reshaped them: unknown
+            payload["trajectory_end_idx"] = end_idx
+        for name in ("trajectories", "train_data"):  # an empty list of transitions is no batch: nothing to join
+            if _empty_list(payload[name]):
+                payload[name] = None
+        if payload["episodes"] is not None:
+            payload["episodes"] = [ep for ep in payload["episodes"] if not _empty_list(ep)]
         layouts = [(name, self._batch_layout(name, value)) for name, value in (
             ("trajectories", payload["trajectories"]), ("train_data", payload["train_data"]),
             *(("episodes", ep) for ep in payload["episodes"] or ())) if value is not None]
@@ -210,6 +240,13 @@ class ContextExchanger(Exchanger):
 
     @staticmethod
     def _batch_layout(name: str, value: Any) -> Any:
+        """What every batch of ``name`` must share: its arrays' layout after their first dim, or, for DI-engine's form
+        (a list whose items are the rows: transitions, or arrays), the one layout of its items."""
+        if isinstance(value, list):
+            found = {layout(item) for item in value}
+            if len(found) > 1:
+                raise BadMessage(f"its {name} are a list of items laid out differently")
+            return "list", found.pop()
         rows: Set[int] = set()
         found = layout(value, rows)
         if len(rows) > 1:
