@@ -8,18 +8,60 @@ tensor is read through its numpy view.
 """
 from __future__ import annotations
 
+import math
 import sys
-from typing import Any, Iterator, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 from conveyor.middleware.messages import BadMessage
 
-__all__ = ["SpaceCheck"]
+__all__ = ["SpaceCheck", "count_transitions", "end_indices", "held_transitions"]
 
 OBSERVATION_KEYS = ("obs", "next_obs")
 """The keys of a batch that hold observations (:mod:`conveyor.data.batch`)."""
 FLAG_KEYS = ("terminated", "truncated", "done", "valid")
 """The keys of a batch that hold 0/1 flags."""
 _SLACK = 1e-5  # relative: how far past a Box's bound an action may round (float32 has 24 bits)
+
+
+def count_transitions(trajectories: Any) -> int:
+    """How many transitions a batch of trajectories holds: the size of its leading dims (``reward``'s shape), or the
+    length of DI-engine's form, a list of transitions."""
+    if isinstance(trajectories, list):
+        return len(trajectories)
+    try:
+        return math.prod(trajectories["reward"].shape)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise BadMessage("its trajectory_end_idx comes with trajectories without a 'reward' array to count them by") \
+            from None
+
+
+def held_transitions(payload: Dict[str, Any], rows: Dict[str, int]) -> int:
+    """How many transitions a checked batch holds at most: its trajectories', its training data's (``reward``'s
+    size, else their first dim: ``rows``), or its episodes' together."""
+    counts = [sum(_held_in(ep, 0) for ep in payload["episodes"] or ())]
+    counts += [_held_in(payload[name], rows.get(name, 0)) for name in ("trajectories", "train_data")
+               if payload[name] is not None]
+    return max(counts)
+
+
+def _held_in(batch: Any, rows: int) -> int:
+    try:
+        return math.prod(batch["reward"].shape)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return rows
+
+
+def end_indices(value: Any) -> Any:
+    """``value`` as a 1-D array of indices >= 0 if it is one, or DI-engine's form of one, a list of ints; else None."""
+    if isinstance(value, list):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 63 for i in value):
+            return None
+        import numpy as np  # here: a list of ints may arrive before numpy was needed
+        return np.array(value, dtype=np.int64)
+    np = sys.modules.get("numpy")
+    is_indices = np is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
+        and (value.size == 0 or int(value.min()) >= 0)
+    return value if is_indices else None
 
 
 def _leaves(value: Any, path: Tuple[str, ...] = ()) -> Iterator[Tuple[Tuple[str, ...], Any]]:
@@ -55,7 +97,11 @@ class SpaceCheck:
 
     def __call__(self, name: str, batch: Any) -> None:
         np = sys.modules["numpy"]
-        for path, array in _leaves(batch):
+        if isinstance(batch, list):  # DI-engine's form: a list of transitions, each a batch of one
+            leaves = ((path[1:], np.expand_dims(array, 0)) for path, array in _leaves(batch))
+        else:
+            leaves = _leaves(batch)
+        for path, array in leaves:
             where = f"its {name}.{'.'.join(path)}"
             kind = array.dtype.kind
             if kind not in "biuf":

@@ -46,14 +46,13 @@ Faults (membership comes from the router: a peer that dies, disconnects or close
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set
 
 from conveyor.engine import OnlineRLContext, declares, task
 from conveyor.middleware.exchange_base import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC,
                                                TRAIN_ITER_TOPIC, ExchangeTimeout, Exchanger, anything, seconds)
-from conveyor.middleware.batch_check import SpaceCheck
+from conveyor.middleware.batch_check import SpaceCheck, count_transitions, end_indices, held_transitions
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.middleware.model_exchanger import ModelExchanger
 
@@ -78,47 +77,21 @@ def _ignore(payload: Any) -> None:
     pass
 
 
-def _transitions(trajectories: Any) -> int:
-    """How many transitions a batch of trajectories holds: the size of its leading dims (``reward``'s shape)."""
-    try:
-        return math.prod(trajectories["reward"].shape)
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise BadMessage("its trajectory_end_idx comes with trajectories without a 'reward' array to count them by") \
-            from None
-
-
-def _held(payload: Dict[str, Any], rows: Dict[str, int]) -> int:
-    """How many transitions a checked batch holds at most: its trajectories', its training data's (``reward``'s
-    size, else their first dim: ``rows``), or its episodes' together."""
-    counts = [sum(_held_in(ep, 0) for ep in payload["episodes"] or ())]
-    counts += [_held_in(payload[name], rows.get(name, 0)) for name in ("trajectories", "train_data")
-               if payload[name] is not None]
-    return max(counts)
-
-
-def _held_in(batch: Any, rows: int) -> int:
-    try:
-        return math.prod(batch["reward"].shape)
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return rows
-
-
-def _end_idx(value: Any) -> bool:
-    """Whether ``value`` is a 1-D array of non-negative integers."""
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
-        and (value.size == 0 or int(value.min()) >= 0)
+def _empty_list(value: Any) -> bool:
+    return isinstance(value, list) and not value
 
 
 def _merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
     """The received ``trajectory_end_idx`` as flat indices into the merged trajectories (each collector's shifted
-    by the transitions before its own); None unless every batch of trajectories came with them."""
+    by the transitions before its own), a list of ints with DI-engine's lists of transitions, else an array; None
+    unless every batch of trajectories came with them."""
     sent = [p for p in payloads if p["trajectories"] is not None]
     if not sent or any(p.get("trajectory_end_idx") is None for p in sent):
         return None
-    np = sys.modules["numpy"]  # the arrays received are numpy's
-    offsets = np.cumsum([0] + [_transitions(p["trajectories"]) for p in sent[:-1]])
-    return np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
+    np = sys.modules["numpy"]  # the arrays received are numpy's (a list of indices became one on receipt)
+    offsets = np.cumsum([0] + [count_transitions(p["trajectories"]) for p in sent[:-1]])
+    merged = np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
+    return merged.tolist() if isinstance(sent[0]["trajectories"], list) else merged
 
 
 def _merge_trajectories(batches: List[Any], by_sample_dim: bool = False) -> Any:
@@ -126,6 +99,8 @@ def _merge_trajectories(batches: List[Any], by_sample_dim: bool = False) -> Any:
     (:func:`conveyor.data.batch.sample_dim`: a recurrent policy's sequences ``[L, B]`` side by side)."""
     if len(batches) <= 1:
         return batches[0] if batches else None
+    if isinstance(batches[0], list):  # DI-engine's lists of transitions (every batch is one: same layout)
+        return [item for batch in batches for item in batch]
     import treetensor.torch as ttorch  # here: these modules import no torch until data arrives
 
     from conveyor.data.batch import sample_dim
@@ -157,12 +132,17 @@ class ContextExchanger(Exchanger):
     an n-step enhancer, may have reshaped the trajectories after the collector), ``episodes`` (lists joined),
     ``env_step`` / ``env_episode`` (+ the collectors' increments). Reads ctx (learner, after): ``train_iter``.
 
-    ``skip_n_iter`` (DI-engine's argument): from its ``skip_n_iter``-th iteration on (``ctx.total_step >=
+    ``skip_n_iter`` (DI-engine's argument): after its first ``skip_n_iter`` iterations (once ``ctx.total_step >=
     skip_n_iter``), a collector or evaluator waits at the start of each iteration, at most ``timeout_s``, for
     a ``train_iter`` the learner sent since its last iteration, so it runs in step with the learner (DI-engine's
-    default, 1: all but the first iteration wait). ``None`` (the default here): it never waits and acts on the
-    newest ``train_iter`` it has. Unlike DI-engine, where the wait ends in a warning after 60 s, it ends in a
-    ``TimeoutError``, as every wait here does; it ends the run normally once every learner is gone.
+    default, 1: a collector waits from its second iteration on, and a learner gets one batch per iteration).
+    ``None`` (the default here): it never waits and acts on the newest ``train_iter`` it has. Unlike DI-engine,
+    where the wait ends in a warning after 60 s, it ends in a ``TimeoutError``, as every wait here does; it ends
+    the run normally once every learner is gone.
+
+    DI-engine's collectors' forms are taken as they are: ``trajectories`` and each episode as a list whose items
+    are the transitions (the items share one layout; a learner joins the lists), ``trajectory_end_idx`` as a
+    list of ints (a learner gets a list of ints again when the trajectories are lists, else an int array).
 
     A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
     knows (subscribed to :data:`COLLECTOR_TOPIC`, or sent a batch) is lost it waits ``grace_s`` for one to
@@ -238,10 +218,18 @@ class ContextExchanger(Exchanger):
                              f"({', '.join(sorted(self._producers))})")
         end_idx = payload.get("trajectory_end_idx")
         if end_idx is not None:
-            if payload["trajectories"] is None or not _end_idx(end_idx):
-                raise BadMessage("its trajectory_end_idx is not a 1-D array of indices >= 0 sent with trajectories")
-            if end_idx.size and int(end_idx.max()) >= _transitions(payload["trajectories"]):
-                payload["trajectory_end_idx"] = None  # set before a later middleware (n-step) reshaped them: unknown
+            end_idx = None if payload["trajectories"] is None else end_indices(end_idx)
+            if end_idx is None:
+                raise BadMessage("its trajectory_end_idx is not a 1-D array (or list) of indices >= 0 sent with "
+                                 "trajectories")
+            if end_idx.size and int(end_idx.max()) >= count_transitions(payload["trajectories"]):
+                end_idx = None  # set before a later middleware (n-step) reshaped them: unknown
+            payload["trajectory_end_idx"] = end_idx
+        for name in ("trajectories", "train_data"):  # an empty list of transitions is no batch: nothing to join
+            if _empty_list(payload[name]):
+                payload[name] = None
+        if payload["episodes"] is not None:
+            payload["episodes"] = [ep for ep in payload["episodes"] if not _empty_list(ep)]
         batches = [(name, value) for name, value in (
             ("trajectories", payload["trajectories"]), ("train_data", payload["train_data"]),
             *(("episodes", ep) for ep in payload["episodes"] or ())) if value is not None]
@@ -258,7 +246,7 @@ class ContextExchanger(Exchanger):
                     raise BadMessage(f"its {name} are laid out otherwise than the first batch's (keys, dtypes, "
                                      f"shapes after the first dim)")
             self._layouts = first
-            self._credit_steps(node, payload, _held(payload, rows))
+            self._credit_steps(node, payload, held_transitions(payload, rows))
             self._inbox.append(payload)
             if live:
                 self._collectors.add(node)
@@ -267,6 +255,15 @@ class ContextExchanger(Exchanger):
 
     @staticmethod
     def _batch_layout(name: str, value: Any, rows: Dict[str, int]) -> Any:
+        """What every batch of ``name`` must share: its arrays' layout after their first dim, or, for DI-engine's form
+        (a list whose items are the rows: transitions, or arrays), the one layout of its items. Sets ``rows[name]``
+        to its rows (the list's length, or its arrays' first dim)."""
+        if isinstance(value, list):
+            found = {layout(item) for item in value}
+            if len(found) > 1:
+                raise BadMessage(f"its {name} are a list of items laid out differently")
+            rows[name] = len(value)
+            return "list", found.pop()
         lengths: Set[int] = set()
         found = layout(value, lengths)
         if len(lengths) > 1:

@@ -1,9 +1,11 @@
 """Worker mains for DI-engine's framework tests ported to Conveyor (module-level: they reach workers by reference)."""
 import threading
 
+import numpy as np
+
 from conveyor.engine import OnlineRLContext, task
 from conveyor.engine.routing import FINISH_TOPIC
-from conveyor.middleware import Barrier
+from conveyor.middleware import Barrier, ContextExchanger
 
 WAIT = 20
 
@@ -60,3 +62,51 @@ def star_barrier(n_nodes, steps):
             task.use(arrive(half)).use(barrier).use(count(half))
         task.run(max_step=steps)
         return met
+
+
+def context_exchanger():
+    """DI-engine's ``context_exchanger_main``: node 0 learns, node 1 collects, both with
+    ``ContextExchanger(skip_n_iter=1)`` first in the chain, 3 iterations; the collector sends lists of arrays
+    (trajectories, episodes) and a list of end indices, the learner sends ``train_iter`` back.
+
+    Returns, for each iteration, what the node's middleware saw (the asserts are DI-engine's own)."""
+    seen = []
+    with task.start(ctx=OnlineRLContext()):
+        if task.router.node_id == 0:
+            task.add_role(task.role.LEARNER)
+        elif task.router.node_id == 1:
+            task.add_role(task.role.COLLECTOR)
+
+        task.use(ContextExchanger(skip_n_iter=1))
+
+        if task.has_role(task.role.LEARNER):
+
+            def learner_context(ctx: OnlineRLContext):
+                assert len(ctx.trajectories) == 2
+                assert len(ctx.trajectory_end_idx) == 4
+                assert len(ctx.episodes) == 8
+                assert ctx.env_step > 0
+                assert ctx.env_episode > 0
+                seen.append((len(ctx.trajectories), ctx.trajectory_end_idx, len(ctx.episodes), ctx.env_step,
+                             ctx.env_episode))
+                yield
+                ctx.train_iter += 1
+
+            task.use(learner_context)
+        elif task.has_role(task.role.COLLECTOR):
+
+            def collector_context(ctx: OnlineRLContext):
+                if ctx.total_step > 0:
+                    assert ctx.train_iter > 0
+                seen.append(ctx.train_iter)
+                yield
+                ctx.trajectories = [np.random.rand(10, 10) for _ in range(2)]
+                ctx.trajectory_end_idx = [1 for _ in range(4)]
+                ctx.episodes = [np.random.rand(10, 10) for _ in range(8)]
+                ctx.env_step += 1
+                ctx.env_episode += 1
+
+            task.use(collector_context)
+
+        task.run(max_step=3)
+    return seen

@@ -87,3 +87,10 @@ def test_barrier_makes_every_node_meet_before_and_after_each_step():  # DI-engin
     n, steps = 3, 3
     seen = runner(n, "mesh")(mains.star_barrier, n, steps)  # DI-engine: a star; ours: named nodes must hear each other
     assert seen == [[n - 1] * (2 * steps)] * n  # every pass: each node had heard every other one get there
+
+
+def test_context_exchanger_feeds_the_learner_and_paces_the_collector():  # DI-engine: test_context_exchanger
+    learner, collector = Parallel.runner(n_parallel_workers=2)(mains.context_exchanger)
+    ends = [1, 1, 1, 1]  # DI-engine's list of end indices, a list again on the learner
+    assert learner == [(2, ends, 8, 1, 1), (2, ends, 8, 2, 2), (2, ends, 8, 3, 3)]  # one batch each, counts summed
+    assert collector == [0, 1, 2]  # skip_n_iter=1: from its second iteration on, it waits for the learner's train_iter

@@ -458,7 +458,8 @@ def test_a_learner_shifts_each_collectors_trajectory_end_idx_into_the_merged_tra
 
 @pytest.mark.parametrize("end_idx, sent", [
     (np.array([[1]]), trajectories(1.0)), (np.array([0.5]), trajectories(1.0)), (np.array([-1]), trajectories(1.0)),
-    ([1, 4], trajectories(1.0)), (np.array([1]), None), (np.array([9]), ttorch.Tensor({"obs": torch.ones(2)}))])
+    ([1, -4], trajectories(1.0)), ([1, True], trajectories(1.0)), ([1.0], trajectories(1.0)), ([1 << 63], [0, 1]),
+    (np.array([1]), None), (np.array([9]), ttorch.Tensor({"obs": torch.ones(2)}))])
 def test_a_learner_drops_a_trajectory_end_idx_that_does_not_index_its_trajectories(fake_router, end_idx, sent):
     with task.start(ctx=OnlineRLContext()):
         task.add_role(task.role.LEARNER)
@@ -466,6 +467,53 @@ def test_a_learner_drops_a_trajectory_end_idx_that_does_not_index_its_trajectori
         [deliver] = fake_router.handlers[DATA_TOPIC]
         deliver({"node": "1", "trajectories": sent, "trajectory_end_idx": end_idx,
                  "episodes": None, "train_data": None, "env_step": 6, "env_episode": 2})
+    assert exchanger.stats() == {"rejected": 1, "credit_capped": 0}
+
+
+def test_a_learner_joins_di_engines_lists_of_transitions_and_shifts_their_end_indices(fake_router):
+    def transition(value):
+        return {"obs": np.full(3, value), "reward": np.array(value)}  # a scalar reward: a list's items are rows
+
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=1)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        for node, n in (("1", 3), ("2", 2)):  # lists of any length: the list is the batch
+            deliver({"node": node, "trajectories": [transition(float(node))] * n, "trajectory_end_idx": [n - 1],
+                     "episodes": [[transition(float(node))] * n], "train_data": None, "env_step": n, "env_episode": 1})
+        got = []
+        task.use(exchanger).use(lambda ctx: got.append(ctx))
+        task.run(max_step=1)
+    [ctx] = got
+    assert [float(t["reward"]) for t in ctx.trajectories] == [1.0] * 3 + [2.0] * 2
+    assert ctx.trajectory_end_idx == [2, 4] and [len(ep) for ep in ctx.episodes] == [3, 2]  # DI-engine's form kept
+
+
+def test_a_learner_takes_an_empty_list_of_transitions_as_no_batch(fake_router):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=1)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        deliver({"node": "1", "trajectories": trajectories(1.0), "episodes": None, "train_data": None, "env_step": 6,
+                 "env_episode": 0})
+        deliver({"node": "2", "trajectories": [], "trajectory_end_idx": [], "episodes": [[]], "train_data": [],
+                 "env_step": 0, "env_episode": 0})
+        got = []
+        task.use(exchanger).use(lambda ctx: got.append((ctx.trajectories.obs.shape, ctx.episodes, ctx.train_data)))
+        task.run(max_step=1)
+    assert got == [((2, 3), None, None)] and exchanger.stats() == {"rejected": 0, "credit_capped": 0}
+
+
+@pytest.mark.parametrize("items", [[np.zeros(3), np.zeros(4)], [np.zeros(3), {"obs": np.zeros(3)}]])
+def test_a_learner_drops_a_list_of_transitions_laid_out_differently(fake_router, items):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=1)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        deliver({"node": "1", "trajectories": [np.zeros(3)], "episodes": None, "train_data": None, "env_step": 1,
+                 "env_episode": 0})  # accepted: its items' layout is the one every batch's items must have
+        deliver({"node": "1", "trajectories": items, "episodes": None, "train_data": None, "env_step": 2,
+                 "env_episode": 0})
     assert exchanger.stats() == {"rejected": 1, "credit_capped": 0}
 
 

@@ -186,3 +186,17 @@ def test_a_receiver_given_its_learners_drops_versions_from_any_other_node(peer_w
         assert arrived.wait(WAIT)
         assert exchanger.loaded_version is None
     assert exchanger.stats() == {"rejected": 1}
+
+
+def test_a_list_of_transitions_di_engines_form_is_checked_item_by_item(fake_router):
+    def one(action):
+        return {"obs": np.zeros(4, np.float32), "next_obs": np.zeros(4, np.float32), "action": np.array(action),
+                "reward": np.float32(1.0), "terminated": np.bool_(False), "truncated": np.bool_(False)}
+
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=WAIT, spaces=CARTPOLE)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        deliver({**batch(), "trajectories": [one(0), one(7)]})
+        deliver({**batch(), "trajectories": [one(0), one(1)]})
+    assert exchanger.stats()["rejected"] == 1
