@@ -91,7 +91,9 @@ def layout(value: Any, rows: Optional[Set[int]] = None) -> Any:
         return type(value).__name__, tuple(layout(v, rows) for v in value)
     items = getattr(value, "items", None)
     if callable(items):  # a dict or a treetensor tree
-        return type(value).__name__, tuple(sorted((str(k), layout(v, rows)) for k, v in items()))
+        # Sorted by key alone (text, then type: 1 and "1" may both be keys), never by the layouts, which need not compare.
+        keyed = sorted(((str(k), type(k).__name__), v) for k, v in items())
+        return type(value).__name__, tuple((key, layout(v, rows)) for key, v in keyed)
     slots = getattr(type(value), "__slots__", None)
     if slots:  # a registered codec type (FrozenNormaliser)
         return type(value).__name__, tuple(layout(getattr(value, name, None), rows) for name in slots)

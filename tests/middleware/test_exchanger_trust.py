@@ -200,3 +200,12 @@ def test_a_list_of_transitions_di_engines_form_is_checked_item_by_item(fake_rout
         deliver({**batch(), "trajectories": [one(0), one(7)]})
         deliver({**batch(), "trajectories": [one(0), one(1)]})
     assert exchanger.stats()["rejected"] == 1
+
+
+def test_a_batch_whose_dict_has_both_1_and_the_text_1_as_keys_is_taken_not_a_handler_error(fake_router):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.LEARNER)
+        exchanger = ContextExchanger(timeout_s=WAIT)
+        [deliver] = fake_router.handlers[DATA_TOPIC]
+        deliver({**batch(), "trajectories": {1: 5, "1": np.zeros(2), "reward": np.ones(2)}})
+    assert exchanger.stats()["rejected"] == 0
