@@ -10,6 +10,7 @@ file that is renamed into place; temporary files a killed write left behind are 
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import tempfile
@@ -29,6 +30,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 _TEMP_SUFFIX = ".tmp"
 _EVAL_KEYS = ("returns", "lengths", "mean", "std", "env_step", "train_iter", "weight_version", "crashes", "dropped",
               "seed")
+FD_RETRY_S = 5.0
+"""How long :func:`save_checkpoint` retries a write that found no free file descriptor."""
 
 
 class CheckpointError(OSError):
@@ -47,10 +50,25 @@ class CheckpointError(OSError):
 
 def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically: serialise in memory, write a temporary file in the same
-    folder, fsync, rename, fsync the folder. A disk error is a :class:`CheckpointError` naming the path."""
+    folder, fsync, rename, fsync the folder. A disk error is a :class:`CheckpointError` naming the path.
+    Running out of file descriptors (a flood of connections holds them a moment) is retried for up to
+    ``FD_RETRY_S`` seconds first."""
     path = Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)  # in memory first: a full disk then fails in our write, not inside torch
+    deadline, pause = time.monotonic() + FD_RETRY_S, 0.01
+    while True:
+        try:
+            return _write_atomically(path, buffer)
+        except CheckpointError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+
+
+def _write_atomically(path: Path, buffer: io.BytesIO) -> Path:
+    """One try of :func:`save_checkpoint`'s write."""
     tmp: Optional[str] = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,34 @@ def test_a_full_disk_is_one_error_naming_the_path_and_keeps_the_previous_checkpo
     assert os.listdir(tmp_path) == ["ckpt.pth.tar"]
 
 
+def _out_of_descriptors(monkeypatch, times):
+    """Make the next ``times`` temporary files of a checkpoint write fail as a process out of descriptors does."""
+    real_mkstemp, left = ckpt_module.tempfile.mkstemp, [times]
+
+    def mkstemp(*args, **kwargs):
+        if left[0] > 0:
+            left[0] -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_mkstemp(*args, **kwargs)
+    monkeypatch.setattr(ckpt_module.tempfile, "mkstemp", mkstemp)
+
+
+def test_a_write_that_finds_no_free_file_descriptor_is_retried_until_one_is_free(tmp_path, monkeypatch):
+    _out_of_descriptors(monkeypatch, times=3)
+    path = save_checkpoint(tmp_path / "ckpt.pth.tar", {"version": 1})
+    assert load_checkpoint(path) == {"version": 1}
+    assert os.listdir(tmp_path) == ["ckpt.pth.tar"]
+
+
+def test_a_write_that_never_finds_a_file_descriptor_is_one_error_naming_the_path(tmp_path, monkeypatch):
+    _out_of_descriptors(monkeypatch, times=1 << 30)
+    monkeypatch.setattr(ckpt_module, "FD_RETRY_S", 0.1)
+    path = tmp_path / "ckpt.pth.tar"
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(path, {"version": 1})
+    assert str(caught.value) == f"cannot write checkpoint {path}: Too many open files"
+
+
 def test_a_file_where_the_folder_should_be_is_one_error_naming_the_path(tmp_path):
     (tmp_path / "runs").write_text("not a folder")
     with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*runs/x/ckpt.pth.tar: (File exists|Not a d)"):

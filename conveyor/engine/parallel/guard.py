@@ -8,16 +8,22 @@
   nng runs late never reads a collected socket.
 - :class:`PipeGuard`: bounds the connections an inbox holds, and those not authenticated yet (each of
   which can hold one partial message of up to nng's receive limit), closing the rest.
+- :class:`HandshakeGuard`: bounds the TCP connections nng accepted but holds before its handshake, which
+  never reach a :class:`PipeGuard` (see there).
 """
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import os
+import select
+import socket
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
-__all__ = ["PipeGuard", "RateLimitedLog", "ReplayWindow"]
+__all__ = ["HandshakeGuard", "PipeGuard", "RateLimitedLog", "ReplayWindow"]
 
 
 class ReplayWindow:
@@ -116,6 +122,18 @@ class PipeGuard:
         for pipe in old:
             self._refuse(pipe, f"nothing authentic came through it within {self.timeout_s}s")
 
+    def remote_ports(self) -> Set[int]:
+        """The peers' TCP ports of the pipes admitted now (for :class:`HandshakeGuard`)."""
+        with self._lock:
+            pipes = [pipe for _, pipe in self._pending.values()] + list(self._trusted.values())
+        ports = set()
+        for pipe in pipes:
+            try:
+                ports.add(socket.ntohs(pipe.remote_address.port))  # pynng gives it in network byte order
+            except Exception:  # closed meanwhile, or not tcp
+                pass
+        return ports
+
     def counts(self) -> Dict[str, int]:
         """Pipes admitted now: ``connections`` in all, ``pending`` of them not authenticated yet."""
         with self._lock:
@@ -128,6 +146,145 @@ class PipeGuard:
             pipe.close()
         except Exception:  # already closed by its peer: nothing left to refuse
             pass
+
+
+class HandshakeGuard:
+    """Shuts down TCP connections to ``port`` that nng holds before its handshake: each one's peer has not
+    sent the 8-byte SP header, so nng made no pipe of it, called no :class:`PipeGuard` and keeps its file
+    descriptor for 10 s (a timeout nng hard-codes, with no bound on how many). A thread reads this process's
+    descriptors when a connection comes (at most once per ``busy_s``; every ``period_s`` at least) and shuts
+    down those waiting for ``timeout_s``, and the oldest beyond ``max_waiting``; nng then closes them.
+    ``admitted()`` gives the peer ports of the pipes nng made. Holds one spare descriptor, so it still works
+    when the process has run out."""
+
+    def __init__(self, port: int, admitted: Callable[[], Set[int]], *, max_waiting: int, timeout_s: float,
+                 count: Callable[[str], None], log: RateLimitedLog, name: str, period_s: float = 0.2,
+                 busy_s: float = 0.01) -> None:
+        self.port, self.max_waiting, self.timeout_s = port, max_waiting, timeout_s
+        self.period_s, self.busy_s = period_s, busy_s
+        self._admitted, self._count, self._log, self._name = admitted, count, log, name
+        self._waiting: Dict[Tuple[int, int], float] = {}  # (fd, peer port) -> first seen
+        self._listening: Optional[int] = None  # nng's listening socket, once seen
+        self._stop = threading.Event()
+        self._spare: Optional[int] = _open_spare()
+        self._thread = threading.Thread(target=self._loop, name=f"conveyor-router-fds-{name}", daemon=True)
+
+    def start(self) -> None:
+        """Start watching (a no-op where the system has no ``/proc/self/fd``)."""
+        if os.path.isdir("/proc/self/fd"):
+            self.sweep()
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop watching and give back the spare descriptor."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+
+    def waiting(self) -> int:
+        """Connections seen waiting for their handshake at the last look."""
+        return len(self._waiting)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.busy_s):  # at most one look per busy_s: a flood costs bounded CPU
+            try:
+                if not self._waiting and self._listening is not None:  # until a connection comes, or period_s
+                    poller = select.poll()
+                    poller.register(self._listening, select.POLLIN)
+                    poller.poll(self.period_s * 1000)
+                self.sweep()
+            except Exception as e:  # a bug here must not stop the watch
+                self._log.log(f"fds:{type(e).__name__}", "router %s: watching connections: %s: %s", self._name,
+                              type(e).__name__, e)
+
+    def sweep(self) -> None:
+        """Look once: note the connections waiting for their handshake, shut down the old and the surplus."""
+        admitted, now, seen = self._admitted(), time.monotonic(), {}
+        for fd in self._descriptors():
+            peer = _peer_port(fd, self.port, max(1, round(self.timeout_s)))
+            if peer == _LISTENING:
+                self._listening = fd
+            elif peer is not None and peer not in admitted:
+                seen[(fd, peer)] = self._waiting.get((fd, peer), now)
+        by_age = sorted(seen.items(), key=lambda item: item[1])
+        surplus = len(by_age) - self.max_waiting
+        for i, ((fd, peer), first) in enumerate(by_age):
+            old = now - first >= self.timeout_s
+            if (i < surplus or old) and _shut_down(fd, self.port, peer):
+                del seen[(fd, peer)]
+                self._count("rejected_connections")
+                self._log.log("handshakes", "router %s: shut down a connection from port %d that sent no handshake "
+                              "(%s)", self._name, peer, f"none within {self.timeout_s}s" if old else
+                              f"already {self.max_waiting} waiting, the limit")
+        self._waiting = seen
+
+    def _descriptors(self) -> List[int]:
+        """This process's open descriptors; out of them, the spare one is given back for the look."""
+        try:
+            names = os.listdir("/proc/self/fd")
+        except OSError as e:
+            if e.errno != errno.EMFILE or self._spare is None:
+                raise
+            os.close(self._spare)
+            try:
+                names = os.listdir("/proc/self/fd")
+            finally:
+                self._spare = _open_spare()
+        return [int(name) for name in names]
+
+
+def _open_spare() -> Optional[int]:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+_LISTENING = -1
+
+
+def _peer_port(fd: int, port: int, defer_s: int) -> Optional[int]:
+    """The peer's port where ``fd`` is a TCP connection accepted on local ``port``, ``_LISTENING`` where it is
+    the socket listening on ``port``, else None. The listening one gets ``TCP_DEFER_ACCEPT``: connections that
+    send nothing wait in the kernel (up to its backlog), holding no descriptor of ours, for ``defer_s``."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # not a socket, or closed meanwhile
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        if sock.getsockname()[1] != port:
+            return None
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            if hasattr(socket, "TCP_DEFER_ACCEPT"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer_s)
+            return _LISTENING
+        return sock.getpeername()[1]
+    except OSError:  # closed meanwhile
+        return None
+    finally:
+        sock.detach()  # the descriptor is nng's: never close it
+
+
+def _shut_down(fd: int, port: int, peer: int) -> bool:
+    """Shut down ``fd`` if it is still the connection from ``peer`` to ``port`` (nng then closes it)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        if sock.getsockname()[1] != port or sock.getpeername()[1] != peer:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
 
 
 _KEEP_CLOSED_S = 60.0

@@ -11,7 +11,8 @@ Two threads keep receiving apart from the handlers:
 
 Nothing a peer or a stranger sends ends either loop: refusals are counted by kind, and any other
 exception is counted in ``receive_errors`` and logged at most once a minute per kind. The socket's
-connections are bounded by a :class:`~conveyor.engine.parallel.guard.PipeGuard`.
+connections are bounded by a :class:`~conveyor.engine.parallel.guard.PipeGuard`, and on tcp those nng holds
+before its handshake by a :class:`~conveyor.engine.parallel.guard.HandshakeGuard`.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import pynng
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import (HELLO, AuthError, Frame, MalformedFrame, OversizeError, ReplayError,
                                             open_frame)
-from conveyor.engine.parallel.guard import PipeGuard, RateLimitedLog, _remote, close_socket
+from conveyor.engine.parallel.guard import HandshakeGuard, PipeGuard, RateLimitedLog, _remote, close_socket
 
 __all__ = ["CONTROL_TOPIC", "Inbox"]
 
@@ -103,9 +104,14 @@ class Inbox:
             self.close_socket()
             raise nng_os_error(f"Router {node_id!r} cannot listen on {listen}", e) from None
         parts = urlsplit(listen)
-        if parts.scheme.startswith("tcp") and parts.port == 0:
+        self.handshakes: Optional[HandshakeGuard] = None
+        if parts.scheme.startswith("tcp"):
             port = socket.ntohs(listener.local_address.port)  # pynng gives it in network byte order
-            listen = f"{parts.scheme}://{parts.netloc.rsplit(':', 1)[0]}:{port}"
+            if parts.port == 0:
+                listen = f"{parts.scheme}://{parts.netloc.rsplit(':', 1)[0]}:{port}"
+            waiting = max(1, min(max_connections, soft_fd_limit() // 8))  # room for honest links, files, logs
+            self.handshakes = HandshakeGuard(port, self.guard.remote_ports, max_waiting=waiting,
+                                             timeout_s=auth_timeout_s, count=router._count, log=log, name=node_id)
         self.address = listen
         self._ipc_path = parts.path if listen.startswith("ipc://") else None
         self.threads = [threading.Thread(target=fn, name=f"conveyor-router-{what}-{node_id}", daemon=True)
@@ -115,6 +121,8 @@ class Inbox:
         """Start receiving (once the router knows its own address)."""
         for thread in self.threads:
             thread.start()
+        if self.handshakes is not None:
+            self.handshakes.start()
 
     @property
     def backlog_bytes(self) -> int:
@@ -226,6 +234,8 @@ class Inbox:
         with self._lock:
             self._closing = True
             self._has_room.notify_all()
+        if self.handshakes is not None:
+            self.handshakes.close()
         close_socket(self._sock)
         for thread in self.threads:
             if thread.is_alive() and thread is not threading.current_thread():
@@ -280,10 +290,15 @@ def check_ipc_address(url: str, what: str) -> None:
                                               f"(the address given, or $TMPDIR for a run's own) or tcp")
 
 
+def soft_fd_limit() -> int:
+    """The file descriptors this process may open (``ulimit -n``)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 def nng_os_error(what: str, error: Exception) -> OSError:
     """A one-line OSError for a failed nng call; running out of file descriptors names the limit."""
     if "file" in str(error).lower():
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return OSError(errno.EMFILE, f"{what}: out of file descriptors (this process may open {soft}, "
+        return OSError(errno.EMFILE, f"{what}: out of file descriptors (this process may open {soft_fd_limit()}, "
                                      f"`ulimit -n`); raise the limit, or run fewer nodes or connections per process")
     return OSError(f"{what}: {error}")

@@ -31,7 +31,10 @@ has heard this node too. Messages are numbered per (sender, topic): gaps count a
 
 Bounds: nng refuses a message over twice ``max_message_size`` (dropping that connection); the inbox
 admits ``max_connections`` connections, of which only as many not yet authenticated as keep their
-partial messages under ``max_pending_bytes``, each for at most ``auth_timeout_s``; the delivery queue
+partial messages under ``max_pending_bytes``, each for at most ``auth_timeout_s``; on tcp, connections
+that have not sent nng's handshake (which nng holds 10 s unseen) wait in the kernel, and of those it hands
+nng at most ``max_connections`` (an eighth of the file descriptor limit, if less) are kept, each for at
+most ``auth_timeout_s`` (:class:`~conveyor.engine.parallel.guard.HandshakeGuard`); the delivery queue
 holds at most ``max_backlog_bytes`` (the receive thread waits for room, and judges no peer silent while
 it waits). No input ends the receive loop: every exception there is counted in ``receive_errors`` and
 logged at most once per kind per minute.
@@ -361,10 +364,12 @@ class Router:
         """Counters: ``sent``, ``received``, ``rejected_auth``, ``rejected_size``, ``rejected_replay``,
         ``rejected_connections``, ``malformed``, ``lost``, ``duplicated``, ``send_timeouts``, ``handler_errors``,
         ``receive_errors``, ``peers_lost``; ``peers``: live peer ids; ``connections`` and ``pending``: the
-        inbox's connections now, and those not authenticated yet; ``backlog_bytes``: received, not yet delivered."""
+        inbox's connections now, and those not authenticated yet; ``handshaking``: tcp connections nng holds
+        before its handshake; ``backlog_bytes``: received, not yet delivered."""
         with self._lock:
-            return {**self._counts, "peers": self._members.live(),
-                    **self._inbox.guard.counts(), "backlog_bytes": self._inbox.backlog_bytes}
+            return {**self._counts, "peers": self._members.live(), **self._inbox.guard.counts(),
+                    "handshaking": self._inbox.handshakes.waiting() if self._inbox.handshakes else 0,
+                    "backlog_bytes": self._inbox.backlog_bytes}
 
     # --- closing -----------------------------------------------------------------------------------
     def close(self) -> None:
