@@ -10,7 +10,7 @@ import pytest
 
 from conveyor.middleware import load_checkpoint
 from conveyor.zoo import load_entry
-from conveyor.zoo.run import train_distributed
+from conveyor.run import train_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ from easydict import EasyDict
 from conveyor import OnlineRLContext, task
 from conveyor.middleware import OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler, interaction_evaluator
 from conveyor.policy import DQNPolicy
-from conveyor.zoo.run import Run
+from conveyor.run import Run
 
 main_config = EasyDict(dict(
     exp_name="mine",
@@ -85,12 +85,12 @@ def test_a_users_entry_trains_in_async_mode_with_its_collector_envs_only_in_the_
 
 @pytest.mark.slow
 def test_a_users_entry_runs_distributed_and_resumes(entry_file):
-    run = train_distributed(str(entry_file), collectors=2, evaluators=1, max_env_step=96, progress=False)
+    run = train_distributed(load_entry(str(entry_file)), collectors=2, evaluators=1, max_env_step=96, progress=False)
     assert run.env_step >= 96 and run.train_iter > 0 and run.last_eval_value is not None
     assert all(node["collected"] > 0 for node in run.nodes if node["role"] == "collector")
     rows = json.loads((Path("runs") / "mine" / "nodes.json").read_text())
     assert [row["roles"] for row in rows] == [["learner"], ["collector"], ["collector"], ["evaluator"]]
-    again = train_distributed(str(entry_file), collectors=2, evaluators=1, max_env_step=160, resume=True,
+    again = train_distributed(load_entry(str(entry_file)), collectors=2, evaluators=1, max_env_step=160, resume=True,
                               progress=False)
     assert again.env_step >= 160 and again.train_iter > run.train_iter
 

@@ -17,8 +17,10 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
+from conveyor.policy import DQNPolicy
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 from conveyor.zoo.atari import ppo
-from conveyor.zoo.cartpole import dqn
 
 main_config = EasyDict(dict(
     exp_name="atari_dqn",
@@ -44,6 +46,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in DQNPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = off_policy.q_learning
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train DQN on an Atari game with the pipeline of cartpole/dqn; returns the final context."""
-    return dqn.main(cfg, defaults=main_config, **options)
+    """Train DQN on an Atari game; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, DQNPolicy, cfg, **options).train()

@@ -15,7 +15,9 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo.pendulum import sac
+from conveyor.policy import SACPolicy
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 
 main_config = EasyDict(dict(
     exp_name="mujoco_sac",
@@ -38,6 +40,13 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in SACPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train SAC on a MuJoCo env with the pipeline of pendulum/sac; returns the final context."""
-    return sac.main(cfg, defaults=main_config, **options)
+pipeline = off_policy.actor_critic
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
+    """Train SAC on a MuJoCo env; ``record``: a :class:`~conveyor.data.DatasetWriter` that receives every whole episode
+    the run collects (``conveyor collect --d4rl``; one process only); returns the final context. ``options``:
+    :class:`~conveyor.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(off_policy.recording(pipeline, record, options.get("async_mode", False)), main_config, SACPolicy, cfg,
+               ckpt_freq=5000, **options).train()
