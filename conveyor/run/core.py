@@ -231,7 +231,8 @@ class _Absent:
 
 class CollectorSide:
     """``ProcessCollector``'s build hook: in the child, a :class:`~conveyor.run.Run` opened by
-    :func:`~conveyor.run.modes.in_collector_process`, ``pipeline(run)`` called on it, and the collector-role chain it built."""
+    :func:`~conveyor.run.modes.in_collector_process`, ``pipeline(run)`` called on it, and the collector-role
+    chain it built."""
 
     def __init__(self, pipeline: Pipeline, cfg: EasyDict, policy_cls: Type[Any]) -> None:
         self.pipeline, self.cfg, self.policy_cls = pipeline, cfg, policy_cls

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from conveyor.middleware import load_checkpoint
+from conveyor.policy import DQNPolicy
+from conveyor.run import Run, train_distributed
 from conveyor.zoo import load_entry
-from conveyor.run import train_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,17 +33,19 @@ main_config = EasyDict(dict(
 ))
 
 
+def pipeline(run: Run) -> None:
+    cfg, policy = run.cfg, run.policy
+    buffer = run.buffer()
+    print("collector envs:", repr(run.env("collector")))
+    task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
+    task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
+    task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
+    task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
+    task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
+
+
 def main(cfg=None, **options) -> OnlineRLContext:
-    with Run(main, main_config, DQNPolicy, cfg, **options) as run:
-        cfg, policy = run.cfg, run.policy
-        buffer = run.buffer()
-        print("collector envs:", repr(run.env("collector")))
-        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
-        task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
-        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
-        task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
-        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
-        return run.train()
+    return Run(pipeline, main_config, DQNPolicy, cfg, **options).train()
 '''
 
 
@@ -81,6 +84,14 @@ def test_a_users_entry_trains_in_async_mode_with_its_collector_envs_only_in_the_
     ctx = load_entry(str(entry_file)).main(max_env_step=64, async_mode=True, progress=False)
     assert ctx.env_step >= 64 and ctx.train_iter > 0
     assert capsys.readouterr().out == "collector envs: <collector envs of another process (2)>\n"
+
+
+def test_the_old_form_of_an_entry_is_refused_in_one_line_that_says_how_to_write_it_now():
+    with pytest.raises(TypeError) as refused:
+        with Run(lambda: None, {}, DQNPolicy):
+            pass
+    message = str(refused.value)
+    assert "\n" not in message and "def pipeline(run)" in message and ".train()" in message
 
 
 @pytest.mark.slow
