@@ -3,7 +3,8 @@
     conveyor train atari/dqn [--set env.env_id=ALE/Pong-v5] --max-env-step 10000000 [--seed N] [--async]
     conveyor train atari/dqn --collectors 2 --max-env-step 10000000
 
-Trains the off-policy family's q_learning pipeline (conveyor/zoo/off_policy.py). Hyperparameters: CleanRL's ``dqn_atari.py`` (Mnih et al. 2015's Nature
+Trains the off-policy family's q_learning pipeline (conveyor/zoo/off_policy.py). Hyperparameters: CleanRL's
+``dqn_atari.py`` (Mnih et al. 2015's Nature
 DQN with Adam): Adam 1e-4, batch 32, a gradient step every 4 agent steps, the target network copied every
 1000 agent steps, a 1M replay, 80,000 agent steps before learning, epsilon from 1.0 to 0.01 over the first
 1M agent steps (10% of 10M), evaluation with epsilon 0.05; with the Rainbow components of Hessel et al. 2018 that the issue asks for:

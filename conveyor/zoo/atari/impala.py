@@ -3,7 +3,8 @@
     conveyor train atari/impala [--set env.env_id=ALE/Pong-v5] --max-env-step 10000000 [--seed N] [--async]
     conveyor train atari/impala --collectors 2 --max-env-step 10000000
 
-Trains the actor-learner family's pipeline (conveyor/zoo/actor_learner.py, docs/impala.md) with atari/ppo's envs: 8 envs, a training episode ends at
+Trains the actor-learner family's pipeline (conveyor/zoo/actor_learner.py, docs/impala.md) with atari/ppo's envs: 8
+envs, a training episode ends at
 each lost life, training rewards clipped to their sign, FIRE pressed at each game start and after each lost life.
 Hyperparameters: Espeholt et al. 2018 (arXiv:1802.01561), Table G.1 ("Hyperparameters for Atari experiments"): 84x84
 grey frames, 4 action repeats max-pooled over the last 2, 4 stacked frames, life loss ends an episode, rewards

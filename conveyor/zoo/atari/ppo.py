@@ -3,7 +3,8 @@
     conveyor train atari/ppo [--set env.env_id=ALE/Pong-v5] --max-env-step 10000000 [--seed N] [--async]
     conveyor train atari/ppo --collectors 2 --max-env-step 10000000
 
-Trains the on-policy family's pipeline (conveyor/zoo/on_policy.py). Hyperparameters: CleanRL's ``ppo_atari.py`` and RL Zoo's ``ppo.yml``
+Trains the on-policy family's pipeline (conveyor/zoo/on_policy.py). Hyperparameters: CleanRL's ``ppo_atari.py`` and
+RL Zoo's ``ppo.yml``
 (atari), after Schulman et al. 2017 (arXiv:1707.06347, table 5): the Nature CNN shared by actor and critic,
 8 envs x 128 steps per rollout, 4 epochs of 4 minibatches (256 transitions), Adam 2.5e-4 annealed linearly to 0
 over 10M agent steps, gamma 0.99, GAE lambda 0.95, clip 0.1, entropy 0.01, value loss 0.5, gradient norm 0.5.

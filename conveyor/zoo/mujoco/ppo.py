@@ -3,7 +3,8 @@
     conveyor train mujoco/ppo [--set env.env_id=Hopper-v5] --max-env-step 1000000 [--seed N] [--async]
     conveyor train mujoco/ppo --collectors 2 --max-env-step 1000000
 
-Trains the on-policy family's pipeline (conveyor/zoo/on_policy.py). Hyperparameters: CleanRL's ``ppo_continuous_action.py`` (the "MuJoCo"
+Trains the on-policy family's pipeline (conveyor/zoo/on_policy.py). Hyperparameters: CleanRL's
+``ppo_continuous_action.py`` (the "MuJoCo"
 settings of Schulman et al. 2017, arXiv:1707.06347, and of RL Zoo's ``ppo.yml`` normalised envs): a 64-64 tanh
 actor and critic, a state-independent Gaussian, 2048 steps of 1 env per rollout, 10 epochs of minibatches of
 64, Adam 3e-4 annealed linearly to 0 over 1M env steps (``policy.learn.lr_anneal_steps``: set it to your

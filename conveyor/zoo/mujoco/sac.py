@@ -3,7 +3,8 @@
     conveyor train mujoco/sac [--set env.env_id=Hopper-v5] --max-env-step 1000000 [--seed N] [--async]
     conveyor train mujoco/sac --collectors 2 --max-env-step 1000000
 
-Trains the off-policy family's pipeline (conveyor/zoo/off_policy.py). Hyperparameters: Haarnoja et al. 2018 (arXiv:1812.05905, table 1) as
+Trains the off-policy family's pipeline (conveyor/zoo/off_policy.py). Hyperparameters: Haarnoja et al. 2018
+(arXiv:1812.05905, table 1) as
 Stable-Baselines3's RL Zoo runs them (``hyperparams/sac.yml``): 256-256 networks, Adam 3e-4, batch 256,
 tau 0.005, gamma 0.99, one gradient step per env step, a learned temperature aiming at -dim(A), a 1M replay
 and 10,000 uniformly random env steps before learning starts.
