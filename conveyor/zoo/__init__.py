@@ -1,10 +1,11 @@
-"""The zoo: ready configs, each with a ``main()`` that assembles and runs its pipeline.
+"""The zoo: entries only, each a ready config and the pipeline it trains.
 
-An entry is a module ``conveyor.zoo.<env>.<algo>`` holding ``main_config`` and ``main(cfg=None, **options)``;
-its name is ``"<env>/<algo>"`` (e.g. ``"cartpole/dqn"``). Entries are found by walking this package.
-``main()`` builds its pipeline inline with ``task.use(..., role=...)`` inside a :class:`conveyor.run.Run`,
-the public module of what every run shares (``conveyor.run`` is not an entry). A user's own ``.py`` file
-with a ``main_config`` and a ``main()`` is an entry too (:func:`load_entry`).
+An entry is a module ``conveyor.zoo.<env>.<algo>`` holding ``main_config``, ``pipeline`` (its family's, from
+:mod:`~conveyor.zoo.off_policy`, :mod:`~conveyor.zoo.on_policy`, :mod:`~conveyor.zoo.actor_learner` or
+:mod:`~conveyor.zoo.offline`, where each shows its whole chain of ``task.use(..., role=...)``) and
+``main(cfg=None, **options)``, which hands the pipeline to a :class:`conveyor.run.Run`; its name is
+``"<env>/<algo>"`` (e.g. ``"cartpole/dqn"``). Entries are the modules of this package's subpackages. A user's
+own ``.py`` file with a ``main_config`` and a ``main()`` is an entry too (:func:`load_entry`).
 """
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ from conveyor.engine import OnlineRLContext
 from conveyor.policy import PPOPolicy
 from conveyor.run import Run
 from conveyor.zoo import on_policy
-from conveyor.zoo.cartpole import ppo as pipeline
 from conveyor.zoo.cartpole_masked import ppo
 
 main_config = merge_config(ppo.main_config, dict(
