@@ -145,6 +145,8 @@ class Run:
         loads ``latest`` into all of it. SIGINT or SIGTERM finish the iteration, write ``final`` and raise
         :class:`TrainingInterrupted`.
         """
+        if self.policy is not None:
+            raise RuntimeError("Run.train(): this Run has trained already; make a new Run (resume=True goes on)")
         with self._resources:
             modes.open_run(self)
             self.pipeline(self)
