@@ -86,6 +86,18 @@ def test_a_users_entry_trains_in_async_mode_with_its_collector_envs_only_in_the_
     assert capsys.readouterr().out == "collector envs: <collector envs of another process (2)>\n"
 
 
+def test_an_async_runs_collector_process_builds_its_chain_from_the_pipeline_without_calling_main(entry_file, capsys):
+    entry_file.write_text(entry_file.read_text() + textwrap.dedent('''
+        def main(cfg=None, **options):
+            with open("main_calls.txt", "a") as calls:
+                calls.write("main\\n")
+            return Run(pipeline, main_config, DQNPolicy, cfg, **options).train()
+        '''))
+    ctx = load_entry(str(entry_file)).main(max_env_step=64, async_mode=True, progress=False)
+    assert ctx.env_step >= 64 and Path("main_calls.txt").read_text() == "main\n"
+    assert capsys.readouterr().out == "collector envs: <collector envs of another process (2)>\n"
+
+
 def test_the_old_form_of_an_entry_is_refused_in_one_line_that_says_how_to_write_it_now():
     with pytest.raises(TypeError) as refused:
         with Run(lambda: None, {}, DQNPolicy):
