@@ -38,7 +38,7 @@ def node(step_s: float, window_s: float) -> dict:
     import treetensor.torch as ttorch
 
     from conveyor.middleware import ContextExchanger
-    from conveyor.zoo.run import LearnerClock
+    from conveyor.middleware.distributed import LearnerClock
 
     torch.set_num_threads(1)
     learner = task.router.node_id == 0

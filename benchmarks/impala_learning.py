@@ -41,7 +41,7 @@ def impala(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dic
     """atari/impala, distributed, for ``budget`` agent steps; the mean of its last full-game training episodes."""
     from conveyor.config import apply_overrides
     from conveyor.zoo import load_entry
-    from conveyor.zoo.run import train_distributed
+    from conveyor.run import train_distributed
 
     entry_file = str(HERE / "_impala_episodes_entry.py")
     cfg = apply_overrides(load_entry(entry_file).main_config, overrides)
@@ -52,7 +52,7 @@ def impala(seed: int, budget: int, collectors: int, overrides: List[str]) -> Dic
     with scratch_dir() as workdir:
         os.environ["IMPALA_LEARNING_EPISODES"] = str(workdir / "episodes.txt")
         start = time.perf_counter()
-        run = train_distributed(entry_file, collectors=collectors, cfg=cfg, exp_name=f"impala_seed{seed}",
+        run = train_distributed(load_entry(entry_file), collectors=collectors, cfg=cfg, exp_name=f"impala_seed{seed}",
                                 max_env_step=budget + 1, progress=False)
         wall = time.perf_counter() - start
         path = workdir / "episodes.txt"

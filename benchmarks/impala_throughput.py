@@ -67,12 +67,12 @@ def config(quick: bool) -> Any:
 
 def measure(collectors: int, env_steps: int, quick: bool, seed: int) -> Dict[str, Any]:
     """Train the entry with ``collectors`` collector processes for ``env_steps`` agent steps; the figures above."""
-    from conveyor.zoo.run import train_distributed
+    from conveyor.run import train_distributed
 
     cfg = config(quick)
     with scratch_dir():
         start = time.time()
-        run = train_distributed(ENTRY, collectors=collectors, cfg=cfg, seed=seed, max_env_step=env_steps,
+        run = train_distributed(load_entry(ENTRY), collectors=collectors, cfg=cfg, seed=seed, max_env_step=env_steps,
                                 progress=False, no_stop=True)
         end = time.time()
         scalars = tensorboard_scalars(Path("runs") / cfg.exp_name / "tb")

@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 from benchmarks._harness import print_json_line
 from conveyor.config import ConfigError, apply_overrides
 from conveyor.zoo import load_entry
-from conveyor.zoo.run import train_distributed
+from conveyor.run import train_distributed
 
 
 def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_every: int, n_episode: int,
@@ -49,7 +49,7 @@ def solve_once(entry, seed: int, stop_value: float, max_env_step: int, eval_ever
     else:
         cfg.exp_name += "_distributed"
         name = entry.__name__.removeprefix("conveyor.zoo.").replace(".", "/")
-        ctx = train_distributed(name, collectors=distributed[0], evaluators=distributed[1], cfg=cfg,
+        ctx = train_distributed(load_entry(name), collectors=distributed[0], evaluators=distributed[1], cfg=cfg,
                                 max_env_step=max_env_step, progress=False)
         firsts = [n["first_step_at"] for n in ctx.nodes if n["role"] == "collector"]
         startup = None if None in firsts else max(firsts) - started_at

@@ -149,7 +149,7 @@ def test_an_unknown_or_offline_entry_is_one_line(capsys):
     assert_usage_error(cli_main(["slurm-script", "cartpole/dqm", "--collectors", "1", "--nodes", "1"]), capsys,
                        "did you mean 'cartpole/dqn'")
     from conveyor.zoo import entries, load_entry
-    from conveyor.zoo.run import is_offline
+    from conveyor.run.nodes import is_offline
     offline = next((name for name in entries() if is_offline(load_entry(name).main_config)), None)
     if offline is not None:
         assert_usage_error(cli_main(["k8s-manifest", offline, "--collectors", "1", "--image", "x"]), capsys,

@@ -122,7 +122,7 @@ def test_an_interrupted_run_ends_with_one_line_saying_so(workdir, capsys):
     (workdir / "stopped.py").write_text(textwrap.dedent('''
         import signal, types
         from pathlib import Path
-        from conveyor.zoo.run import TrainingInterrupted
+        from conveyor.run import TrainingInterrupted
 
         main_config = {"exp_name": "stopped"}
 

@@ -18,7 +18,7 @@ from conveyor.policy import DQNPolicy, PPOPolicy
 from conveyor.policy.encoders import NatureCNN
 from conveyor.policy.normaliser import FrozenNormaliser
 from conveyor.zoo import load_entry
-from conveyor.zoo.run import train_distributed
+from conveyor.run import train_distributed
 
 from tests.cli_helpers import TINY
 
@@ -65,7 +65,7 @@ def test_a_run_on_the_device_writes_a_checkpoint_that_loads_on_either_device(in_
 def test_distributed_the_learner_runs_on_the_device_and_the_collector_on_cpu(in_tmp, device):
     cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
     cfg.policy.device = device
-    run = train_distributed("cartpole/dqn", collectors=1, cfg=cfg, exp_name="dist", max_env_step=300,
+    run = train_distributed(load_entry("cartpole/dqn"), collectors=1, cfg=cfg, exp_name="dist", max_env_step=300,
                             progress=False)
     assert run.env_step >= 300 and run.train_iter > 0
     assert {node["role"]: torch.device(node["device"]).type for node in run.nodes} == \

@@ -65,7 +65,7 @@ def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
 
 def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
     """Run ``args.entry`` distributed (with ``cfg``, the entry's config after ``--config`` / ``--set``, if given);
-    returns its :class:`~conveyor.zoo.run.DistributedRun`. A launch that cannot start (an address, a secret, a
+    returns its :class:`~conveyor.run.DistributedRun`. A launch that cannot start (an address, a secret, a
     flag) is a ``ConfigError`` with its one-line reason."""
     from conveyor.engine.parallel.runner import RemoteTraceback
     from conveyor.schema import ConfigError

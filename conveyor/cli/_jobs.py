@@ -3,7 +3,7 @@ and the ``conveyor train`` command every node of the job runs (``--launcher slur
 
 The command resumes the run when the scheduler starts the job again (``--resume-if-exists``: a requeued Slurm
 job, a Job re-applied after a failure), and each node reads its rank from the scheduler, so one command serves
-every node: node 0 the learner, 1..C the collectors, then the evaluators (``conveyor.zoo.run.Layout``).
+every node: node 0 the learner, 1..C the collectors, then the evaluators (``conveyor.run.Layout``).
 """
 from __future__ import annotations
 
@@ -51,11 +51,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def checked_layout(args: argparse.Namespace) -> Any:
-    """The job's :class:`~conveyor.zoo.run.Layout`, after the entry, the layout and the budget are checked;
+    """The job's :class:`~conveyor.run.Layout`, after the entry, the layout and the budget are checked;
     ``ValueError`` (a ``ConfigError`` or the entry's ``UnknownEntryError`` as a ValueError) with one line."""
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
-    from conveyor.zoo.run import Layout, check_learners, is_offline
+    from conveyor.run import Layout
+    from conveyor.run.nodes import check_learners, is_offline
 
     layout = Layout(args.collectors, args.evaluators, args.learners)
     for flag, value, least in (("--max-env-step", args.max_env_step, 1), ("--port", args.port, 1)):
@@ -81,7 +82,7 @@ def checked_layout(args: argparse.Namespace) -> Any:
 def default_exp_name(entry: str) -> str:
     """The run name the entry's config gives (``cartpole_dqn``)."""
     from conveyor.zoo import load_entry
-    from conveyor.zoo.run import run_directory
+    from conveyor.run.directory import run_directory
 
     return run_directory(load_entry(entry).main_config).name
 

@@ -15,15 +15,16 @@ def nodes_ahead() -> ContextManager[None]:
     its imports (torch among them, about 2 s) overlap this process's own."""
     from conveyor.engine.parallel.runner import zygote_ahead
 
-    return zygote_ahead(["conveyor.zoo.run"])
+    return zygote_ahead(["conveyor.run"])
 
 
 def run_nodes(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any]) -> Any:
-    """:func:`~conveyor.zoo.run.train_distributed` of ``args.entry`` for the nodes ``where`` starts here (the
+    """:func:`~conveyor.run.train_distributed` of ``args.entry`` for the nodes ``where`` starts here (the
     launch options, after :func:`placed` or :func:`node_arguments` for a launcher's node)."""
-    from conveyor.zoo.run import train_distributed
+    from conveyor.run import train_distributed
+    from conveyor.zoo import load_entry
 
-    return train_distributed(args.entry, collectors=args.collectors, evaluators=args.evaluators,
+    return train_distributed(load_entry(args.entry), collectors=args.collectors, evaluators=args.evaluators,
                              learners=getattr(args, "learners", 1), cfg=cfg,
                              seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
                              max_train_iter=args.max_train_iter, resume=args.resume,

@@ -101,18 +101,18 @@ def _import_ray() -> Any:
 def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any]) -> Any:
     """Run ``args.entry`` with one Ray actor per node, on the cluster at ``args.ray_address``, the one this process
     is already connected to, or a local one started here (and shut down at the end); returns the learner's
-    :class:`~conveyor.zoo.run.DistributedRun` (``nodes``: every node's summary). SIGTERM or Ctrl-C stops every
+    :class:`~conveyor.run.DistributedRun` (``nodes``: every node's summary). SIGTERM or Ctrl-C stops every
     node as the local launcher's Ctrl-C does (final checkpoint), ends the actors and raises
     ``TrainingInterrupted``."""
     from conveyor.engine.parallel.cluster import SlurmTask
     from conveyor.engine.parallel.frame import generate_secret
-    from conveyor.zoo.run import DistributedRun, Layout, TrainingInterrupted
+    from conveyor.run import DistributedRun, Layout, TrainingInterrupted
 
     ray = _import_ray()
     layout = Layout(args.collectors, args.evaluators, args.learners)
     if layout.learners > 1:  # what several learners refuse (--auto-recover among it), before a cluster starts
         from conveyor.zoo import load_entry
-        from conveyor.zoo.run import check_learners
+        from conveyor.run.nodes import check_learners
         check_learners(args.entry, cfg if cfg is not None else load_entry(args.entry).main_config,
                        resume=args.resume, auto_recover=args.auto_recover, learners=layout.learners)
     where = {"secret": generate_secret(), **where}  # --secret-file / $CONVEYOR_SECRET when given
@@ -192,7 +192,7 @@ def _stop(ray: Any, calls: List[Any], places: List[Tuple[str, str, int]]) -> Non
 
 def _ckpt_dir(args: argparse.Namespace, cfg: Optional[Any]) -> Any:
     from conveyor.zoo import load_entry
-    from conveyor.zoo.run import run_directory
+    from conveyor.run.directory import run_directory
 
     return run_directory(cfg if cfg is not None else load_entry(args.entry).main_config, args.exp_name) / "ckpt"
 

@@ -98,7 +98,7 @@ def collect_dataset(entry_name: str, ckpt: Any, episodes: Optional[int], *, data
     from conveyor.envs import make_env_manager
     from conveyor.middleware import EpisodeCollector, episode_recorder, load_checkpoint, restore
     from conveyor.zoo import load_entry
-    from conveyor.zoo.run import seed_everything
+    from conveyor.run.control import seed_everything
 
     if (episodes is None) == (transitions is None):
         raise CollectError("give the number of episodes (--episodes) or of transitions, not both or neither")

@@ -102,7 +102,7 @@ def _run_d4rl(args: argparse.Namespace) -> int:
     from conveyor.data import DatasetError, dataset_metadata
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
-    from conveyor.zoo.run import RunDirError
+    from conveyor.run import RunDirError
 
     given = [flag for flag, value in (("--ckpt", args.ckpt), ("--episodes", args.episodes),
                                       ("--dataset-id", args.dataset_id)) if value is not None]

@@ -125,7 +125,7 @@ def _generate(request: Dict[str, Any], ids: Dict[str, str], root: Path, overwrit
     from conveyor.middleware import load_checkpoint
     from conveyor.policy import SACPolicy
     from conveyor.zoo import load_entry
-    from conveyor.zoo.run import read_run_config, run_directory
+    from conveyor.run.directory import read_run_config, run_directory
 
     entry = load_entry(request["entry"])
     env_id, seed = request["env_id"], request["seed"]

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from conveyor.envs import EnvCrashedError
     from conveyor.middleware import EvaluationError
     from conveyor.schema import ConfigError
-    from conveyor.zoo.run import RunDirError
+    from conveyor.run import RunDirError
 
     try:
         ckpt, run_dir = _locate(Path(args.target))
@@ -98,7 +98,7 @@ def _load_policy(ckpt: Path, run_dir: Path) -> Tuple[Any, Any]:
     from conveyor.config import compile_config
     from conveyor.middleware import restore
     from conveyor.schema import ConfigError
-    from conveyor.zoo.run import read_run_config
+    from conveyor.run.directory import read_run_config
 
     saved = read_run_config(run_dir)
     policy_cls = getattr(policies, str(saved.get("policy")), None)

@@ -74,7 +74,7 @@ def manifest(args: argparse.Namespace) -> str:
 def objects(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """The Service and the Job of ``args``; ValueError with one line for bad input."""
     from conveyor.schema import ConfigError
-    from conveyor.zoo.run import check_exp_name
+    from conveyor.run.directory import check_exp_name
 
     layout = checked_layout(args)
     for flag, value in (("--cpu", args.cpu), ("--memory", args.memory)):

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     """Read, group and plot; returns the exit code."""
     if Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
         return usage_error(f"--out {args.out}: the file must end in {', '.join(IMAGE_SUFFIXES)}")
-    from conveyor.zoo.run import RunDirError
+    from conveyor.run import RunDirError
     try:
         curves = [read_curve(Path(d), args.metric, args.x) for d in dict.fromkeys(args.runs)]
         groups = experiments(curves)
@@ -78,7 +78,7 @@ def read_curve(run_dir: Path, metric: str, x: str) -> Curve:
     """``metric`` of the run in ``run_dir`` from the event files under ``run_dir/tb`` (a resumed run's files
     are read in order; a step logged twice keeps its last value)."""
     from conveyor.schema import closest
-    from conveyor.zoo.run import read_run_config
+    from conveyor.run.directory import read_run_config
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 def script(args: argparse.Namespace) -> str:
     """The sbatch script of ``args``; ValueError with one line for bad input."""
     from conveyor.schema import ConfigError
-    from conveyor.zoo.run import check_exp_name
+    from conveyor.run.directory import check_exp_name
 
     layout = checked_layout(args)
     tasks = layout.n_nodes

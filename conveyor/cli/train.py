@@ -93,7 +93,8 @@ def _train(args: argparse.Namespace) -> int:
     from conveyor.policy import DataParallelError
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
-    from conveyor.zoo.run import CONFIG_FILE, RunDirError, TrainingInterrupted, run_directory
+    from conveyor.run import RunDirError, TrainingInterrupted
+    from conveyor.run.directory import CONFIG_FILE, run_directory
 
     try:
         entry = load_entry(args.entry)
@@ -172,7 +173,7 @@ def _saved_on(run_dir: Path, device: str) -> Optional[Any]:
     """``--resume --device D`` with no other config: the run's saved config (``None``: the entry reads it), moved
     to ``D`` where it trained elsewhere (its checkpoints load on any device). The entry's own config with ``D``
     would differ from that of a run started with ``--set``."""
-    from conveyor.zoo.run import CONFIG_FILE, read_run_config
+    from conveyor.run.directory import CONFIG_FILE, read_run_config
 
     if not (run_dir / CONFIG_FILE).is_file():
         return None  # nothing to resume: the entry says so
@@ -224,7 +225,8 @@ def _stopped_at(ctx: Any) -> str:
 
 def _used_config(run_dir: Path, cfg: Optional[Any], entry: ModuleType) -> Any:
     """The config the run used: its saved one, else the one it was given."""
-    from conveyor.zoo.run import RunDirError, read_run_config
+    from conveyor.run import RunDirError
+    from conveyor.run.directory import read_run_config
     try:
         return read_run_config(run_dir)["config"]
     except (FileNotFoundError, RunDirError):

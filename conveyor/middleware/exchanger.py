@@ -151,7 +151,7 @@ class ContextExchanger(Exchanger):
     the learners it sent to are gone, after waiting ``rejoin_s`` (default 0) for one to (re)subscribe
     unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
 
-    ``shard``: with data-parallel learners (conveyor/zoo/run/learners.py), the rank of the learner this
+    ``shard``: with data-parallel learners (conveyor/run/learners.py), the rank of the learner this
     collector sends to, or of this learner: each rank has its own data and collector topics
     (:func:`shard_topics`), so a batch reaches one learner only. A learner's :attr:`received` counts the env
     steps it took from each collector, by node id (see the module docstring for what it credits).

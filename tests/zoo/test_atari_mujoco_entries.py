@@ -10,7 +10,7 @@ from conveyor.config import compile_config
 from conveyor.policy import PPOPolicy, SACPolicy, TD3Policy
 from conveyor.zoo import load_entry
 from conveyor.zoo.mujoco import MUJOCO_ENV_IDS
-from conveyor.zoo.run import train_distributed
+from conveyor.run import train_distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -90,6 +90,6 @@ def test_smoke_run_in_async_mode(in_tmp, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ENTRIES)
 def test_smoke_run_distributed_with_one_collector(in_tmp, name):
-    run = train_distributed(name, collectors=1, cfg=tiny(name), exp_name="dist", max_env_step=BUDGET, progress=False)
+    run = train_distributed(load_entry(name), collectors=1, cfg=tiny(name), exp_name="dist", max_env_step=BUDGET, progress=False)
     assert run.env_step >= BUDGET and run.train_iter > 0
     assert [node["collected"] > 0 for node in run.nodes if node["role"] == "collector"] == [True]

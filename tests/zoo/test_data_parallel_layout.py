@@ -13,9 +13,9 @@ from conveyor.engine import Role
 from conveyor.middleware import load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
-from conveyor.zoo.run import Layout, train_distributed
-from conveyor.zoo.run.clock import COLLECTOR_LEAD
-from conveyor.zoo.run.learners import check_learner_gpus, learner_device, learner_local_rank, newest_rows
+from conveyor.run import Layout, train_distributed
+from conveyor.middleware.distributed import COLLECTOR_LEAD
+from conveyor.run.learners import check_learner_gpus, learner_device, learner_local_rank, newest_rows
 from tests.zoo.test_distributed import sigterm_after_a_first_evaluation
 
 RANK1_DIES = str(Path(__file__).with_name("_rank1_dies_entry.py"))
@@ -94,7 +94,7 @@ def test_a_run_that_two_learners_trained_is_not_resumed_by_one(in_tmp, capsys):
 
 @pytest.mark.slow
 def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes(in_tmp):
-    run = train_distributed("cartpole/dqn", learners=2, collectors=2, evaluators=1, exp_name="dp",
+    run = train_distributed(load_entry("cartpole/dqn"), learners=2, collectors=2, evaluators=1, exp_name="dp",
                             max_env_step=1500, progress=False)
     learners = sorted((n for n in run.nodes if n["role"] == "learner"), key=lambda n: n["rank"])
     collectors = {str(n["node_id"]): n for n in run.nodes if n["role"] == "collector"}
@@ -130,7 +130,7 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
 def test_without_evaluator_nodes_rank0_evaluates_and_the_stop_value_ends_every_learner_at_once(in_tmp):
     cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
     cfg.env.stop_value = 0.0  # the first evaluation reaches it
-    run = train_distributed("cartpole/dqn", learners=2, collectors=2, cfg=cfg, exp_name="dpstop",
+    run = train_distributed(load_entry("cartpole/dqn"), learners=2, collectors=2, cfg=cfg, exp_name="dpstop",
                             max_env_step=10**6, progress=False)
     learners = [n for n in run.nodes if n["role"] == "learner"]
     assert run.last_eval_value is not None and run.env_step < 10**6
@@ -146,7 +146,7 @@ def test_a_killed_learner_ends_the_run_with_a_clear_error_and_rank0s_final_check
     started = time.monotonic()
     with pytest.raises(DataParallelError, match=r"node 0 \(learner rank 0\): the learners' group failed, so this "
                                                 r"learner ended its run and wrote its final checkpoint: .*all-reduce"):
-        train_distributed(RANK1_DIES, learners=2, collectors=2, exp_name="dpdies", max_env_step=10**6,
+        train_distributed(load_entry(RANK1_DIES), learners=2, collectors=2, exp_name="dpdies", max_env_step=10**6,
                           progress=False)
     assert time.monotonic() - started < 60  # not ended by a wait running out (the group's timeout is 120 s)
     final = load_checkpoint(in_tmp / "runs" / "dpdies" / "ckpt" / "final.pth.tar")
@@ -183,7 +183,7 @@ def test_more_cuda_learners_on_a_host_than_its_gpus_are_refused_before_any_start
         cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
         cfg.policy.device = "cuda"
         with pytest.raises(ConfigError, match="NCCL needs one GPU per learner"):
-            train_distributed("cartpole/dqn", collectors=2, learners=2, cfg=cfg, exp_name="gpus", progress=False)
+            train_distributed(load_entry("cartpole/dqn"), collectors=2, learners=2, cfg=cfg, exp_name="gpus", progress=False)
         assert not (in_tmp / "runs" / "gpus").exists()
 
 
@@ -216,7 +216,7 @@ def _learners(run):
                                                ("cartpole_masked/ppo_gru", 2)])
 def test_two_learners_train_an_on_policy_entry_in_step_and_rank0_alone_writes(in_tmp, entry, collectors):
     exp = entry.replace("/", "_")
-    run = train_distributed(entry, learners=2, collectors=collectors, exp_name=exp, max_env_step=2048,
+    run = train_distributed(load_entry(entry), learners=2, collectors=collectors, exp_name=exp, max_env_step=2048,
                             progress=False)
     learners = _learners(run)
     assert learners[0]["params_sha256"] == learners[1]["params_sha256"]  # weights, optimizer, normalisers

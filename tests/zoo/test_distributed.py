@@ -18,7 +18,7 @@ from conveyor.engine.parallel.router import Router
 from conveyor.middleware import ContextExchanger, load_checkpoint
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
-from conveyor.zoo.run import Layout, train_distributed
+from conveyor.run import Layout, train_distributed
 from benchmarks._cluster import wait_until
 from benchmarks._harness import free_ports
 from tests.cli_helpers import TINY, assert_usage_error
@@ -38,7 +38,7 @@ def by_role(run, role):
 
 
 def test_dqn_learner_trains_on_both_collectors_and_nodes_json_names_every_worker(in_tmp):
-    run = train_distributed("cartpole/dqn", collectors=2, evaluators=1, exp_name="dist", max_env_step=300,
+    run = train_distributed(load_entry("cartpole/dqn"), collectors=2, evaluators=1, exp_name="dist", max_env_step=300,
                             progress=False)
     learner, = by_role(run, "learner")
     collectors = by_role(run, "collector")
@@ -58,7 +58,7 @@ def test_dqn_learner_trains_on_both_collectors_and_nodes_json_names_every_worker
 def test_without_evaluator_nodes_the_learner_evaluates_and_the_stop_value_ends_the_run(in_tmp):
     cfg = copy.deepcopy(load_entry("cartpole/dqn").main_config)
     cfg.env.stop_value = 0.0  # the first evaluation reaches it
-    run = train_distributed("cartpole/dqn", collectors=2, cfg=cfg, exp_name="selfeval", max_env_step=10**6,
+    run = train_distributed(load_entry("cartpole/dqn"), collectors=2, cfg=cfg, exp_name="selfeval", max_env_step=10**6,
                             progress=False)
     assert run.last_eval_value is not None and run.env_step < 10**6
     rows = json.loads((in_tmp / "runs" / "selfeval" / "nodes.json").read_text())
@@ -68,10 +68,10 @@ def test_without_evaluator_nodes_the_learner_evaluates_and_the_stop_value_ends_t
 
 @pytest.mark.slow
 def test_resume_continues_a_distributed_run_from_the_learners_checkpoint(in_tmp):
-    first = train_distributed("cartpole/dqn", collectors=2, exp_name="again", max_env_step=200, progress=False)
+    first = train_distributed(load_entry("cartpole/dqn"), collectors=2, exp_name="again", max_env_step=200, progress=False)
     saved = load_checkpoint(in_tmp / "runs" / "again" / "ckpt" / "latest.pth.tar")
     assert saved["ctx"]["env_step"] == first.env_step
-    second = train_distributed("cartpole/dqn", collectors=2, exp_name="again", max_env_step=500, resume=True,
+    second = train_distributed(load_entry("cartpole/dqn"), collectors=2, exp_name="again", max_env_step=500, resume=True,
                                progress=False)
     assert second.env_step >= 500 and second.train_iter > first.train_iter
     collected = sum(c["collected"] for c in by_role(second, "collector"))
@@ -114,7 +114,7 @@ def test_two_launches_on_loopback_tcp_share_one_run(tmp_path):
 
 @pytest.mark.slow
 def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
-    run = train_distributed("cartpole/ppo", collectors=2, evaluators=1, exp_name="ppo", max_env_step=1024,
+    run = train_distributed(load_entry("cartpole/ppo"), collectors=2, evaluators=1, exp_name="ppo", max_env_step=1024,
                             progress=False)
     assert run.env_step >= 1024 and run.train_iter > 0 and run.last_eval_value is not None
     assert all(c["collected"] > 0 for c in by_role(run, "collector"))
@@ -181,7 +181,7 @@ def test_resuming_in_another_layout_is_one_line_naming_both_and_leaves_the_run_d
 
 def test_a_distributed_run_whose_start_failed_is_started_over_by_resume(in_tmp, capsys):
     with pytest.raises(RuntimeError, match="the learner fails at its start"):
-        train_distributed(str(Path(__file__).with_name("_learner_fails_at_start_entry.py")), collectors=2,
+        train_distributed(load_entry(str(Path(__file__).with_name("_learner_fails_at_start_entry.py"))), collectors=2,
                           exp_name="again", max_env_step=64, progress=False)
     assert (in_tmp / "runs" / "again" / "config.json").is_file() and not (in_tmp / "runs" / "again" / "ckpt").exists()
     assert cli_main(["train", "cartpole/dqn", "--collectors", "2", "--resume", "--exp-name", "again", "--max-env-step",
@@ -232,7 +232,7 @@ DYING_ENTRY = str(Path(__file__).with_name("_collector_dies_entry.py"))
 
 
 def test_with_auto_recover_a_killed_collector_is_restarted_and_the_run_reaches_its_budget(in_tmp):
-    run = train_distributed(DYING_ENTRY, collectors=2, exp_name="recover", max_env_step=600, progress=False,
+    run = train_distributed(load_entry(DYING_ENTRY), collectors=2, exp_name="recover", max_env_step=600, progress=False,
                             auto_recover=True, max_retries=1)
     restarted = next(n for n in run.nodes if n["node_id"] == 1)
     assert restarted["restarts"] == 1 and restarted["collected"] > 0
@@ -242,7 +242,7 @@ def test_with_auto_recover_a_killed_collector_is_restarted_and_the_run_reaches_i
 def test_without_auto_recover_a_killed_collector_is_named_once_the_others_end(in_tmp):
     from conveyor.engine.parallel.runner import WorkerError
     with pytest.raises(WorkerError, match="worker 1 .* killed by SIGKILL") as info:
-        train_distributed(DYING_ENTRY, collectors=2, exp_name="norecover", max_env_step=600, progress=False)
+        train_distributed(load_entry(DYING_ENTRY), collectors=2, exp_name="norecover", max_env_step=600, progress=False)
     learner = next(r for r in info.value.results if r is not None and r["role"] == "learner")
     assert learner["env_step"] >= 600  # trained on with the other collector
 
@@ -252,10 +252,10 @@ LEARNER_DIES = Path(__file__).with_name("_learner_dies_entry.py")
 
 def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp):
     from conveyor.engine.parallel.runner import WorkerError
-    from conveyor.zoo.run import EXCHANGE_TIMEOUT_S
+    from conveyor.middleware.distributed import EXCHANGE_TIMEOUT_S
     started = time.monotonic()
     with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:
-        train_distributed(str(LEARNER_DIES), collectors=2, evaluators=1, exp_name="nolearner", max_env_step=2000,
+        train_distributed(load_entry(str(LEARNER_DIES)), collectors=2, evaluators=1, exp_name="nolearner", max_env_step=2000,
                           progress=False, ready_timeout_s=EXCHANGE_TIMEOUT_S)
     assert time.monotonic() - started < EXCHANGE_TIMEOUT_S / 2  # not ended by a wait running out
     others = [r for r in info.value.results if r is not None]
@@ -265,7 +265,7 @@ def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_with_auto_recover_a_killed_learner_resumes_from_the_latest_checkpoint_and_the_others_rejoin_it(in_tmp):
-    run = train_distributed(str(LEARNER_DIES), collectors=2, evaluators=1, exp_name="relearn", max_env_step=600,
+    run = train_distributed(load_entry(str(LEARNER_DIES)), collectors=2, evaluators=1, exp_name="relearn", max_env_step=600,
                             progress=False, auto_recover=True, max_retries=1, ckpt_interval=0.01)
     learner, = by_role(run, "learner")
     lives = [[int(n) for n in line.split()] for line in (in_tmp / "learner_lives.txt").read_text().splitlines()]
@@ -366,7 +366,7 @@ def test_a_normal_end_logs_no_lost_peer(in_tmp):
 
 def test_a_collectors_clock_drops_and_counts_wrong_progress_from_a_peer_with_the_secret(peer_with_the_secret):
     from conveyor.engine import OnlineRLContext, task
-    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
+    from conveyor.middleware.distributed import PROGRESS_TOPIC, LearnerClock
     mine, peer = peer_with_the_secret
     good = {"node": "9", "train_iter": 3, "env_step": 7, "stop": False}
     wrong = [[1, 2], "stop", {"node": "9"}, {**good, "stop": "yes"}, {**good, "env_step": -7}, {**good, "node": 9}]
@@ -390,7 +390,7 @@ def test_a_collectors_clock_follows_the_learner_only_so_no_other_node_can_stop_i
     import threading
 
     from conveyor.engine import OnlineRLContext, task
-    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
+    from conveyor.middleware.distributed import PROGRESS_TOPIC, LearnerClock
     mine, peer = peer_with_the_secret
     forged = [{"node": "9", "train_iter": 1 << 62, "env_step": 1 << 62, "stop": True},  # node 9 is not the learner
               {"node": "0", "train_iter": 1 << 62, "env_step": 1 << 62, "stop": True}]  # node 9 in node 0's name
@@ -414,7 +414,7 @@ def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_sec
 
     from conveyor.engine import OnlineRLContext, task
     from conveyor.middleware import EVAL_EVENT
-    from conveyor.zoo.run import RemoteEvaluations
+    from conveyor.middleware.distributed import RemoteEvaluations
     mine, peer = peer_with_the_secret
     wrong = [[[1]], [{"train_iter": 2}], [{"mean": "high", "train_iter": 2}], [{"mean": 5.0, "train_iter": -1}]]
     with task.start(ctx=OnlineRLContext()):
@@ -435,7 +435,7 @@ def test_a_collector_waits_past_timeout_s_while_a_busy_learner_keeps_sending_its
     import threading
 
     from conveyor.engine import OnlineRLContext, task
-    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
+    from conveyor.middleware.distributed import PROGRESS_TOPIC, LearnerClock
     mine, peer = peer_with_the_secret
     still = {"node": "9", "train_iter": 1, "env_step": 1, "stop": False}
     done = threading.Event()
@@ -465,7 +465,7 @@ def test_a_learner_in_a_long_iteration_keeps_sending_its_counters(peer_with_the_
     import threading
 
     from conveyor.engine import OnlineRLContext, task
-    from conveyor.zoo.run import PROGRESS_TOPIC, LearnerClock
+    from conveyor.middleware.distributed import PROGRESS_TOPIC, LearnerClock
     mine, peer = peer_with_the_secret
     heard, beats = [], threading.Event()
 

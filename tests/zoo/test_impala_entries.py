@@ -6,7 +6,7 @@ import pytest
 
 from conveyor.cli import main as cli_main
 from conveyor.zoo import load_entry
-from conveyor.zoo.run import train_distributed
+from conveyor.run import train_distributed
 from tests.middleware.test_logger import read_scalars
 
 from .resume_bar import differences, straight_and_split
@@ -56,7 +56,7 @@ def test_async_run_collects_while_the_learner_steps_and_logs_the_policy_lag(in_t
 
 def test_distributed_learner_batches_unrolls_of_both_collectors_and_logs_the_policy_lag(in_tmp):
     cfg = small(batch_size=1)  # a step per unroll: past the logger's 100 steps between training scalars
-    run = train_distributed(ENTRY, collectors=2, evaluators=1, cfg=cfg, exp_name="dist", max_env_step=2560,
+    run = train_distributed(load_entry(ENTRY), collectors=2, evaluators=1, cfg=cfg, exp_name="dist", max_env_step=2560,
                             progress=False, no_stop=True)
     learner = [n for n in run.nodes if n["role"] == "learner"][0]
     collectors = [n for n in run.nodes if n["role"] == "collector"]
@@ -86,7 +86,7 @@ def test_async_run_replays_while_the_collector_process_acts(in_tmp):
 
 def test_distributed_learner_replays_unrolls_of_both_collectors(in_tmp):
     cfg = small(batch_size=1, replay_ratio=1, replay_size=16)
-    run = train_distributed(ENTRY, collectors=2, cfg=cfg, exp_name="dist_replay", max_env_step=1280,
+    run = train_distributed(load_entry(ENTRY), collectors=2, cfg=cfg, exp_name="dist_replay", max_env_step=1280,
                             progress=False, no_stop=True)
     learner = [n for n in run.nodes if n["role"] == "learner"][0]
     fresh, odd = divmod(learner["train_iter"], 2)  # each step on a fresh unroll is followed by a replayed one

@@ -43,7 +43,7 @@ def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, en
 
 # --- item 14: the run directory ------------------------------------------------------------------------
 def test_a_new_run_saves_its_resolved_config(in_tmp):
-    from conveyor.zoo.run import prepare
+    from conveyor.run.directory import prepare
     dqn = load_entry("cartpole/dqn")
     cfg = prepare(dqn.main_config, DQNPolicy, exp_name="fresh", seed=7)
     saved = json.loads((in_tmp / "runs" / "fresh" / "config.json").read_text())

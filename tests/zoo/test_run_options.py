@@ -1,4 +1,4 @@
-"""What every run gets from conveyor.zoo.run: --no-stop, a refused --resume that names the keys that differ, and a
+"""What every run gets from conveyor.run: --no-stop, a refused --resume that names the keys that differ, and a
 plain-text log in the run directory."""
 import copy
 import json
@@ -108,7 +108,7 @@ def test_an_offline_entry_given_a_role_is_refused_in_one_line(in_tmp):
 
 def test_warnings_still_reach_stderr_while_the_run_logs_to_its_file(in_tmp):
     child = ("import logging, pathlib\n"
-             "from conveyor.zoo.run.control import run_log\n"
+             "from conveyor.run.control import run_log\n"
              "with run_log(pathlib.Path('log.txt')):\n"
              "    logging.getLogger('conveyor.test').warning('a warning for the terminal')\n"
              "    logging.getLogger('conveyor.test').info('a record for the file only')\n")

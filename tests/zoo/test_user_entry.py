@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from conveyor.middleware import load_checkpoint
+from conveyor.policy import DQNPolicy
+from conveyor.run import Run, train_distributed
 from conveyor.zoo import load_entry
-from conveyor.zoo.run import train_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ from easydict import EasyDict
 from conveyor import OnlineRLContext, task
 from conveyor.middleware import OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler, interaction_evaluator
 from conveyor.policy import DQNPolicy
-from conveyor.zoo.run import Run
+from conveyor.run import Run
 
 main_config = EasyDict(dict(
     exp_name="mine",
@@ -32,17 +33,19 @@ main_config = EasyDict(dict(
 ))
 
 
+def pipeline(run: Run) -> None:
+    cfg, policy = run.cfg, run.policy
+    buffer = run.buffer()
+    print("collector envs:", repr(run.env("collector")))
+    task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
+    task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
+    task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
+    task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
+    task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
+
+
 def main(cfg=None, **options) -> OnlineRLContext:
-    with Run(main, main_config, DQNPolicy, cfg, **options) as run:
-        cfg, policy = run.cfg, run.policy
-        buffer = run.buffer()
-        print("collector envs:", repr(run.env("collector")))
-        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
-        task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
-        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
-        task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
-        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
-        return run.train()
+    return Run(pipeline, main_config, DQNPolicy, cfg, **options).train()
 '''
 
 
@@ -83,14 +86,34 @@ def test_a_users_entry_trains_in_async_mode_with_its_collector_envs_only_in_the_
     assert capsys.readouterr().out == "collector envs: <collector envs of another process (2)>\n"
 
 
+def test_an_async_runs_collector_process_builds_its_chain_from_the_pipeline_without_calling_main(entry_file, capsys):
+    entry_file.write_text(entry_file.read_text() + textwrap.dedent('''
+        def main(cfg=None, **options):
+            with open("main_calls.txt", "a") as calls:
+                calls.write("main\\n")
+            return Run(pipeline, main_config, DQNPolicy, cfg, **options).train()
+        '''))
+    ctx = load_entry(str(entry_file)).main(max_env_step=64, async_mode=True, progress=False)
+    assert ctx.env_step >= 64 and Path("main_calls.txt").read_text() == "main\n"
+    assert capsys.readouterr().out == "collector envs: <collector envs of another process (2)>\n"
+
+
+def test_the_old_form_of_an_entry_is_refused_in_one_line_that_says_how_to_write_it_now():
+    with pytest.raises(TypeError) as refused:
+        with Run(lambda: None, {}, DQNPolicy):
+            pass
+    message = str(refused.value)
+    assert "\n" not in message and "def pipeline(run)" in message and ".train()" in message
+
+
 @pytest.mark.slow
 def test_a_users_entry_runs_distributed_and_resumes(entry_file):
-    run = train_distributed(str(entry_file), collectors=2, evaluators=1, max_env_step=96, progress=False)
+    run = train_distributed(load_entry(str(entry_file)), collectors=2, evaluators=1, max_env_step=96, progress=False)
     assert run.env_step >= 96 and run.train_iter > 0 and run.last_eval_value is not None
     assert all(node["collected"] > 0 for node in run.nodes if node["role"] == "collector")
     rows = json.loads((Path("runs") / "mine" / "nodes.json").read_text())
     assert [row["roles"] for row in rows] == [["learner"], ["collector"], ["collector"], ["evaluator"]]
-    again = train_distributed(str(entry_file), collectors=2, evaluators=1, max_env_step=160, resume=True,
+    again = train_distributed(load_entry(str(entry_file)), collectors=2, evaluators=1, max_env_step=160, resume=True,
                               progress=False)
     assert again.env_step >= 160 and again.train_iter > run.train_iter
 

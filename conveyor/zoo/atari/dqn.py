@@ -3,7 +3,8 @@
     conveyor train atari/dqn [--set env.env_id=ALE/Pong-v5] --max-env-step 10000000 [--seed N] [--async]
     conveyor train atari/dqn --collectors 2 --max-env-step 10000000
 
-Trains the pipeline of cartpole/dqn. Hyperparameters: CleanRL's ``dqn_atari.py`` (Mnih et al. 2015's Nature
+Trains the off-policy family's q_learning pipeline (conveyor/zoo/off_policy.py). Hyperparameters: CleanRL's
+``dqn_atari.py`` (Mnih et al. 2015's Nature
 DQN with Adam): Adam 1e-4, batch 32, a gradient step every 4 agent steps, the target network copied every
 1000 agent steps, a 1M replay, 80,000 agent steps before learning, epsilon from 1.0 to 0.01 over the first
 1M agent steps (10% of 10M), evaluation with epsilon 0.05; with the Rainbow components of Hessel et al. 2018 that the issue asks for:
@@ -17,8 +18,10 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
+from conveyor.policy import DQNPolicy
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 from conveyor.zoo.atari import ppo
-from conveyor.zoo.cartpole import dqn
 
 main_config = EasyDict(dict(
     exp_name="atari_dqn",
@@ -44,6 +47,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in DQNPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = off_policy.q_learning
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train DQN on an Atari game with the pipeline of cartpole/dqn; returns the final context."""
-    return dqn.main(cfg, defaults=main_config, **options)
+    """Train DQN on an Atari game; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, DQNPolicy, cfg, **options).train()

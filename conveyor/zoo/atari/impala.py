@@ -3,7 +3,8 @@
     conveyor train atari/impala [--set env.env_id=ALE/Pong-v5] --max-env-step 10000000 [--seed N] [--async]
     conveyor train atari/impala --collectors 2 --max-env-step 10000000
 
-Trains the pipeline of cartpole/impala (docs/impala.md) with atari/ppo's envs: 8 envs, a training episode ends at
+Trains the actor-learner family's pipeline (conveyor/zoo/actor_learner.py, docs/impala.md) with atari/ppo's envs: 8
+envs, a training episode ends at
 each lost life, training rewards clipped to their sign, FIRE pressed at each game start and after each lost life.
 Hyperparameters: Espeholt et al. 2018 (arXiv:1802.01561), Table G.1 ("Hyperparameters for Atari experiments"): 84x84
 grey frames, 4 action repeats max-pooled over the last 2, 4 stacked frames, life loss ends an episode, rewards
@@ -35,8 +36,10 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
+from conveyor.policy import IMPALAPolicy
+from conveyor.run import Run
+from conveyor.zoo import actor_learner
 from conveyor.zoo.atari import ppo
-from conveyor.zoo.cartpole import impala
 
 UNROLL_LENGTH = 20
 """Agent steps per unroll (the paper's): ``collect.n_sample`` is this times ``env.collector_env_num``."""
@@ -58,6 +61,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in IMPALAPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = actor_learner.pipeline
+"""What this entry trains: the actor-learner family's pipeline, ``conveyor/zoo/actor_learner.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train IMPALA on an Atari game with the pipeline of cartpole/impala; returns the final context."""
-    return impala.main(cfg, defaults=main_config, **options)
+    """Train IMPALA on an Atari game; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, IMPALAPolicy, cfg, **options).train()

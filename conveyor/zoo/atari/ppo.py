@@ -3,7 +3,8 @@
     conveyor train atari/ppo [--set env.env_id=ALE/Pong-v5] --max-env-step 10000000 [--seed N] [--async]
     conveyor train atari/ppo --collectors 2 --max-env-step 10000000
 
-Trains the pipeline of cartpole/ppo. Hyperparameters: CleanRL's ``ppo_atari.py`` and RL Zoo's ``ppo.yml``
+Trains the on-policy family's pipeline (conveyor/zoo/on_policy.py). Hyperparameters: CleanRL's ``ppo_atari.py`` and
+RL Zoo's ``ppo.yml``
 (atari), after Schulman et al. 2017 (arXiv:1707.06347, table 5): the Nature CNN shared by actor and critic,
 8 envs x 128 steps per rollout, 4 epochs of 4 minibatches (256 transitions), Adam 2.5e-4 annealed linearly to 0
 over 10M agent steps, gamma 0.99, GAE lambda 0.95, clip 0.1, entropy 0.01, value loss 0.5, gradient norm 0.5.
@@ -18,7 +19,9 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo.cartpole import ppo
+from conveyor.policy import PPOPolicy
+from conveyor.run import Run
+from conveyor.zoo import on_policy
 
 main_config = EasyDict(dict(
     exp_name="atari_ppo",
@@ -38,6 +41,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = on_policy.pipeline
+"""What this entry trains: the on-policy family's pipeline, ``conveyor/zoo/on_policy.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train PPO on an Atari game with the pipeline of cartpole/ppo; returns the final context."""
-    return ppo.main(cfg, defaults=main_config, **options)
+    """Train PPO on an Atari game; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, PPOPolicy, cfg, **options).train()

@@ -12,14 +12,14 @@ this entry looks for it; point ``policy.other.dataset.id`` at another id or at a
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Type
+from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OfflineRLContext, task
-from conveyor.middleware import interaction_evaluator, offline_data_fetcher, trainer
+from conveyor.engine import OfflineRLContext
 from conveyor.policy import BCPolicy
-from conveyor.zoo.run import Run
+from conveyor.run import Run
+from conveyor.zoo import offline
 
 BUILD_DATASET = ("conveyor train cartpole/dqn --exp-name cartpole_expert && conveyor collect cartpole/dqn --ckpt "
                  "runs/cartpole_expert/ckpt/eval_best.pth.tar --episodes 100 --dataset-id cartpole/expert-v0")
@@ -39,16 +39,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in BCPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
-         policy_cls: Type[Any] = BCPolicy, build_dataset: str = BUILD_DATASET, **options: Any) -> OfflineRLContext:
-    """Train BC on the CartPole dataset (the other offline entries train their ``policy_cls`` on their ``defaults``
-    with this pipeline); returns the final context. ``options``: :class:`~conveyor.zoo.run.Run`'s; offline, a run
-    is bounded by ``max_train_iter``, not ``max_env_step``."""
-    defaults = main_config if defaults is None else defaults
-    with Run(main, defaults, policy_cls, cfg, build_dataset=build_dataset, **options) as run:
-        cfg, policy, env = run.cfg, run.policy, run.env("evaluator")
-        task.use(interaction_evaluator(cfg, policy.eval_mode, env))
-        task.use(offline_data_fetcher(cfg, run.dataset, observation_space=env.observation_space,
-                                      action_space=env.action_space))
-        task.use(trainer(cfg, policy.learn_mode))
-        return run.train()
+pipeline = offline.pipeline
+"""What this entry trains: the offline family's pipeline, ``conveyor/zoo/offline.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
+    """Train BC on the CartPole dataset; returns the final context. ``options``: :class:`~conveyor.run.Run`'s; offline,
+    a run is bounded by ``max_train_iter``."""
+    return Run(pipeline, main_config, BCPolicy, cfg, build_dataset=BUILD_DATASET, **options).train()

@@ -18,7 +18,8 @@ from easydict import EasyDict
 
 from conveyor.engine import OfflineRLContext
 from conveyor.policy import DiscreteCQLPolicy
-from conveyor.zoo.cartpole import bc
+from conveyor.run import Run
+from conveyor.zoo import offline
 from conveyor.zoo.cartpole.bc import BUILD_DATASET
 
 main_config = EasyDict(dict(
@@ -36,6 +37,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in DiscreteCQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = offline.pipeline
+"""What this entry trains: the offline family's pipeline, ``conveyor/zoo/offline.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
-    """Train discrete CQL on the CartPole dataset with the pipeline of cartpole/bc; returns the final context."""
-    return bc.main(cfg, defaults=main_config, policy_cls=DiscreteCQLPolicy, build_dataset=BUILD_DATASET, **options)
+    """Train discrete CQL on the CartPole dataset; returns the final context. ``options``: :class:`~conveyor.run.Run`'s;
+    offline, a run is bounded by ``max_train_iter``."""
+    return Run(pipeline, main_config, DiscreteCQLPolicy, cfg, build_dataset=BUILD_DATASET, **options).train()

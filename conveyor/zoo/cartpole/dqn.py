@@ -8,11 +8,10 @@ from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import (OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler,
-                                 interaction_evaluator, nstep_reward_enhancer)
+from conveyor.engine import OnlineRLContext
 from conveyor.policy import DQNPolicy
-from conveyor.zoo.run import Run
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 
 main_config = EasyDict(dict(
     exp_name="cartpole_dqn",
@@ -46,20 +45,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in DQNPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
-         **options: Any) -> OnlineRLContext:
-    """Train DQN on CartPole (atari/dqn trains this pipeline on its ``defaults``); returns the final context.
-    ``options``: those of :class:`~conveyor.zoo.run.Run` (``seed``, ``exp_name``, ``max_env_step``, ``resume``,
-    ``async_mode``...)."""
-    defaults = main_config if defaults is None else defaults
-    with Run(main, defaults, DQNPolicy, cfg, **options) as run:
-        cfg, policy = run.cfg, run.policy
-        buffer = run.buffer()
-        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
-        task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
-        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
-        if cfg.policy.nstep > 1:
-            task.use(nstep_reward_enhancer(cfg), role=task.role.COLLECTOR)
-        task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
-        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
-        return run.train()
+pipeline = off_policy.q_learning
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
+    """Train DQN on CartPole; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, DQNPolicy, cfg, **options).train()

@@ -14,10 +14,10 @@ from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import StepCollector, interaction_evaluator, unroll_cutter, unroll_learner
+from conveyor.engine import OnlineRLContext
 from conveyor.policy import IMPALAPolicy
-from conveyor.zoo.run import Run
+from conveyor.run import Run
+from conveyor.zoo import actor_learner
 
 main_config = EasyDict(dict(
     exp_name="cartpole_impala",
@@ -39,15 +39,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in IMPALAPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
-         **options: Any) -> OnlineRLContext:
-    """Train IMPALA on CartPole; returns the final context. ``options``: those of :class:`~conveyor.zoo.run.Run`
-    (``seed``, ``exp_name``, ``max_env_step``, ``resume``, ``async_mode``...)."""
-    defaults = main_config if defaults is None else defaults
-    with Run(main, defaults, IMPALAPolicy, cfg, **options) as run:
-        cfg, policy = run.cfg, run.policy
-        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
-        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
-        task.use(unroll_cutter(), role=task.role.COLLECTOR)  # [T, N] -> N unrolls of T steps, sent as they are
-        task.use(unroll_learner(cfg, policy.learn_mode), role=task.role.LEARNER)  # publishes every publish_every
-        return run.train()
+pipeline = actor_learner.pipeline
+"""What this entry trains: the actor-learner family's pipeline, ``conveyor/zoo/actor_learner.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
+    """Train IMPALA on CartPole; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, IMPALAPolicy, cfg, **options).train()

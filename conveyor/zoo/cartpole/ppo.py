@@ -8,10 +8,10 @@ from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import StepCollector, gae_estimator, interaction_evaluator, multistep_trainer
+from conveyor.engine import OnlineRLContext
 from conveyor.policy import PPOPolicy
-from conveyor.zoo.run import Run
+from conveyor.run import Run
+from conveyor.zoo import on_policy
 
 main_config = EasyDict(dict(
     exp_name="cartpole_ppo",
@@ -30,15 +30,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
-         **options: Any) -> OnlineRLContext:
-    """Train PPO on CartPole (the other PPO entries train this pipeline on their ``defaults``); returns the final
-    context. ``options``: :class:`~conveyor.zoo.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
-    defaults = main_config if defaults is None else defaults
-    with Run(main, defaults, PPOPolicy, cfg, **options) as run:
-        cfg, policy = run.cfg, run.policy
-        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
-        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
-        task.use(gae_estimator(cfg, policy.collect_mode), role=task.role.COLLECTOR)  # by the version that acted
-        task.use(multistep_trainer(cfg, policy.learn_mode), role=task.role.LEARNER)  # locks against checkpoints
-        return run.train()
+pipeline = on_policy.pipeline
+"""What this entry trains: the on-policy family's pipeline, ``conveyor/zoo/on_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
+    """Train PPO on CartPole; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, PPOPolicy, cfg, **options).train()

@@ -11,7 +11,9 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo.cartpole import ppo
+from conveyor.policy import PPOPolicy
+from conveyor.run import Run
+from conveyor.zoo import on_policy
 from conveyor.zoo.cartpole_masked import ENV_ID
 
 main_config = EasyDict(dict(
@@ -31,6 +33,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = on_policy.pipeline
+"""What this entry trains: the on-policy family's pipeline, ``conveyor/zoo/on_policy.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train feed-forward PPO on masked CartPole with the pipeline of cartpole/ppo; returns the final context."""
-    return ppo.main(cfg, defaults=main_config, **options)
+    """Train feed-forward PPO on masked CartPole; returns the final context. ``options``: :class:`~conveyor.run.Run`'s
+    (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, PPOPolicy, cfg, **options).train()

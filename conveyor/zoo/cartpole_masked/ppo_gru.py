@@ -10,7 +10,9 @@ from typing import Any, Mapping, Optional
 
 from conveyor.config import merge_config
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo.cartpole import ppo as pipeline
+from conveyor.policy import PPOPolicy
+from conveyor.run import Run
+from conveyor.zoo import on_policy
 from conveyor.zoo.cartpole_masked import ppo
 
 main_config = merge_config(ppo.main_config, dict(
@@ -21,6 +23,11 @@ main_config = merge_config(ppo.main_config, dict(
 PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = on_policy.pipeline
+"""What this entry trains: the on-policy family's pipeline, ``conveyor/zoo/on_policy.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train recurrent PPO on masked CartPole with the pipeline of cartpole/ppo; returns the final context."""
-    return pipeline.main(cfg, defaults=main_config, **options)
+    """Train recurrent PPO on masked CartPole; returns the final context. ``options``: :class:`~conveyor.run.Run`'s
+    (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, PPOPolicy, cfg, **options).train()

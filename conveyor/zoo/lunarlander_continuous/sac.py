@@ -11,8 +11,10 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
+from conveyor.policy import SACPolicy
+from conveyor.run import Run
 from conveyor.schema import ConfigError
-from conveyor.zoo.pendulum import sac
+from conveyor.zoo import off_policy
 
 main_config = EasyDict(dict(
     exp_name="lunarlander_continuous_sac",
@@ -33,10 +35,17 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in SACPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train SAC on LunarLanderContinuous with the pipeline of pendulum/sac; returns the final context."""
+pipeline = off_policy.actor_critic
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
+    """Train SAC on LunarLanderContinuous; ``record``: a :class:`~conveyor.data.DatasetWriter` that receives every whole
+    episode the run collects (``conveyor collect --d4rl``; one process only); returns the final context. ``options``:
+    :class:`~conveyor.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
     _require_box2d()
-    return sac.main(cfg, defaults=main_config, **options)
+    return Run(off_policy.recording(pipeline, record, options.get("async_mode", False)), main_config, SACPolicy, cfg,
+               ckpt_freq=5000, **options).train()
 
 
 def _require_box2d() -> None:

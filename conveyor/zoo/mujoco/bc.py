@@ -19,7 +19,8 @@ from easydict import EasyDict
 
 from conveyor.engine import OfflineRLContext
 from conveyor.policy import BCPolicy
-from conveyor.zoo.cartpole import bc
+from conveyor.run import Run
+from conveyor.zoo import offline
 
 BUILD_DATASET = "conveyor collect mujoco/sac --d4rl medium-replay --env HalfCheetah-v5"
 """The command that records the MuJoCo offline entries' default dataset (quoted when it is missing)."""
@@ -41,6 +42,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in BCPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = offline.pipeline
+"""What this entry trains: the offline family's pipeline, ``conveyor/zoo/offline.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
-    """Train BC on the MuJoCo dataset with the pipeline of cartpole/bc; returns the final context."""
-    return bc.main(cfg, defaults=main_config, policy_cls=BCPolicy, build_dataset=BUILD_DATASET, **options)
+    """Train BC on the MuJoCo dataset; returns the final context. ``options``: :class:`~conveyor.run.Run`'s; offline, a
+    run is bounded by ``max_train_iter``."""
+    return Run(pipeline, main_config, BCPolicy, cfg, build_dataset=BUILD_DATASET, **options).train()

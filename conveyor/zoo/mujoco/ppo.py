@@ -3,7 +3,8 @@
     conveyor train mujoco/ppo [--set env.env_id=Hopper-v5] --max-env-step 1000000 [--seed N] [--async]
     conveyor train mujoco/ppo --collectors 2 --max-env-step 1000000
 
-Trains the pipeline of cartpole/ppo. Hyperparameters: CleanRL's ``ppo_continuous_action.py`` (the "MuJoCo"
+Trains the on-policy family's pipeline (conveyor/zoo/on_policy.py). Hyperparameters: CleanRL's
+``ppo_continuous_action.py`` (the "MuJoCo"
 settings of Schulman et al. 2017, arXiv:1707.06347, and of RL Zoo's ``ppo.yml`` normalised envs): a 64-64 tanh
 actor and critic, a state-independent Gaussian, 2048 steps of 1 env per rollout, 10 epochs of minibatches of
 64, Adam 3e-4 annealed linearly to 0 over 1M env steps (``policy.learn.lr_anneal_steps``: set it to your
@@ -19,7 +20,9 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo.cartpole import ppo
+from conveyor.policy import PPOPolicy
+from conveyor.run import Run
+from conveyor.zoo import on_policy
 from conveyor.zoo.mujoco import sac
 
 main_config = EasyDict(dict(
@@ -40,6 +43,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = on_policy.pipeline
+"""What this entry trains: the on-policy family's pipeline, ``conveyor/zoo/on_policy.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train PPO on a MuJoCo env with the pipeline of cartpole/ppo; returns the final context."""
-    return ppo.main(cfg, defaults=main_config, **options)
+    """Train PPO on a MuJoCo env; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, PPOPolicy, cfg, **options).train()

@@ -3,7 +3,8 @@
     conveyor train mujoco/sac [--set env.env_id=Hopper-v5] --max-env-step 1000000 [--seed N] [--async]
     conveyor train mujoco/sac --collectors 2 --max-env-step 1000000
 
-Trains the pipeline of pendulum/sac. Hyperparameters: Haarnoja et al. 2018 (arXiv:1812.05905, table 1) as
+Trains the off-policy family's pipeline (conveyor/zoo/off_policy.py). Hyperparameters: Haarnoja et al. 2018
+(arXiv:1812.05905, table 1) as
 Stable-Baselines3's RL Zoo runs them (``hyperparams/sac.yml``): 256-256 networks, Adam 3e-4, batch 256,
 tau 0.005, gamma 0.99, one gradient step per env step, a learned temperature aiming at -dim(A), a 1M replay
 and 10,000 uniformly random env steps before learning starts.
@@ -15,7 +16,9 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo.pendulum import sac
+from conveyor.policy import SACPolicy
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 
 main_config = EasyDict(dict(
     exp_name="mujoco_sac",
@@ -38,6 +41,13 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in SACPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train SAC on a MuJoCo env with the pipeline of pendulum/sac; returns the final context."""
-    return sac.main(cfg, defaults=main_config, **options)
+pipeline = off_policy.actor_critic
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
+    """Train SAC on a MuJoCo env; ``record``: a :class:`~conveyor.data.DatasetWriter` that receives every whole episode
+    the run collects (``conveyor collect --d4rl``; one process only); returns the final context. ``options``:
+    :class:`~conveyor.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(off_policy.recording(pipeline, record, options.get("async_mode", False)), main_config, SACPolicy, cfg,
+               ckpt_freq=5000, **options).train()

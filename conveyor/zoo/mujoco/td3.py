@@ -3,7 +3,8 @@
     conveyor train mujoco/td3 [--set env.env_id=Hopper-v5] --max-env-step 1000000 [--seed N] [--async]
     conveyor train mujoco/td3 --collectors 2 --max-env-step 1000000
 
-Trains the pipeline of pendulum/sac with TD3Policy. Hyperparameters: Fujimoto et al. 2018 (arXiv:1802.09477)
+Trains the off-policy family's pipeline (conveyor/zoo/off_policy.py) with TD3Policy. Hyperparameters: Fujimoto et al.
+2018 (arXiv:1802.09477)
 as CleanRL's ``td3_continuous_action.py`` runs them: 256-256 networks, Adam 3e-4, batch 256, tau 0.005,
 gamma 0.99, actor and targets updated every 2nd critic step, target noise 0.2 clipped at 0.5, exploration
 noise 0.1, a 1M replay and 25,000 uniformly random env steps before learning starts.
@@ -17,8 +18,9 @@ from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
 from conveyor.policy import TD3Policy
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 from conveyor.zoo.mujoco import sac as mujoco_sac
-from conveyor.zoo.pendulum import sac
 
 main_config = EasyDict(dict(
     exp_name="mujoco_td3",
@@ -35,6 +37,13 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in TD3Policy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train TD3 on a MuJoCo env with the pipeline of pendulum/sac; returns the final context."""
-    return sac.main(cfg, defaults=main_config, policy=TD3Policy, **options)
+pipeline = off_policy.actor_critic
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
+    """Train TD3 on a MuJoCo env; ``record``: a :class:`~conveyor.data.DatasetWriter` that receives every whole episode
+    the run collects (``conveyor collect --d4rl``; one process only); returns the final context. ``options``:
+    :class:`~conveyor.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(off_policy.recording(pipeline, record, options.get("async_mode", False)), main_config, TD3Policy, cfg,
+               ckpt_freq=5000, **options).train()

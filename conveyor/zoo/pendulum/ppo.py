@@ -9,7 +9,9 @@ from typing import Any, Mapping, Optional
 from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
-from conveyor.zoo.cartpole import ppo
+from conveyor.policy import PPOPolicy
+from conveyor.run import Run
+from conveyor.zoo import on_policy
 
 main_config = EasyDict(dict(
     exp_name="pendulum_ppo",
@@ -29,6 +31,11 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in PPOPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
+pipeline = on_policy.pipeline
+"""What this entry trains: the on-policy family's pipeline, ``conveyor/zoo/on_policy.py``."""
+
+
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train PPO on Pendulum with the pipeline of cartpole/ppo; returns the final context."""
-    return ppo.main(cfg, defaults=main_config, **options)
+    """Train PPO on Pendulum; returns the final context. ``options``: :class:`~conveyor.run.Run`'s (``seed``,
+    ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(pipeline, main_config, PPOPolicy, cfg, **options).train()

@@ -4,17 +4,14 @@
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Mapping, Optional, Type
+from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
 
-from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import (OffPolicyLearner, StepCollector, data_pusher, episode_recorder, interaction_evaluator,
-                                 nstep_reward_enhancer)
+from conveyor.engine import OnlineRLContext
 from conveyor.policy import SACPolicy
-from conveyor.schema import ConfigError
-from conveyor.zoo.run import Run
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 
 main_config = EasyDict(dict(
     exp_name="pendulum_sac",
@@ -33,27 +30,13 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in SACPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, *, defaults: Optional[Mapping[str, Any]] = None,
-         policy: Type[Any] = SACPolicy, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
-    """Train SAC on Pendulum; returns the final context. Other off-policy entries train this pipeline with their
-    ``defaults`` and ``policy`` (lunarlander_continuous/sac, pendulum/td3). ``record``: a
-    :class:`~conveyor.data.DatasetWriter` that receives every whole episode the run collects (a medium-replay
-    dataset, ``conveyor collect --d4rl``; one process only). ``options``: :class:`~conveyor.zoo.run.Run`'s
-    (``seed``, ``exp_name``, ``max_env_step``...)."""
-    defaults = main_config if defaults is None else defaults
-    if record is not None and options.get("async_mode"):
-        raise ConfigError("record: the episode recorder runs in one process; leave async_mode (--async) out")
-    again = functools.partial(main, defaults=defaults, policy=policy)  # what an async run's collector process runs
-    with Run(again, defaults, policy, cfg, ckpt_freq=5000, **options) as run:
-        cfg, policy = run.cfg, run.policy
-        buffer = run.buffer()
-        task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
-        task.use(StepCollector(cfg, policy.collect_mode, run.env("collector"),
-                               random_collect_size=cfg.policy.collect.random_collect_size), role=task.role.COLLECTOR)
-        if record is not None:
-            task.use(episode_recorder(record), role=task.role.COLLECTOR)
-        if cfg.policy.nstep > 1:
-            task.use(nstep_reward_enhancer(cfg), role=task.role.COLLECTOR)
-        task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
-        task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
-        return run.train()
+pipeline = off_policy.actor_critic
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
+    """Train SAC on Pendulum; ``record``: a :class:`~conveyor.data.DatasetWriter` that receives every whole episode the
+    run collects (``conveyor collect --d4rl``; one process only); returns the final context. ``options``:
+    :class:`~conveyor.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(off_policy.recording(pipeline, record, options.get("async_mode", False)), main_config, SACPolicy, cfg,
+               ckpt_freq=5000, **options).train()

@@ -12,6 +12,8 @@ from easydict import EasyDict
 
 from conveyor.engine import OnlineRLContext
 from conveyor.policy import TD3Policy
+from conveyor.run import Run
+from conveyor.zoo import off_policy
 from conveyor.zoo.pendulum import sac
 
 main_config = EasyDict(dict(
@@ -28,6 +30,13 @@ main_config = EasyDict(dict(
 """The default config; every key is documented in TD3Policy.config_schema() and conveyor.envs.ENV_SCHEMA."""
 
 
-def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OnlineRLContext:
-    """Train TD3 on Pendulum with the pipeline of pendulum/sac; returns the final context."""
-    return sac.main(cfg, defaults=main_config, policy=TD3Policy, **options)
+pipeline = off_policy.actor_critic
+"""What this entry trains: the off-policy family's pipeline, ``conveyor/zoo/off_policy.py``."""
+
+
+def main(cfg: Optional[Mapping[str, Any]] = None, *, record: Optional[Any] = None, **options: Any) -> OnlineRLContext:
+    """Train TD3 on Pendulum; ``record``: a :class:`~conveyor.data.DatasetWriter` that receives every whole episode the
+    run collects (``conveyor collect --d4rl``; one process only); returns the final context. ``options``:
+    :class:`~conveyor.run.Run`'s (``seed``, ``exp_name``, ``max_env_step``, ``resume``...)."""
+    return Run(off_policy.recording(pipeline, record, options.get("async_mode", False)), main_config, TD3Policy, cfg,
+               ckpt_freq=5000, **options).train()

@@ -5,13 +5,13 @@
 
 Every node runs the entry's own ``main()``. :func:`train_distributed` starts the nodes; each gets its role
 from its node id (0..L-1 the learners, then N collectors, then the evaluators) before it calls ``main()``, whose
-:class:`~conveyor.zoo.run.Run` then builds this node's part of the pipeline: ``task.use(..., role=...)`` drops
+:class:`~conveyor.run.Run` then builds this node's part of the pipeline: ``task.use(..., role=...)`` drops
 the middleware of the other roles, and ``run.env(kind)`` starts only the envs this node uses.
 
-- all: :class:`~conveyor.zoo.run.clock.LearnerClock`, ``ModelExchanger``, ``ContextExchanger`` first
+- all: :class:`~conveyor.middleware.distributed.LearnerClock`, ``ModelExchanger``, ``ContextExchanger`` first
   (:func:`use_node_links`), then the entry's middleware of the node's role.
 - learner: trains on what the collectors send (with several, each on its collectors' share, as one
-  data-parallel group: conveyor/zoo/run/learners.py); node 0 (rank 0) owns the checkpoints (saver, logger,
+  data-parallel group: conveyor/run/learners.py); node 0 (rank 0) owns the checkpoints (saver, logger,
   progress bar, ``--resume``), ``runs/<exp>/nodes.json`` (every node's id, roles, pid, host and address) and
   the end of the run (its budget, or an evaluation at the stop value), which it tells the others.
 - collector: its share of the collection (``collector_env_num`` and ``n_sample`` divided by N, rounded up,
@@ -32,6 +32,7 @@ import math
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -42,8 +43,9 @@ from conveyor.engine.parallel.cluster import NodeTable
 from conveyor.middleware import ContextExchanger, ModelExchanger
 from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
-from conveyor.zoo.run.clock import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
-from conveyor.zoo.run.directory import NODES_FILE, check_layout, run_directory
+from conveyor.middleware.distributed import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
+from conveyor.run.directory import NODES_FILE, check_layout, run_directory
+from conveyor.run.entries import entry_reference, import_entry
 
 __all__ = ["DistributedRun", "Layout", "Node", "check_learners", "collector_share", "current_node", "is_offline",
            "learner_share", "train_distributed", "use_node_links"]
@@ -142,7 +144,7 @@ class DistributedRun:
     ``last_eval_value``, ``collected``: env steps a collector collected, ``first_step_at``: the ``time.time()`` of
     its first collected step; a learner's ``rank``, ``received``: the env steps it received, ``received_from``: those
     by collector node id, ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
-    of the group, and with several learners of an entry without a replay buffer (conveyor/zoo/run/learners.py)
+    of the group, and with several learners of an entry without a replay buffer (conveyor/run/learners.py)
     ``kept``: the env steps it trained on, the same on every learner, and ``dropped``: those it left out)."""
 
     env_step: Optional[int] = None
@@ -151,7 +153,7 @@ class DistributedRun:
     nodes: List[Dict[str, Any]] = field(default_factory=list)
 
 
-def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learners: int = 1,
+def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0, learners: int = 1,
                       cfg: Optional[Mapping[str, Any]] = None,
                       seed: Optional[int] = None, exp_name: Optional[str] = None, max_env_step: Optional[int] = None,
                       max_train_iter: Optional[int] = None, resume: bool = False, progress: bool = True,
@@ -162,8 +164,9 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
                       secret: Optional[bytes] = None, auto_recover: bool = False,
                       max_retries: Optional[int] = None, ready_timeout_s: float = 60.0,
                       grace_s: float = 30.0, restarts_before: int = 0) -> DistributedRun:
-    """Train zoo ``entry`` with ``learners`` data-parallel learners (conveyor/zoo/run/learners.py), ``collectors``
-    collectors and ``evaluators`` evaluators, each its own process; the other arguments are the entry ``main()``'s
+    """Train ``entry`` (an entry module: ``conveyor.zoo.load_entry("cartpole/dqn")``) with ``learners``
+    data-parallel learners (conveyor/run/learners.py), ``collectors`` collectors and ``evaluators`` evaluators,
+    each its own process; the other arguments are the entry ``main()``'s
     and ``Parallel.runner``'s. Several learners refuse ``resume`` and ``auto_recover`` (:func:`check_learners`).
 
     ``node_ids``: the nodes to start here (default all); give each host its share and the others'
@@ -177,20 +180,19 @@ def train_distributed(entry: str, *, collectors: int, evaluators: int = 0, learn
     node's actor); a learner among them above 0 resumes as a restarted one does.
     """
     from conveyor.engine import Parallel
-    from conveyor.zoo import load_entry
 
     layout = Layout(collectors, evaluators, learners)
     ids = list(range(layout.n_nodes)) if node_ids is None else list(node_ids)
     for node_id in ids:
         layout.role(node_id)
-    loaded = load_entry(entry)  # an unknown name fails here, before any process starts
+    loaded, entry = entry, entry_reference(entry)
     if is_offline(loaded.main_config):
         raise ConfigError(f"{entry} trains offline from a dataset, with no collectors or evaluators to spread "
                           f"over processes: drop --collectors/--evaluators")
     if learners > 1:
         config = cfg if cfg is not None else loaded.main_config
         check_learners(entry, config, resume=resume, auto_recover=auto_recover, learners=learners)
-        from conveyor.zoo.run.learners import check_learner_gpus
+        from conveyor.run.learners import check_learner_gpus
         check_learner_gpus(str(configured_device(config.get("policy", {}))), sum(i < learners for i in ids),
                            torch.cuda.device_count)
     if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
@@ -231,18 +233,16 @@ def _check_one_learner(run_dir: Path) -> None:
 def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict[str, Any]:
     """One worker: take the role of its node id and run the entry's ``main()``; a summary of what it did."""
     global _node
-    from conveyor.zoo import load_entry
-
     node_id = task.router.node_id
     role = layout.role(node_id)
-    entry = load_entry(entry_name)
+    entry = import_entry(entry_name)
     seed = options["seed"]
     offset = layout.seed_offset(node_id)
     if offset:
         seed = (seed if seed is not None else (options["cfg"] or entry.main_config).get("seed", 0)) + offset
     _node = node = Node(layout, options["auto_recover"])
     if role is Role.LEARNER:
-        from conveyor.zoo.run.learners import learner_local_rank
+        from conveyor.run.learners import learner_local_rank
         node.local_rank = learner_local_rank(node_id, options["started_here"], layout.learners, os.environ)
     restarted_learner = role is Role.LEARNER and task.router.restarts > 0  # auto_recover: go on where it died
     for taken in layout.roles(node_id):
@@ -256,7 +256,7 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
         _node = None
     if not node.ran:
         raise ConfigError(f"entry '{entry_name}' has no distributed mode: only online entries (those whose main() "
-                          f"trains in a conveyor.zoo.run.Run) split into learner, collectors and evaluators")
+                          f"trains in a conveyor.run.Run) split into learner, collectors and evaluators")
     return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "device": node.device,
             "restarts": task.router.restarts, "env_step": int(ctx.env_step),
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
@@ -278,7 +278,7 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     """The first middleware of every node (inside ``task.start``): node 0 writes ``nodes.json`` (the others
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
     entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
-    learners, these form their group and add :class:`~conveyor.zoo.run.learners.LearnerSync` (``node.sync``), which
+    learners, these form their group and add :class:`~conveyor.run.learners.LearnerSync` (``node.sync``), which
     for an entry without a replay buffer (``buffered`` False) agrees on the rows of ``train_data`` each trains on.
     What a node takes from another is what that node may send: counters and weights from node 0 only, batches from
     this learner's collectors only, checked against the env's ``spaces`` (a learner's). Returns the clock."""
@@ -306,7 +306,7 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     if learner:
         node.received = exchanger.received
     if learner and layout.learners > 1:
-        from conveyor.zoo.run.learners import LearnerSync, join_learners
+        from conveyor.run.learners import LearnerSync, join_learners
         node.sync = LearnerSync(join_learners(policy, node_id, layout.learners, EXCHANGE_TIMEOUT_S),
                                 agree_rows=not buffered)
         task.use(node.sync)

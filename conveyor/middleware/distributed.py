@@ -1,4 +1,4 @@
-"""The middleware that tie a distributed run's nodes to its learner (conveyor/zoo/run/nodes.py starts the nodes).
+"""The middleware that tie a distributed run's nodes to its learner (conveyor/run/nodes.py starts the nodes).
 
 - :class:`LearnerClock`: the learner's counters for the other nodes, a collector's lead over the learner, and
   the end of the run.
@@ -252,7 +252,7 @@ class RemoteEvaluations:
     reached the stop value ends the run. Before each iteration, and when the run ends, the newest result
     goes into the context. Make it before the checkpoint saver and the loggers, so it sees each result first.
     ``stop_value``: the learner's own evaluator runs without one (with data-parallel learners an evaluation must
-    not end rank 0's iteration before the others': conveyor/zoo/run/learners.py), and a result here that reaches
+    not end rank 0's iteration before the others': conveyor/run/learners.py), and a result here that reaches
     it is marked ``stop_value_reached`` (for the saver) and ends the run after the iteration.
 
     Writes ctx: ``last_eval_value``, ``last_eval_iter``.

@@ -1,7 +1,7 @@
 """Data-parallel learners in a distributed run (``--learners L``): nodes ``0..L-1`` train one policy together.
 
 The mechanism is :class:`conveyor.policy.DataParallel` (a ``torch.distributed`` group whose gradients are averaged
-in every step); this module fits it into the zoo's layout (conveyor/zoo/run/nodes.py):
+in every step); this module fits it into the zoo's layout (conveyor/run/nodes.py):
 
 - Rendezvous (:func:`join_learners`): rank 0 (node 0) binds the group's store on a free port of its host and sends
   ``{"host", "port", "session"}`` on :data:`LEARNERS_TOPIC` over the run's router (authenticated with the run's
@@ -23,7 +23,7 @@ in every step); this module fits it into the zoo's layout (conveyor/zoo/run/node
   for a later iteration (they were collected by older weights, and a backlog kept on the learner whose collectors
   are faster would only grow staler), and counted (:attr:`LearnerSync.dropped`, in env steps). The trainers' own
   loops (PPO's epochs of minibatches, IMPALA's batches of unrolls) then take the same number of steps everywhere:
-  each learner's minibatch is ``batch_size / L`` (:func:`~conveyor.zoo.run.nodes.learner_share`), so the group's
+  each learner's minibatch is ``batch_size / L`` (:func:`~conveyor.run.nodes.learner_share`), so the group's
   is ``batch_size``, and PPO's ``target_kl`` early stop and advantage normalisation are taken over the group
   (:meth:`DataParallel.mean`), as are its observation and reward statistics (``PPOPolicy``'s ``gather``).
 - Replay: each learner's buffer is its shard; a step samples ``batch_size / L`` from it (the group's batch stays
@@ -31,7 +31,7 @@ in every step); this module fits it into the zoo's layout (conveyor/zoo/run/node
   that owns it is this one, by construction.
 - Failure: a collective that fails (another learner died, or stopped answering within the group's timeout) ends
   this learner's run normally (rank 0 writes its final checkpoint: the failed step never stepped) and
-  :class:`~conveyor.zoo.run.Run` raises the :class:`~conveyor.policy.DataParallelError` afterwards.
+  :class:`~conveyor.run.Run` raises the :class:`~conveyor.policy.DataParallelError` afterwards.
 """
 from __future__ import annotations
 

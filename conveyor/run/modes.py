@@ -1,0 +1,197 @@
+"""How a :class:`~conveyor.run.Run` opens, in each of its layouts: the one place that decides which it is.
+
+:func:`open_run` picks one of :func:`single_process`, :func:`offline`, :func:`asynchronous`,
+:func:`distributed` and :func:`data_parallel`; each compiles the run's config (:func:`_configure`), builds
+its policy where it acts or learns and starts the pipeline (``task.start``) with what that layout adds. An
+async run's collector process opens with :func:`in_collector_process` instead
+(:class:`conveyor.run.core.CollectorSide`). ``run`` is a :class:`~conveyor.run.Run` throughout.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Mapping
+
+import torch
+from easydict import EasyDict
+
+from conveyor.data import dataset_root, load_dataset
+from conveyor.engine import OfflineRLContext, OnlineRLContext, Role, task
+from conveyor.middleware.collector_process import ProcessCollector
+from conveyor.middleware.distributed import RemoteEvaluations
+from conveyor.envs import env_spaces
+from conveyor.policy import configured_device
+from conveyor.schema import ConfigError
+from conveyor.run.control import run_log, seed_everything
+from conveyor.run.directory import LOG_FILE, experiment_dir, prepare
+from conveyor.run.nodes import Node, collector_share, current_node, learner_share, use_node_links
+
+__all__ = ["DatasetMissing", "asynchronous", "data_parallel", "distributed", "in_collector_process",
+           "offline", "open_run", "single_process"]
+
+log = logging.getLogger("conveyor.run")
+
+
+class DatasetMissing(FileNotFoundError):
+    """An offline entry's dataset is not in the local dataset folder; the message says which commands build it."""
+
+
+def open_run(run: Any) -> None:
+    """Open ``run`` in its layout: a node of a distributed run (given roles before the entry's ``main()``), with
+    one learner or several; else offline, async, or in one process."""
+    _check_options(run)
+    if task.roles:
+        node = current_node()
+        (data_parallel if node.layout.learners > 1 else distributed)(run, node)
+    elif run._offline:
+        offline(run)
+    elif run._async:
+        asynchronous(run)
+    else:
+        single_process(run)
+
+
+def single_process(run: Any) -> None:
+    """Every middleware in this process, one after the other."""
+    _configure(run)
+    run.policy = run._policy_cls(run.cfg.policy)
+    _own_run_dir(run)
+    _start(run, OnlineRLContext())
+
+
+def offline(run: Any) -> None:
+    """One process training from the entry's dataset (``run.dataset``), found before the run directory is made:
+    a missing one leaves none."""
+    if not run._resume:
+        run.dataset = _load_dataset(run, run._given if run._given is not None else run._main_config)
+    _configure(run)
+    if run.dataset is None:
+        run.dataset = _load_dataset(run, run.cfg)
+    run.policy = run._policy_cls(run.cfg.policy)
+    _own_run_dir(run)
+    _start(run, OfflineRLContext(), async_mode=run._async)
+
+
+def asynchronous(run: Any) -> None:
+    """Collection overlaps training: the collector-role middleware run in a child process (a
+    :class:`ProcessCollector` built by calling the entry's pipeline there), or with ``env.async_collector:
+    thread`` in a thread of this process."""
+    _configure(run)
+    run.policy = run._policy_cls(run.cfg.policy)
+    _own_run_dir(run)
+    if run.cfg.env.async_collector == "thread":
+        _start(run, OnlineRLContext(), async_mode=True)
+        return
+    run._env_stack = run._resources.enter_context(contextlib.ExitStack())
+    run.env("evaluator")  # first: a ProcessCollector may pin this thread, which later processes inherit
+    run._collector = run._resources.enter_context(ProcessCollector(run.collector_side(), run.policy))
+    run._resources.enter_context(task.start(async_mode=True, ctx=OnlineRLContext()))
+    task.add_role(Role.LEARNER).add_role(Role.EVALUATOR)  # the collector role is the child's
+
+
+def distributed(run: Any, node: Node) -> None:
+    """A node of a distributed run with one learner: node 0 learns and owns the run, the others collect or
+    evaluate on CPU (conveyor/run/nodes.py)."""
+    learner = task.has_role(Role.LEARNER)
+    _configure(run, owner=learner, distributed=True)
+    run.policy = run._policy_cls(run.cfg.policy, device=None if learner else "cpu")
+    _node_links(run, node, learner)
+
+
+def data_parallel(run: Any, node: Node) -> None:
+    """A node of a distributed run with several learners (conveyor/run/learners.py): rank 0 (node 0) alone owns
+    the run; each learner takes its GPU and, without a replay buffer, its share of each minibatch; rank 0's own
+    evaluations do not end the run before the other learners' iteration (:class:`RemoteEvaluations` does)."""
+    learner = task.has_role(Role.LEARNER)
+    _configure(run, owner=learner and task.router.node_id == 0, distributed=True)
+    cfg = run.cfg
+    if task.has_role(Role.EVALUATOR) and not run._no_stop:
+        run._stop_here, cfg.env.stop_value = run._stop_value, None
+    if learner:
+        from conveyor.run.learners import learner_device
+        device = learner_device(str(configured_device(cfg.policy)), node.local_rank, torch.cuda.device_count)
+    else:
+        device = "cpu"
+    run.policy = run._policy_cls(cfg.policy, device=device)
+    if learner and "replay_buffer" not in cfg.policy.other:  # a replay shard samples its part itself (ShardBuffer)
+        run.cfg = learner_share(cfg, node.layout.learners)
+    _node_links(run, node, learner)
+
+
+def in_collector_process(run: Any, cfg: EasyDict) -> None:
+    """An async run's collector process: the parent's compiled ``cfg``, a CPU replica of the policy (collectors
+    act on CPU; learners may not) and the collector role alone, so ``pipeline(run)`` builds the collection."""
+    run.cfg = cfg
+    seed_everything(cfg.seed)
+    run.policy = run._policy_cls(cfg.policy, device="cpu")
+    run._env_stack = run._resources.enter_context(contextlib.ExitStack())
+    run._resources.enter_context(task.start(ctx=OnlineRLContext()))
+    task.add_role(Role.COLLECTOR)
+
+
+# --- what the layouts share --------------------------------------------------------------------------------
+def _check_options(run: Any) -> None:
+    if task.roles and run._async:
+        raise ConfigError("async_mode: in a distributed run collection already overlaps training (collectors are "
+                          "their own processes); leave --async out")
+    if task.roles and run._offline:
+        raise ConfigError("an offline entry trains from a dataset, with no collectors or evaluators to spread over "
+                          "processes: run it in one process (no roles, no --collectors)")
+    if run._offline and run._max_env_step is not None:
+        raise ConfigError(f"max_env_step={run._max_env_step}: an offline entry takes no env steps; bound it with "
+                          f"max_train_iter (--max-train-iter) or policy.learn.max_train_iter")
+    if run._max_train_iter is not None and (not isinstance(run._max_train_iter, int) or run._max_train_iter <= 0):
+        raise ConfigError(f"max_train_iter={run._max_train_iter!r}: must be an int > 0")
+
+
+def _configure(run: Any, *, owner: bool = True, distributed: bool = False) -> None:
+    """Compile and save (or read back) the run's config and seed everything; ``no_stop`` drops the stop value
+    (the saved config keeps it)."""
+    cfg = prepare(run._main_config, run._policy_cls, run._given, seed=run._seed, exp_name=run._exp_name,
+                  resume=run._resume, owner=owner, distributed=distributed)
+    run._stop_value, run._owner = cfg.env.get("stop_value"), owner
+    if run._no_stop:
+        cfg.env.stop_value = None  # the evaluators never end the run
+    run.cfg, run.run_dir = cfg, experiment_dir(cfg)
+    seed_everything(cfg.seed)
+
+
+def _own_run_dir(run: Any) -> None:
+    """The owner's log file ``runs/<exp_name>/log.txt``, open while the run is."""
+    if run._owner:
+        run._resources.enter_context(run_log(run.run_dir / LOG_FILE))
+        log.info("run '%s' %s: %s, seed %s", run.cfg.exp_name, "resumed" if run._resume else "started",
+                 run._policy_cls.__name__, run.cfg.seed)
+
+
+def _start(run: Any, ctx: Any, async_mode: bool = False) -> None:
+    run._env_stack = run._resources.enter_context(contextlib.ExitStack())  # envs close after the pipeline
+    run._resources.enter_context(task.start(async_mode=async_mode, ctx=ctx))
+
+
+def _node_links(run: Any, node: Node, learner: bool) -> None:
+    """A node's log, share, pipeline start and first middleware: the evaluations of evaluator nodes (on the
+    owner, listening before node 0 sends its first weights) and the links to the other nodes."""
+    run._node = node
+    _own_run_dir(run)
+    if task.has_role(Role.COLLECTOR):
+        run.cfg = collector_share(run.cfg, node.layout.collectors)
+    _start(run, OnlineRLContext())
+    buffered = "replay_buffer" in run.cfg.policy.other
+    on_policy = getattr(run._policy_cls, "learns_on_policy", not buffered)
+    if run._owner:
+        run._evaluations = RemoteEvaluations(run.policy, stop_value=run._stop_here)
+    run._clock = use_node_links(run.policy, run.run_dir, on_policy=on_policy, buffered=buffered,
+                                spaces=env_spaces(run.cfg.env) if learner else None)
+
+
+def _load_dataset(run: Any, cfg: Mapping[str, Any]) -> Any:
+    source = cfg.get("policy", {}).get("other", {}).get("dataset", {}).get("id")
+    if source is None:
+        raise ConfigError("config key 'policy.other.dataset.id' is not set: name the dataset to train on (a "
+                          f"Minari dataset id or a file path); build one with: {run._build_dataset}")
+    try:
+        return load_dataset(source)
+    except FileNotFoundError:
+        raise DatasetMissing(f"dataset '{source}' is not in {dataset_root()} (nothing is downloaded); build it "
+                             f"with: {run._build_dataset}") from None
