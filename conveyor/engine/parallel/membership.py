@@ -170,7 +170,7 @@ class Membership:
                                     if not link.learned and self._unanswered(link, now))
                 if unanswered:
                     raise TimeoutError(self._no_answer(", ".join(unanswered)))
-                knocking = self._auth_failures.persistent(now, r.auth_timeout_s)
+                knocking = self.knocking()
                 if knocking:
                     raise TimeoutError(f"router {r.node_id!r}: {knocking} while this node waits for its peers: the node "
                                        f"there uses another secret than this one; give every node the same secret "
@@ -185,6 +185,10 @@ class Membership:
                            f"(ready: {sorted(ready)}; heard but not yet knowing us: {heard}; dialed, nothing "
                            f"authentic heard from: {silent}; failed authentication: {failed}); check that those "
                            f"nodes run, use the same secret, and are given this node's address {r.address}")
+
+    def knocking(self) -> Optional[str]:
+        """A sentence naming an address that kept failing authentication for over ``auth_timeout_s``, or None."""
+        return self._auth_failures.persistent(time.monotonic(), self._router.auth_timeout_s)
 
     def _unanswered(self, link: Link, now: float) -> bool:
         """Whether ``link`` has been connected for over ``auth_timeout_s`` with nothing authentic back."""

@@ -298,6 +298,11 @@ class Router:
         messages that fail authentication: another secret."""
         return self._members.wait_ready(n, timeout)
 
+    def failing_authentication(self) -> Optional[str]:
+        """A sentence naming an address that has kept sending messages that fail authentication for over
+        ``auth_timeout_s``, up to now (a node with another secret), or None: for a node waiting for its peers."""
+        return self._members.knocking()
+
     def _control_loop(self) -> None:
         last_beat = 0.0
         while not self._closing:
