@@ -10,7 +10,7 @@ from conveyor.engine.parallel.cluster import KubernetesError, kubernetes_task
 
 from tests.cli_helpers import assert_usage_error
 
-SECRET = "s" * 64
+SECRET = "eb70d51b4816e77666c9785419aec972050f7f15ccc832e36d90a4f82c2d631a"
 SLURM = {"SLURM_NTASKS": "3", "SLURM_STEP_NODELIST": "gpu[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2,1",
          "CONVEYOR_SECRET": SECRET}
 K8S = {"CONVEYOR_NODES": "3", "CONVEYOR_NODE_HOST": "run-{index}.run", "CONVEYOR_SECRET": SECRET}

@@ -16,7 +16,7 @@ from conveyor.cli.task import register, runner_options
 from conveyor.engine.parallel.cluster import SlurmError, slurm_task
 
 ROOT = Path(__file__).resolve().parents[1]
-SECRET = "s" * 64
+SECRET = "eb70d51b4816e77666c9785419aec972050f7f15ccc832e36d90a4f82c2d631a"
 WAIT = 60  # seconds: bound on each launch (a healthy one takes a few)
 
 USER_MODULE = textwrap.dedent('''

@@ -79,7 +79,7 @@ def test_the_pods_of_the_k8s_manifest_train_to_the_final_checkpoint(tmp_path, ca
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     secret = tmp_path / "secret"  # the mounted Secret: its key 'secret' as a file the pod's user alone reads
-    secret.write_text("k" * 64)
+    secret.write_text("eb70d51b4816e77666c9785419aec972050f7f15ccc832e36d90a4f82c2d631a")
     secret.chmod(pod["volumes"][0]["secret"]["defaultMode"])
     command = [str(secret) if word == "/etc/conveyor/secret" else word for word in container["command"]]
     env = {item["name"]: item["value"] for item in container["env"]}

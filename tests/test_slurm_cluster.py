@@ -71,7 +71,7 @@ def test_scancel_signal_term_stops_with_a_final_checkpoint_and_scancel_kills_and
     iteration and writes its final checkpoint; a plain ``scancel`` kills the tasks (srun answers Slurm's SIGTERM
     so), leaving the latest checkpoint. Either way no process is left and the next job of the run resumes it."""
     secret = tmp_path / "secret"
-    secret.write_text("s" * 64)
+    secret.write_text("eb70d51b4816e77666c9785419aec972050f7f15ccc832e36d90a4f82c2d631a")
     secret.chmod(0o600)
     path = slurm_script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1", "--exp-name", "long",
                         "--secret-file", str(secret))

@@ -116,14 +116,15 @@ class Exchanger:
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float,
               poke: Optional[Callable[[], None]] = None) -> Optional[bool]:
-        """Wait (holding ``_cond``) until ``ready()``: True; until asked to stop: False; ``timeout_s`` over:
-        None. ``poke()`` runs every ``_RETRY_S`` while waiting."""
+        """Wait (holding ``_cond``) until ``ready()``: True; until asked to stop: False; ``timeout_s`` over, or no
+        peer live while a node with another secret keeps knocking (:meth:`_knocking`): None. ``poke()`` runs
+        every ``_RETRY_S`` while waiting."""
         deadline = time.monotonic() + timeout_s
         while not ready():
             if self._stopping:
                 return False
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or self._knocking():
                 return None
             if poke is not None:
                 self._cond.release()
@@ -131,13 +132,24 @@ class Exchanger:
                     poke()
                 finally:
                     self._cond.acquire()
-            self._cond.wait(min(left, _RETRY_S) if poke is not None else left)
+            self._cond.wait(min(left, _RETRY_S))
         return True
 
+    def _knocking(self) -> Optional[str]:
+        """While no peer is live: the router's sentence naming an address that keeps failing authentication (a
+        node with another secret), else None. A router without that check (a test's fake) has none."""
+        check = getattr(self._router, "failing_authentication", None)
+        return check() if check is not None and not self._router.peers() else None
+
     def _timeout(self, what: str, sender: str, timeout_s: float) -> ExchangeTimeout:
+        knocking = self._knocking()
+        if knocking:
+            return ExchangeTimeout(f"node {self._router.node_id}: no {what} and no peer live, while {knocking}: the "
+                                   f"node there uses another secret than this one; give every node the same secret "
+                                   f"(--secret-file FILE or $CONVEYOR_SECRET)")
         return ExchangeTimeout(f"node {self._router.node_id}: no {what} within {timeout_s}s (live peers: "
-                            f"{self._router.peers()}); is a {sender} running, with this exchanger in its chain? "
-                            f"Raise timeout_s if it is just slow")
+                               f"{self._router.peers()}); is a {sender} running, with this exchanger in its chain? "
+                               f"Raise timeout_s if it is just slow")
 
     def _end_run(self, level: int, why: str) -> None:
         """End the run normally after this iteration, entering no further middleware in it."""

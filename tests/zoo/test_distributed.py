@@ -82,7 +82,7 @@ def test_resume_continues_a_distributed_run_from_the_learners_checkpoint(in_tmp)
 def test_two_launches_on_loopback_tcp_share_one_run(tmp_path):
     """As two hosts would: the learner and the evaluator in one launch, the collectors in another, one secret."""
     secret = tmp_path / "secret"
-    secret.write_text("x" * 64)
+    secret.write_text("eb70d51b4816e77666c9785419aec972050f7f15ccc832e36d90a4f82c2d631a")
     secret.chmod(0o600)
     runs = {"A": tmp_path / "a", "B": tmp_path / "b"}
     port = free_ports(4)

@@ -47,6 +47,10 @@ MAX_DEPTH = 64
 MAX_HEADER_BYTES = 4 << 20
 """The largest structure header encoded or decoded: parsing it is the one step whose memory is not bounded
 by the payload's own bytes (JSON becomes Python objects), so it is bounded here. Send arrays, not long lists."""
+MAX_HEADER_ITEMS = 1 << 17
+"""The most containers and items a structure header may hold, counted as its ``[``, ``{`` and ``,`` characters
+before it is parsed (brackets inside strings count too: an over-estimate). Without it 4 MiB of ``[],`` parse
+into over a million lists (some 100 MiB); with it a header parses into a few MiB at most."""
 
 # Header tags. A JSON object in the header is always one of these single-key nodes; lists are lists and
 # JSON scalars are themselves, so a user's dict can never be mistaken for a tag.
@@ -106,10 +110,12 @@ class Codec:
         except _Unsupported as e:
             where = "payload" + "".join(reversed(e.path))
             raise TypeError(f"cannot encode {e.what} at {where}: {e.fix}").with_traceback(None) from None
-        header = _JSON_ENCODER.encode(tree).encode()
-        if len(header) > MAX_HEADER_BYTES:
-            raise TypeError(f"cannot encode a payload whose structure takes {len(header)} bytes, over the limit of "
-                            f"{MAX_HEADER_BYTES}: send long sequences of numbers as numpy arrays or tensors")
+        text = _JSON_ENCODER.encode(tree)
+        header, items = text.encode(), _items(text)
+        if len(header) > MAX_HEADER_BYTES or items > MAX_HEADER_ITEMS:
+            raise TypeError(f"cannot encode a payload whose structure takes {len(header)} bytes and {items} "
+                            f"items, over the limit of {MAX_HEADER_BYTES} bytes or {MAX_HEADER_ITEMS} items: send "
+                            f"long sequences of numbers as numpy arrays or tensors")
         return [header, *buffers]
 
     def _node(self, obj: Any, buffers: List[Frame], depth: int) -> Any:
@@ -171,7 +177,8 @@ class Codec:
     def decode(self, frames: List[Frame], *, copy: bool = False) -> Any:
         """The value ``frames`` (from :meth:`encode`) describe. ``copy=True``: arrays never share the frames' memory.
 
-        Bounded for hostile input: a header over :data:`MAX_HEADER_BYTES` is refused before it is parsed, and
+        Bounded for hostile input: a header over :data:`MAX_HEADER_BYTES` or :data:`MAX_HEADER_ITEMS` is refused
+        before it is parsed, and
         each buffer may back one value only, so the arrays and bytes decoded never exceed the frames' size.
         """
         if not frames:
@@ -179,8 +186,16 @@ class Codec:
         if len(frames[0]) > MAX_HEADER_BYTES:
             raise DecodeError(f"payload header of {len(frames[0])} bytes is over the limit of {MAX_HEADER_BYTES}")
         try:
-            tree = _JSON_DECODER.decode(str(frames[0], "utf-8"))
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            text = str(frames[0], "utf-8")
+        except UnicodeDecodeError as e:
+            raise DecodeError(f"payload header is not valid JSON: {e}") from None
+        items = _items(text)
+        if items > MAX_HEADER_ITEMS:
+            raise DecodeError(f"payload header holds up to {items} containers and items, over the limit of "
+                              f"{MAX_HEADER_ITEMS}")
+        try:
+            tree = _JSON_DECODER.decode(text)
+        except (ValueError, RecursionError) as e:
             raise DecodeError(f"payload header is not valid JSON: {e}") from None
         try:
             return self._value(tree, _Buffers(frames), copy)
@@ -233,6 +248,11 @@ class Codec:
         # a sub-tree arrives as a nested tree node; ttorch.Tensor(dict) rebuilds it from plain dicts
         return {k: self._tree_dict(v[_TREE], frames, copy) if type(v) is dict and _TREE in v
                 else self._value(v, frames, copy) for k, v in body.items()}
+
+
+def _items(header: str) -> int:
+    """An upper bound on the containers and items a JSON header parses into (see :data:`MAX_HEADER_ITEMS`)."""
+    return header.count("[") + header.count("{") + header.count(",")
 
 
 class PickleCodec(Codec):

@@ -4,8 +4,8 @@
 :func:`conveyor.engine.parallel.codec.encode`) into one message addressed from one *incarnation* to
 another; :func:`open_frame` checks it and gives them back.
 
-Keys. An incarnation is 16 random bytes a router draws when it starts (a restarted process draws new
-ones). The key of a message is derived with HKDF-SHA256 from the shared secret and the pair (sender's
+Keys. An incarnation is 16 bytes a router draws when it starts (a restarted process draws new ones): its
+start time in nanoseconds (8 bytes, big-endian, so incarnations of one node order by age) and 8 random bytes. The key of a message is derived with HKDF-SHA256 from the shared secret and the pair (sender's
 incarnation, receiver's incarnation), so a message only authenticates for the receiver incarnation it
 was sealed for: traffic recorded in another run, or before a restart, is refused (:class:`ReplayError`).
 A sender that does not know its peer's incarnation yet may only send a *hello*, addressed to
@@ -34,13 +34,16 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import math
 import stat
 import struct
+import time
 from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 __all__ = ["AuthError", "Frame", "HELLO", "INCARNATION_BYTES", "MIN_SECRET_BYTES", "MalformedFrame",
            "OversizeError", "RejectedMessage", "ReplayError", "SECRET_ENV", "SecretError", "generate_secret",
-           "load_secret", "new_incarnation", "open_frame", "pack", "seal", "sign"]
+           "check_secret_strength", "incarnation_started", "load_secret",
+           "new_incarnation", "open_frame", "pack", "seal", "sign"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -49,6 +52,12 @@ TAG_BYTES = 16
 ALIGN = 16
 INCARNATION_BYTES = 16
 MIN_SECRET_BYTES = 32
+MIN_SECRET_DISTINCT = 8
+"""Distinct byte values a secret must hold: a hex secret of 64 characters from ``secrets`` has about 16."""
+MIN_SECRET_BITS = 96.0
+"""Shannon-entropy floor of a secret, in bits (its length times the entropy of its byte frequencies): a hex
+secret of 64 characters from ``secrets`` estimates about 240, 32 random bytes (:func:`generate_secret`) about 150."""
+GOOD_SECRET_COMMAND = "(umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > FILE)"
 SECRET_ENV = "CONVEYOR_SECRET"
 HELLO = bytes(INCARNATION_BYTES)
 """The receiver incarnation of a hello: sent to a peer whose incarnation is not known yet."""
@@ -82,7 +91,7 @@ class MalformedFrame(RejectedMessage):
 
 
 class SecretError(ValueError):
-    """A secret that cannot be used: unreadable, readable by others, empty or too short."""
+    """A secret that cannot be used: unreadable, readable by others, empty, too short or too regular."""
 
 
 class Frame(NamedTuple):
@@ -127,8 +136,13 @@ def _nonce(counter: int) -> bytes:
 
 
 def new_incarnation() -> bytes:
-    """Fresh random incarnation bytes, drawn once by each router that starts."""
-    return secrets.token_bytes(INCARNATION_BYTES)
+    """Fresh incarnation bytes, drawn once by each router that starts: its start time, then random bytes."""
+    return time.time_ns().to_bytes(8, "big") + secrets.token_bytes(INCARNATION_BYTES - 8)
+
+
+def incarnation_started(incarnation: bytes) -> int:
+    """When the router of ``incarnation`` started, in nanoseconds since the epoch (as its clock said)."""
+    return int.from_bytes(incarnation[:8], "big")
 
 
 def pack(topic: str, seq: int, sender: str, payload: Sequence[Buffer], max_size: Optional[int] = None) -> bytearray:
@@ -240,6 +254,22 @@ def generate_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+def check_secret_strength(secret: bytes, where: str = "the secret") -> None:
+    """Refuse a guessable secret: fewer than :data:`MIN_SECRET_DISTINCT` distinct bytes, or a Shannon-entropy
+    estimate (length times the entropy of its byte frequencies) under :data:`MIN_SECRET_BITS`.
+
+    An estimate from the secret alone: it catches repeated or patterned text (32 ``a``, ``abab...``), not a
+    password that merely looks random. Every secret :func:`generate_secret` or ``token_hex(32)`` makes passes
+    with a wide margin.
+    """
+    counts = [secret.count(b) for b in set(secret)]
+    bits = max(0.0, -sum(c * math.log2(c / len(secret)) for c in counts))
+    if len(counts) < MIN_SECRET_DISTINCT or bits < MIN_SECRET_BITS:
+        raise SecretError(f"{where} is too easy to guess ({len(counts)} distinct bytes, about {bits:.0f} bits of "
+                          f"entropy; at least {MIN_SECRET_DISTINCT} and {MIN_SECRET_BITS:.0f} are needed); make a "
+                          f"random one with: {GOOD_SECRET_COMMAND}")
+
+
 def load_secret(secret_file: Optional[Union[str, os.PathLike]] = None, *, environ: Optional[Mapping[str, str]] = None,
                 generate: bool = True) -> bytes:
     """The shared secret: the contents of ``secret_file`` (``--secret-file``), else ``$CONVEYOR_SECRET``,
@@ -247,9 +277,9 @@ def load_secret(secret_file: Optional[Union[str, os.PathLike]] = None, *, enviro
 
     A secret file that its group or others may read is refused, as ssh refuses such a key. Trailing
     whitespace (a newline) is stripped from the file and the variable; what remains must be at least
-    ``MIN_SECRET_BYTES`` bytes. Every node must load the same secret.
+    ``MIN_SECRET_BYTES`` bytes and pass :func:`check_secret_strength`. Every node must load the same secret.
     """
-    hint = "make one with: (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > FILE)"
+    hint = f"make one with: {GOOD_SECRET_COMMAND}"
     if secret_file is not None:
         name = os.fspath(secret_file)
         try:
@@ -265,6 +295,7 @@ def load_secret(secret_file: Optional[Union[str, os.PathLike]] = None, *, enviro
         if len(secret) < MIN_SECRET_BYTES:
             raise SecretError(f"the secret file {name!r} holds {len(secret)} bytes, at least "
                               f"{MIN_SECRET_BYTES} are needed; {hint}")
+        check_secret_strength(secret, f"the secret file {name!r}")
         return secret
     value = (os.environ if environ is None else environ).get(SECRET_ENV)
     if value is not None:
@@ -272,6 +303,7 @@ def load_secret(secret_file: Optional[Union[str, os.PathLike]] = None, *, enviro
         if len(secret) < MIN_SECRET_BYTES:
             raise SecretError(f"${SECRET_ENV} holds {len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed; "
                               f"set it to the output of: python -c 'import secrets; print(secrets.token_hex(32))'")
+        check_secret_strength(secret, f"${SECRET_ENV}")
         return secret
     if not generate:
         raise SecretError(f"no secret: pass --secret-file FILE or set ${SECRET_ENV} (the same on every node); {hint}")

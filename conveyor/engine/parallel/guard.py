@@ -1,11 +1,14 @@
 """What keeps a router's receive path bounded and quiet under hostile input.
 
 - :class:`ReplayWindow`: which link counters of one sender incarnation were seen (a sliding window, as
-  IPsec and DTLS keep one), so an authentic message delivered twice is refused the second time.
+  IPsec and DTLS keep one), so an authentic message delivered twice is refused the second time, and a
+  counter that jumps absurdly far ahead cannot push the sender's own messages out of the window.
 - :class:`RateLimitedLog`: logs a kind of event at most once per period and counts the rest, so a flood
   of bad messages neither fills the log nor costs more than a counter each.
 - :func:`close_socket`: closes a pynng socket and keeps the object alive a while after, so a pipe callback
   nng runs late never reads a collected socket.
+- :class:`AuthFailures`: which addresses sent messages that failed authentication, and whether one keeps
+  doing so (a node with another secret), so a node waiting for its peers can say so at once.
 - :class:`PipeGuard`: bounds the connections an inbox holds, and those not authenticated yet (each of
   which can hold one partial message of up to nng's receive limit), closing the rest.
 - :class:`HandshakeGuard`: bounds the TCP connections nng accepted but holds before its handshake, which
@@ -23,22 +26,30 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
-__all__ = ["HandshakeGuard", "PipeGuard", "RateLimitedLog", "ReplayWindow"]
+__all__ = ["AuthFailures", "HandshakeGuard", "PipeGuard", "RateLimitedLog", "ReplayWindow"]
 
 
 class ReplayWindow:
-    """Accepts each counter once: any counter above the highest seen, or one within ``size`` below it not
-    seen yet (messages of one sender reordered across two links). Older ones are refused."""
+    """Accepts each counter once: one above the highest seen by at most ``max_jump``, or one within ``size``
+    below it not seen yet (messages of one sender reordered across two links). Older ones are refused, and
+    so is a jump further ahead (:meth:`too_far`): one forged counter near 2**64 would otherwise make every
+    later counter of the sender's look old, cutting an honest peer off."""
 
-    def __init__(self, size: int = 1024) -> None:
-        self.size = size
+    def __init__(self, size: int = 1024, max_jump: int = 1 << 32) -> None:
+        self.size, self.max_jump = size, max_jump
         self.top = -1
         self._seen = 0  # bit i: counter top - i was seen
 
+    def too_far(self, counter: int) -> bool:
+        """Whether ``counter`` is more than ``max_jump`` past the highest seen: not a counter the sender had."""
+        return counter - self.top > self.max_jump
+
     def accept(self, counter: int) -> bool:
-        """Whether ``counter`` is new; if so it is marked seen."""
+        """Whether ``counter`` is new and not :meth:`too_far`; if so it is marked seen."""
         if counter > self.top:
             shift = counter - self.top
+            if shift > self.max_jump:
+                return False
             self._seen = ((self._seen << shift) | 1) & ((1 << self.size) - 1) if shift < self.size else 1
             self.top = counter
             return True
@@ -71,6 +82,41 @@ class RateLimitedLog:
         suffix = f" ({skipped} more like it in the last {self.period_s:.0f}s not logged)" if skipped else ""
         self.logger.log(level, message + suffix, *args)
         return True
+
+
+class AuthFailures:
+    """Messages that failed authentication, per remote host (a dialer reconnects from new ports): the first
+    and the latest time, how many, the latest address. At most ``limit`` hosts, the least recent forgotten."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._hosts: Dict[str, List[Any]] = {}  # host -> [first at, latest at, count, latest address]
+
+    def add(self, remote: str, now: float) -> None:
+        """A message from ``remote`` (``host:port``) failed its tag at ``now`` (monotonic seconds)."""
+        host = remote.rsplit(":", 1)[0]
+        with self._lock:
+            entry = self._hosts.pop(host, None) or [now, now, 0, remote]
+            entry[1:] = [now, entry[2] + 1, remote]
+            self._hosts[host] = entry  # most recent last
+            if len(self._hosts) > self.limit:
+                self._hosts.pop(next(iter(self._hosts)))
+
+    def addresses(self) -> List[str]:
+        """The latest address of each host that failed authentication."""
+        with self._lock:
+            return sorted(entry[3] for entry in self._hosts.values())
+
+    def persistent(self, now: float, span_s: float) -> Optional[str]:
+        """A sentence naming a host that kept failing for over ``span_s`` and failed within ``span_s`` of
+        ``now`` (a node with another secret retries; a stray message does not), or None."""
+        with self._lock:
+            for first, latest, count, remote in self._hosts.values():
+                if count >= 3 and latest - first > span_s and now - latest <= span_s:
+                    return (f"{remote} has sent {count} messages that failed authentication over "
+                            f"{latest - first:.1f}s")
+        return None
 
 
 class PipeGuard:

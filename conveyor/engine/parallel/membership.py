@@ -6,8 +6,10 @@ nothing live and delivers nothing); the peer keeps the hello's incarnation as a 
 ``auth_timeout_s`` and answers with its state sealed for it, which proves the answer is fresh; from then
 on both seal everything for each other's incarnation. A peer whose genuine (freshly keyed) state comes
 from a new incarnation has restarted: the old one is lost and *retired*, so its recorded messages are
-refused. Within an incarnation, link counters are checked against a
-:class:`~conveyor.engine.parallel.guard.ReplayWindow`.
+refused (:mod:`~conveyor.engine.parallel.peers` keeps them, bounded, and says why none can come back).
+Within an incarnation, link counters are checked against a
+:class:`~conveyor.engine.parallel.guard.ReplayWindow`, and counters and state numbers that jump further
+than the sender could have counted are refused, so that one forged message cannot cut its peer off.
 
 State: a node's *state* (advertised address, subscribed topics, the ids of the peers it has heard) goes
 on each link as soon as the link connects, whenever it changes, and every ``heartbeat_s``
@@ -16,6 +18,7 @@ the sender's liveness; one silent for ``peer_timeout_s`` is declared dead, its s
 the lost callbacks called. Two faster paths need no timeout: a closing router says goodbye, and a link
 whose connection closes (the peer's process died) loses its peer half a heartbeat later. A lost peer
 that speaks again is live again. A peer is *ready* when its state lists this node among those it heard.
+A node waiting for its peers while an address keeps failing authentication stops waiting at once, naming it.
 Messages are numbered per (sender, topic): gaps count as ``lost``, repeats as ``duplicated``.
 
 Everything here is guarded by the router's lock: the router reads topics and handlers under the same
@@ -23,74 +26,23 @@ lock, so a message is accepted and its handlers chosen in one step.
 """
 from __future__ import annotations
 
-import collections
-import ipaddress
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
-from urllib.parse import urlsplit
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import pynng
 
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import Frame, pack
-from conveyor.engine.parallel.guard import RateLimitedLog, ReplayWindow, close_socket
+from conveyor.engine.parallel.guard import AuthFailures, RateLimitedLog, close_socket
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
+from conveyor.engine.parallel.peers import MAX_SEQ_JUMP, MAX_TOPICS_PER_PEER, Link, Peer, PeerTable, is_local_address
 
-__all__ = ["Link", "Membership", "Peer", "is_local_address"]
+__all__ = ["Link", "Membership", "Peer", "is_local_address"]  # the first, second and last live in peers.py
 
 _SEND_BUFFER = 8  # messages a link queues before a send waits: room for a heartbeat beside data
-_MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
 _MAX_CANDIDATES = 64  # hellos of incarnations not proven fresh yet, answered until they expire
-_RETIRED_PER_NODE = 16  # incarnations of one node id remembered as replaced
-_MAX_AUTH_FAILURES = 64  # remote addresses remembered for failing authentication
-
-
-def is_local_address(url: str) -> bool:
-    """Whether ``url`` stays on this host: ``ipc://``, ``inproc://``, or tcp to a loopback address."""
-    parts = urlsplit(url)
-    if parts.scheme in ("ipc", "inproc"):
-        return True
-    if not parts.scheme.startswith("tcp"):
-        return False
-    host = parts.hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class Link:
-    """Our Push0 socket dialing one peer's inbox."""
-
-    def __init__(self, url: str, sock: Any) -> None:
-        self.url, self.sock = url, sock
-        self.connected = False
-        self.unproven_since = 0.0  # connected since then with no proven peer behind it (0: not so)
-        self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
-        self.dropped_at = 0.0  # when its connection closed, until the control thread judged it (0: not so)
-        self.learned = False  # dialed back after a peer's hello, not asked for with connect()
-        self.for_hello = False  # dialed for a hello only, not yet for a proven peer: closed when it expires
-        self.warned = False  # told that nothing authentic came back from it
-        self.peer_id: Optional[str] = None
-        self.peer_inc: Optional[bytes] = None  # the proven incarnation of the peer behind it
-
-
-class Peer:
-    """What this node knows of one incarnation of another node, from its state messages."""
-
-    def __init__(self, node_id: str, address: str, incarnation: bytes) -> None:
-        self.node_id, self.address, self.incarnation = node_id, address, incarnation
-        self.topics: frozenset = frozenset()
-        self.heard: frozenset = frozenset()
-        self.last_seen = time.monotonic()
-        self.control_seq = -1
-        self.alive = False
-        self.window = ReplayWindow()
-        self.last_seq: Dict[str, int] = {}
 
 
 class _Router(Protocol):
@@ -120,11 +72,10 @@ class Membership:
                  wake: threading.Event, log: RateLimitedLog) -> None:
         self._router, self._lock, self._changed, self._wake, self._log = router, lock, changed, wake, log
         self.links: Dict[str, Link] = {}
-        self.peers: Dict[str, Peer] = {}
+        self.peers = PeerTable()
         self.lost_callbacks: List[Callable[[str], Any]] = []
-        self._retired: Dict[str, Deque[bytes]] = {}
         self._candidates: Dict[Tuple[str, bytes], Tuple[str, float]] = {}  # (node, inc) -> (address, expiry)
-        self._auth_failures: Dict[str, int] = {}  # remote address -> messages that failed their tag
+        self._auth_failures = AuthFailures()
         self._control_seq = -1
 
     # --- links -------------------------------------------------------------------------------------
@@ -219,16 +170,25 @@ class Membership:
                                     if not link.learned and self._unanswered(link, now))
                 if unanswered:
                     raise TimeoutError(self._no_answer(", ".join(unanswered)))
+                knocking = self.knocking()
+                if knocking:
+                    raise TimeoutError(f"router {r.node_id!r}: {knocking} while this node waits for its peers: the node "
+                                       f"there uses another secret than this one; give every node the same secret "
+                                       f"(--secret-file FILE or $CONVEYOR_SECRET)")
                 if left <= 0 or r.closed:
                     break
                 self._changed.wait(min(left, r.heartbeat_s))
             heard = sorted(p.node_id for p in self.peers.values() if p.alive and not self._ready(p))
             silent = sorted(url for url, link in self.links.items() if link.peer_inc is None)
-            failed = sorted(self._auth_failures)
+            failed = self._auth_failures.addresses()
         raise TimeoutError(f"router {r.node_id!r}: {len(ready)} of {n} peers ready after {timeout}s "
                            f"(ready: {sorted(ready)}; heard but not yet knowing us: {heard}; dialed, nothing "
                            f"authentic heard from: {silent}; failed authentication: {failed}); check that those "
                            f"nodes run, use the same secret, and are given this node's address {r.address}")
+
+    def knocking(self) -> Optional[str]:
+        """A sentence naming an address that kept failing authentication for over ``auth_timeout_s``, or None."""
+        return self._auth_failures.persistent(time.monotonic(), self._router.auth_timeout_s)
 
     def _unanswered(self, link: Link, now: float) -> bool:
         """Whether ``link`` has been connected for over ``auth_timeout_s`` with nothing authentic back."""
@@ -339,9 +299,8 @@ class Membership:
         """A hello: remember its incarnation as a candidate to answer (sealed for it) until it expires."""
         sender, inc = frame.sender, frame.sender_incarnation
         with self._lock:
-            if inc in self._retired.get(sender, ()):
-                self._router._count("rejected_replay")
-                return
+            if self.peers.replaced(sender, inc):
+                return self._refuse_replay(frame)
             if len(self._candidates) >= _MAX_CANDIDATES and (sender, inc) not in self._candidates:
                 self._candidates.pop(next(iter(self._candidates)))
             self._candidates[(sender, inc)] = (message["address"], time.monotonic() + self._router.auth_timeout_s)
@@ -351,29 +310,39 @@ class Membership:
         self._wake.set()
 
     def on_control(self, frame: Frame, message: Dict[str, Any]) -> None:
-        """State or goodbye sealed for us: proof that ``frame``'s incarnation runs now."""
-        sender, inc = frame.sender, frame.sender_incarnation
+        """State or goodbye sealed for us: proof that ``frame``'s incarnation runs now, unless it is a replay
+        (its counter seen, or its incarnation replaced and this nothing new from it) or jumps too far."""
+        sender, inc, bye = frame.sender, frame.sender_incarnation, message["kind"] == "bye"
         with self._lock:
             old = self.peers.get(sender)
-        if old is not None and old.incarnation != inc:
-            if message["kind"] == "bye":
-                return
-            self._lose(old, "it restarted")  # its callbacks run before the new incarnation is live
-            with self._lock:
-                self._retired.setdefault(sender, collections.deque(maxlen=_RETIRED_PER_NODE)).append(old.incarnation)
-        with self._lock:
-            peer = self.peers.get(sender)
-            if peer is None or peer.incarnation != inc:
-                if message["kind"] == "bye":
+            new = None
+            if old is None or old.incarnation != inc:
+                new = self.peers.retired(sender, inc)
+                if (new is None or bye) and self.peers.replaced(sender, inc):
+                    return self._refuse_replay(frame)
+                if bye:
                     return
-                peer = self.peers[sender] = Peer(sender, message["address"], inc)
-            if not peer.window.accept(frame.counter):
-                self._router._count("rejected_replay")
+                returning, new = new is not None, new or Peer(sender, message["address"], inc)
+                if not self._fresh(new, frame, replaced=returning):
+                    return
+                if old is None and not self.peers.make_room(sender):
+                    self._router._count("rejected_peers")
+                    self._log.log("peers full", "router %s: refused peer %r: already %d peers, all live",
+                                  self._router.node_id, sender, len(self.peers))
+                    return
+            elif not self._fresh(old, frame, replaced=False):
                 return
-            if frame.seq <= peer.control_seq:
-                return  # an older state overtaken by a newer one
-            peer.control_seq = frame.seq
-            if message["kind"] == "bye":
+        if new is not None:
+            if old is not None:
+                self._lose(old, "it restarted")  # its callbacks run before the new incarnation is live
+            with self._lock:
+                if old is not None:
+                    self.peers.retire(old)
+                self.peers.reinstate(new)
+                self.peers[sender] = new
+        with self._lock:
+            peer = self.peers[sender]
+            if bye:
                 new_link = False
             else:
                 self._candidates.pop((sender, inc), None)
@@ -387,23 +356,53 @@ class Membership:
                     link.peer_inc, link.hello_sent, link.peer_id, link.unproven_since = inc, False, sender, 0.0
                     link.for_hello = False
                 self._changed.notify_all()
-        if message["kind"] == "bye":
+        if bye:
             return self._lose(peer, "it closed")
         if new_link:
             self._dial_back(peer.address, inc)
         if not was_alive or self._router.node_id not in peer.heard or new_link:
             self._wake.set()  # tell it (again) that we heard it
 
+    def _fresh(self, peer: Peer, frame: Frame, replaced: bool) -> bool:
+        """Whether a control message of ``peer``'s incarnation is new: its counter unseen and not absurdly far
+        ahead, its state number newer (not absurdly). ``replaced``: an older state is then a replay."""
+        if peer.window.too_far(frame.counter) or frame.seq - peer.control_seq > MAX_SEQ_JUMP:
+            return self._refuse_jump(frame)
+        if not peer.window.accept(frame.counter) or (replaced and frame.seq <= peer.control_seq):
+            self._refuse_replay(frame)
+            return False
+        if frame.seq <= peer.control_seq:
+            return False  # an older state overtaken by a newer one
+        peer.control_seq = frame.seq
+        return True
+
+    def _refuse_replay(self, frame: Frame) -> None:
+        self._router._count("rejected_replay")
+        self._log.log("replay", "router %s: refused a recorded message from %r (incarnation %s): it was sent before, "
+                      "or by an incarnation that restarted since", self._router.node_id, frame.sender,
+                      frame.sender_incarnation.hex(), level=logging.INFO)
+
+    def _refuse_jump(self, frame: Frame) -> bool:
+        self._router._count("malformed")
+        self._log.log("jump", "router %s: refused a message from %r on %r numbered far past its last one (counter "
+                      "%d, seq %d): not one its sender could have counted", self._router.node_id, frame.sender,
+                      frame.topic, frame.counter, frame.seq)
+        return False
+
     def accept(self, frame: Frame) -> bool:
         """Whether an authentic data message is new from a known peer: not when its sender incarnation is not
-        a known peer's, its counter was seen, or its seq is a repeat or an absurd jump (each counted). Call
-        with the lock held."""
+        a known peer's, its counter was seen or jumps too far, or its seq is a repeat or an absurd jump (each
+        counted). Call with the lock held."""
         count = self._router._count
         peer = self.peers.get(frame.sender)
         if peer is None or peer.incarnation != frame.sender_incarnation:
-            retired = frame.sender_incarnation in self._retired.get(frame.sender, ())
-            count("rejected_replay" if retired else "malformed")
+            if self.peers.replaced(frame.sender, frame.sender_incarnation):
+                self._refuse_replay(frame)
+            else:
+                count("malformed")
             return False
+        if peer.window.too_far(frame.counter):
+            return self._refuse_jump(frame)
         if not peer.window.accept(frame.counter):
             count("rejected_replay")
             return False
@@ -413,8 +412,12 @@ class Membership:
         if frame.seq <= last:
             count("duplicated")
             return False
-        if frame.seq - last > _MAX_SEQ_JUMP:
-            count("malformed")  # would make every later message of its look old
+        if frame.seq - last > MAX_SEQ_JUMP:
+            return self._refuse_jump(frame)  # would make every later message of its look old
+        if last < 0 and len(peer.last_seq) >= MAX_TOPICS_PER_PEER:
+            count("malformed")
+            self._log.log("topics", "router %s: refused a message on %r from %r: it already sent on %d topics",
+                          self._router.node_id, frame.topic, frame.sender, len(peer.last_seq))
             return False
         if last >= 0 and frame.seq - last > 1:  # counted only on a gap: the common case takes no lock call
             count("lost", frame.seq - last - 1)
@@ -423,10 +426,7 @@ class Membership:
 
     def auth_failed(self, remote: str) -> None:
         """A message from ``remote`` failed its tag: remember the address for errors, warn once a minute."""
-        with self._lock:
-            self._auth_failures[remote] = self._auth_failures.get(remote, 0) + 1
-            if len(self._auth_failures) > _MAX_AUTH_FAILURES:
-                self._auth_failures.pop(next(iter(self._auth_failures)))
+        self._auth_failures.add(remote, time.monotonic())
         self._log.log("auth", "router %s: a message from %s failed authentication: the node there uses another "
                       "secret (check --secret-file / $CONVEYOR_SECRET on both hosts), or is not a Conveyor node",
                       self._router.node_id, remote)

@@ -20,7 +20,8 @@ Trust (:mod:`~conveyor.engine.parallel.frame` has the message format). Each rout
 incarnations of its sender and its receiver, so it only authenticates at the receiver incarnation it
 was sealed for; a handshake proves each peer's incarnation fresh, and restarted peers' old incarnations
 are retired (:mod:`~conveyor.engine.parallel.membership` has the handshake). Refusals are counted:
-``rejected_size``, ``rejected_auth``, ``rejected_replay``, ``malformed``.
+``rejected_size``, ``rejected_auth``, ``rejected_replay``, ``malformed`` (a counter or seq that jumps further
+than its sender could have counted, too), ``rejected_peers``.
 
 Membership (:mod:`~conveyor.engine.parallel.membership`): a node's state (address, topics, peers heard)
 goes to its peers when it changes and every ``heartbeat_s``. A peer silent for ``peer_timeout_s``, one
@@ -130,7 +131,7 @@ class Router:
         self._delivering = threading.local()  # the delivery thread: the sender of the message being handled
         self._counts = dict.fromkeys(("sent", "received", "rejected_auth", "rejected_size", "rejected_replay",
                                       "rejected_connections", "malformed", "lost", "duplicated", "send_timeouts",
-                                      "handler_errors", "receive_errors", "peers_lost"), 0)
+                                      "handler_errors", "receive_errors", "peers_lost", "rejected_peers"), 0)
         self._log = RateLimitedLog(log)
         self._members = Membership(self, self._lock, self._changed, self._wake, self._log)
         self._inbox = Inbox(self, self._inc, listen, decode=codec.decode if codec is not None else _codec.decode,
@@ -304,8 +305,14 @@ class Router:
 
     def wait_for_peers(self, n: int, timeout: float) -> List[str]:
         """Block until ``n`` peers are ready; returns their ids. ``TimeoutError`` naming who is missing, at once
-        (after ``auth_timeout_s``) where an address we dialed answers nothing authentic: another secret."""
+        (after ``auth_timeout_s``) where an address we dialed answers nothing authentic, or one keeps sending us
+        messages that fail authentication: another secret."""
         return self._members.wait_ready(n, timeout)
+
+    def failing_authentication(self) -> Optional[str]:
+        """A sentence naming an address that has kept sending messages that fail authentication for over
+        ``auth_timeout_s``, up to now (a node with another secret), or None: for a node waiting for its peers."""
+        return self._members.knocking()
 
     def _control_loop(self) -> None:
         last_beat = 0.0
@@ -363,9 +370,10 @@ class Router:
     def stats(self) -> Dict[str, Any]:
         """Counters: ``sent``, ``received``, ``rejected_auth``, ``rejected_size``, ``rejected_replay``,
         ``rejected_connections``, ``malformed``, ``lost``, ``duplicated``, ``send_timeouts``, ``handler_errors``,
-        ``receive_errors``, ``peers_lost``; ``peers``: live peer ids; ``connections`` and ``pending``: the
-        inbox's connections now, and those not authenticated yet; ``handshaking``: tcp connections nng holds
-        before its handshake; ``backlog_bytes``: received, not yet delivered."""
+        ``receive_errors``, ``peers_lost``, ``rejected_peers`` (new node ids refused while every known one lives);
+        ``peers``: live peer ids; ``connections`` and ``pending``: the inbox's connections now, and those not
+        authenticated yet; ``handshaking``: tcp connections nng holds before its handshake; ``backlog_bytes``:
+        received, not yet delivered."""
         with self._lock:
             return {**self._counts, "peers": self._members.live(), **self._inbox.guard.counts(),
                     "handshaking": self._inbox.handshakes.waiting() if self._inbox.handshakes else 0,

@@ -61,6 +61,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
+from conveyor.engine.parallel.frame import check_secret_strength
 from conveyor.engine.parallel.launch import WorkerError, launch, zygote_ahead
 from conveyor.engine.parallel.worker import WorkerRouter
 from conveyor.processes import RemoteTraceback
@@ -138,6 +139,8 @@ class _Plan:
             raise ValueError(f"{where}(restarts_before={restarts_before!r}): must be an int >= 0")
         if secret is not None and not isinstance(secret, bytes):
             raise TypeError(f"{where}(secret=...): must be bytes, got {type(secret).__name__}")
+        if secret is not None:
+            check_secret_strength(secret, f"{where}(secret=...)")
         for name, value in (("ready_timeout_s", ready_timeout_s), ("grace_s", grace_s)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{where}({name}={value!r}): must be a number of seconds > 0")

@@ -21,7 +21,7 @@ def as_peer(sender, receiver, secret):
     while sender.node_id not in receiver.peers():  # its state reached the receiver: its incarnation is known
         assert time.monotonic() < deadline, f"{receiver.node_id} never heard {sender.node_id}"
         time.sleep(0.01)
-    counter = iter(range(1 << 40, 1 << 41))
+    counter = iter(range(1 << 31, 1 << 32))
     keys = dict(sender_incarnation=bytes.fromhex(sender.incarnation),
                 receiver_incarnation=bytes.fromhex(receiver.incarnation))
 

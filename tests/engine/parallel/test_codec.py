@@ -1,6 +1,7 @@
 """The payload codec: what round-trips exactly, what is refused and how, and when memory is shared."""
 import math
 import pickle
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 import treetensor.torch as ttorch
 
 from conveyor.engine.parallel import Codec, DecodeError, PickleCodec, decode, encode
+from conveyor.engine.parallel.codec import MAX_HEADER_BYTES, MAX_HEADER_ITEMS
 from tests.engine.parallel._bomb import Bomb
 
 
@@ -248,3 +250,24 @@ def test_pickle_data_never_reaches_the_default_codec_even_if_tagged_by_hand():
     with pytest.raises(DecodeError):
         decode(frames)
     assert Bomb.exploded == []
+
+
+@pytest.mark.parametrize("unit", [b"[],", b"{},", b"0,"])
+def test_a_header_of_a_million_small_items_is_refused_before_it_is_parsed(unit):
+    header = b"[" + unit * ((MAX_HEADER_BYTES - 8) // len(unit)) + b"[]]"
+    assert len(header) <= MAX_HEADER_BYTES
+    tracemalloc.start()
+    try:
+        with pytest.raises(DecodeError, match="containers and items"):
+            decode([header])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MAX_HEADER_BYTES  # the header's text, not a Python object per item
+
+
+def test_long_honest_structures_still_decode_and_longer_ones_are_refused_when_encoded():
+    value = {"ids": list(range(MAX_HEADER_ITEMS // 2)), "rows": [{"a": [1.5, "x"]}] * 1000}
+    assert decode(encode(value)) == value
+    with pytest.raises(TypeError, match="numpy arrays or tensors"):
+        encode([[]] * MAX_HEADER_ITEMS)

@@ -1,5 +1,7 @@
 """Sealed frames: what an authentic message carries, and every way a bad one is refused before decoding."""
+import math
 import os
+import secrets
 
 import numpy as np
 import pynng
@@ -8,10 +10,13 @@ import pytest
 from conveyor.engine.parallel import (AuthError, OversizeError, RejectedMessage, SecretError, decode, encode,
                                       generate_secret, load_secret, open_frame, seal)
 from conveyor.engine.parallel import frame as frame_module
-from conveyor.engine.parallel.frame import HELLO, ReplayError, new_incarnation
+from conveyor.engine.parallel.frame import (HELLO, MIN_SECRET_BITS, MIN_SECRET_DISTINCT, ReplayError,
+                                            check_secret_strength, new_incarnation)
 from tests.engine.parallel._bomb import Bomb
 
 SECRET = b"k" * 32
+FILE_SECRET = "eb70d51b4816e77666c9785419aec972050f7f15ccc832e36d90a4f82c2d631a"  # as token_hex(32) makes them
+ENV_SECRET = "b32f8691d6d1e783cb0c7cc35fe239b28745ae528d9a5b4fa60f017095497467"
 LIMIT = 1 << 20
 
 
@@ -160,21 +165,21 @@ def private_file(path, text):
 
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644])
 def test_a_secret_file_others_may_read_is_refused_with_the_chmod_fix(tmp_path, mode):
-    path = private_file(tmp_path / "secret", "a" * 64)
+    path = private_file(tmp_path / "secret", FILE_SECRET)
     path.chmod(mode)
     with pytest.raises(SecretError) as e:
         load_secret(path)
     assert f"chmod 600 {path}" in str(e.value) and f"{mode:03o}" in str(e.value) and "\n" not in str(e.value)
     path.chmod(0o400)
-    assert load_secret(path) == b"a" * 64
+    assert load_secret(path) == FILE_SECRET.encode()
 
 def test_load_secret_reads_the_file_and_strips_its_newline(tmp_path):
-    path = private_file(tmp_path / "secret", "a" * 64 + "\n")
-    assert load_secret(path, environ={"CONVEYOR_SECRET": "b" * 64}) == b"a" * 64
+    path = private_file(tmp_path / "secret", FILE_SECRET + "\n")
+    assert load_secret(path, environ={"CONVEYOR_SECRET": ENV_SECRET}) == FILE_SECRET.encode()
 
 
 def test_load_secret_reads_the_environment_when_no_file_is_given():
-    assert load_secret(environ={"CONVEYOR_SECRET": "b" * 40}) == b"b" * 40
+    assert load_secret(environ={"CONVEYOR_SECRET": ENV_SECRET[:40]}) == ENV_SECRET[:40].encode()
 
 
 def test_load_secret_generates_a_fresh_one_when_none_is_configured():
@@ -197,7 +202,7 @@ def test_an_unreadable_secret_file_is_a_one_line_error_naming_it(tmp_path):
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_a_secret_file_without_read_permission_is_a_one_line_error(tmp_path):
     path = tmp_path / "secret"
-    path.write_text("a" * 64)
+    path.write_text(FILE_SECRET)
     path.chmod(0)
     with pytest.raises(SecretError, match="cannot read"):
         load_secret(path)
@@ -210,3 +215,22 @@ def test_a_too_short_secret_is_a_one_line_error_with_the_fix(tmp_path):
     assert "7 bytes" in str(e.value) and "token_hex" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(SecretError, match="CONVEYOR_SECRET holds 3 bytes"):
         load_secret(environ={"CONVEYOR_SECRET": "abc"})
+
+
+@pytest.mark.parametrize("weak", ["a" * 32, "ab" * 32, "0123" * 16, "password" * 4])
+def test_a_low_entropy_secret_is_refused_with_the_command_that_makes_a_good_one(tmp_path, weak):
+    path = private_file(tmp_path / "secret", weak)
+    for load in (lambda: load_secret(path), lambda: load_secret(environ={"CONVEYOR_SECRET": weak})):
+        with pytest.raises(SecretError) as e:
+            load()
+        message = str(e.value)
+        assert "too easy to guess" in message and "secrets.token_hex(32)" in message and "\n" not in message
+
+
+def test_every_secret_the_project_generates_passes_the_entropy_floor_with_a_margin():
+    for _ in range(2000):
+        for secret in (generate_secret(), secrets.token_hex(32).encode()):
+            counts = [secret.count(b) for b in set(secret)]
+            bits = -sum(c * math.log2(c / len(secret)) for c in counts)
+            assert len(counts) >= MIN_SECRET_DISTINCT + 4 and bits >= MIN_SECRET_BITS * 1.3
+            check_secret_strength(secret)

@@ -75,6 +75,8 @@ hostile = st.one_of(
     st.tuples(st.just("truncate"), st.integers(0, 400)),
     st.tuples(st.just("flip"), st.integers(0, 10_000), st.integers(0, 7)),
     st.tuples(st.just("structure"), _hostile_header(), st.lists(st.binary(max_size=64), max_size=3)),
+    st.tuples(st.just("structure"), st.sampled_from([b"[" + unit * n + b"[]]" for unit in (b"[],", b"{},", b"0,")
+                                                     for n in (1000, 1 << 20)]), st.just([])),
     st.tuples(st.just("topic"), st.sampled_from(["\x00router", "x", "y"]), st.integers(0, 2 ** 64 - 1),
               st.binary(max_size=40)),
 )

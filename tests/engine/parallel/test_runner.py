@@ -80,6 +80,11 @@ def test_restarts_before_is_where_the_restart_count_of_every_worker_starts():
         Parallel.runner(1, restarts_before=-1)
 
 
+def test_a_guessable_secret_is_refused_at_once_with_the_command_that_makes_a_good_one():
+    with pytest.raises(ValueError, match=r"secret=\.\.\.\) is too easy to guess.*token_hex\(32\)"):
+        Parallel.runner(2, secret=b"a" * 32)
+
+
 def test_a_worker_that_raises_makes_the_runner_raise_its_error_and_leaves_no_worker(tmp_path):
     with pytest.raises(ValueError, match="boom from worker 1") as info:
         runner(2)(mains.fail_on, str(tmp_path), 1, "boom from worker 1")

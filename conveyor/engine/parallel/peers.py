@@ -1,0 +1,127 @@
+"""What a router remembers of the other nodes: one :class:`Link` per address it dials, one :class:`Peer` per node
+id, and the incarnations replaced.
+
+A node id's incarnation, once replaced by a newer one, must never come back through a recording: the
+:class:`PeerTable` keeps the last :data:`RETIRED_PER_NODE` replaced incarnations of each node *with their
+replay windows and state numbers*, so their recorded messages are refused as replays; older ones are
+refused by age (an incarnation carries its start time, see :func:`~conveyor.engine.parallel.frame.new_incarnation`),
+so a recorder cannot cycle them out. A replaced incarnation may come back only with a message it never
+sent before (an unseen link counter and a newer state number): proof that its process still runs, which a
+recording cannot give, so a holder of the secret who forges a newer incarnation cannot cut the live one off.
+
+Everything here is keyed by ids a holder of the secret chooses, so it is bounded: at most :data:`MAX_PEERS`
+node ids (a dead peer is forgotten to make room for a new one; a live one never is) and
+:data:`MAX_TOPICS_PER_PEER` topics numbered per peer. Not thread-safe: the router's lock guards it.
+"""
+from __future__ import annotations
+
+import collections
+import ipaddress
+import time
+from typing import Any, Deque, Dict, Optional
+from urllib.parse import urlsplit
+
+from conveyor.engine.parallel.frame import incarnation_started
+from conveyor.engine.parallel.guard import ReplayWindow
+
+__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "Peer", "PeerTable", "RETIRED_PER_NODE",
+           "is_local_address"]
+
+MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
+RETIRED_PER_NODE = 16  # replaced incarnations of one node id kept with their windows; older ones refused by age
+MAX_PEERS = 1024  # node ids remembered; a dead one is forgotten to make room, a live one never
+MAX_TOPICS_PER_PEER = 1024  # topics whose seq is tracked per peer
+
+
+def is_local_address(url: str) -> bool:
+    """Whether ``url`` stays on this host: ``ipc://``, ``inproc://``, or tcp to a loopback address."""
+    parts = urlsplit(url)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    if not parts.scheme.startswith("tcp"):
+        return False
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Link:
+    """Our Push0 socket dialing one peer's inbox."""
+
+    def __init__(self, url: str, sock: Any) -> None:
+        self.url, self.sock = url, sock
+        self.connected = False
+        self.unproven_since = 0.0  # connected since then with no proven peer behind it (0: not so)
+        self.hello_sent = False  # our state, sealed for peer_inc, went out since it connected
+        self.dropped_at = 0.0  # when its connection closed, until the control thread judged it (0: not so)
+        self.learned = False  # dialed back after a peer's hello, not asked for with connect()
+        self.for_hello = False  # dialed for a hello only, not yet for a proven peer: closed when it expires
+        self.warned = False  # told that nothing authentic came back from it
+        self.peer_id: Optional[str] = None
+        self.peer_inc: Optional[bytes] = None  # the proven incarnation of the peer behind it
+
+
+class Peer:
+    """What this node knows of one incarnation of another node, from its state messages."""
+
+    def __init__(self, node_id: str, address: str, incarnation: bytes) -> None:
+        self.node_id, self.address, self.incarnation = node_id, address, incarnation
+        self.topics: frozenset = frozenset()
+        self.heard: frozenset = frozenset()
+        self.last_seen = time.monotonic()
+        self.control_seq = -1
+        self.alive = False
+        self.window = ReplayWindow(max_jump=MAX_SEQ_JUMP)
+        self.last_seq: Dict[str, int] = {}
+
+
+class PeerTable(Dict[str, Peer]):
+    """The current :class:`Peer` of each node id, and the incarnations each one replaced (see the module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._retired: Dict[str, Deque[Peer]] = {}
+        self._replaced_before: Dict[str, int] = {}  # node id -> start time (ns) of the newest incarnation dropped
+
+    def retired(self, node_id: str, incarnation: bytes) -> Optional[Peer]:
+        """The replaced incarnation ``incarnation`` of ``node_id`` if it is kept, else None."""
+        for peer in self._retired.get(node_id, ()):
+            if peer.incarnation == incarnation:
+                return peer
+        return None
+
+    def replaced(self, node_id: str, incarnation: bytes) -> bool:
+        """Whether ``incarnation`` of ``node_id`` was replaced: kept as retired, or no newer than one dropped."""
+        return (self.retired(node_id, incarnation) is not None
+                or incarnation_started(incarnation) <= self._replaced_before.get(node_id, -1))
+
+    def retire(self, peer: Peer) -> None:
+        """Remember ``peer``'s incarnation as replaced; the oldest kept one is dropped, refused by age from then."""
+        kept = self._retired.setdefault(peer.node_id, collections.deque())
+        if len(kept) >= RETIRED_PER_NODE:
+            dropped = incarnation_started(kept.popleft().incarnation)
+            self._replaced_before[peer.node_id] = max(dropped, self._replaced_before.get(peer.node_id, -1))
+        kept.append(peer)
+
+    def reinstate(self, peer: Peer) -> None:
+        """``peer``, a retired incarnation, proved it still runs: it is no longer retired."""
+        kept = self._retired.get(peer.node_id)
+        if kept is not None and peer in kept:
+            kept.remove(peer)
+
+    def make_room(self, node_id: str) -> bool:
+        """Whether a peer ``node_id`` may be added: there is room, or a dead peer was forgotten to make it."""
+        if node_id in self or len(self) < MAX_PEERS:
+            return True
+        dead = [p for p in self.values() if not p.alive]
+        if not dead:
+            return False
+        oldest = min(dead, key=lambda p: p.last_seen).node_id
+        del self[oldest]
+        self._retired.pop(oldest, None)
+        self._replaced_before.pop(oldest, None)
+        return True
