@@ -144,7 +144,9 @@ class Run:
         if self._distributed:
             on_policy = getattr(self._policy_cls, "learns_on_policy", not buffered)
             if owner:  # listening before node 0 sends its first weights: an evaluator node's first result is kept
-                self._evaluations = RemoteEvaluations(self.policy, stop_value=self._stop_here)
+                layout = current_node().layout
+                self._evaluations = RemoteEvaluations(self.policy, stop_value=self._stop_here, evaluators=range(
+                    layout.learners + layout.collectors, layout.n_nodes))
             self._clock = use_node_links(self.policy, self.run_dir, on_policy=on_policy, buffered=buffered,
                                          spaces=env_spaces(cfg.env) if learner else None)
 
