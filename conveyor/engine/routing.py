@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from conveyor.engine.events import EventBus
+from conveyor.engine.parallel.guard import RateLimitedLog
 
 __all__ = ["CLOSE_EVENT", "FINISH_EVENT", "FINISH_TOPIC", "LOCAL_EVENTS", "PEER_LOST_EVENT", "STOP_EVENT", "Events",
            "TaskEvents"]
@@ -43,7 +44,9 @@ LOCAL_EVENTS = (FINISH_EVENT, CLOSE_EVENT, STOP_EVENT, PEER_LOST_EVENT, FINISH_T
 class Events:
     """The event bus of one task plus, once a router is attached, its subscriptions on that router.
 
-    ``on_remote_finish`` is called (on the router's receive thread) when another node sets ``task.finish``.
+    ``on_remote_finish`` is called (on the router's receive thread) when another node sets ``task.finish``, one of
+    :attr:`finishers` where given (as the router authenticates its sender, ``router.sender``); a finish from another
+    node is refused, counted in :attr:`refused_finish` and logged at a bounded rate.
     """
 
     def __init__(self, on_remote_finish: Callable[[Any], None]) -> None:
@@ -52,11 +55,32 @@ class Events:
         self._routed: Dict[str, Callable[[Any], Any]] = {}
         self._lock = threading.RLock()
         self._on_remote_finish = on_remote_finish
+        self.finishers: Optional[FrozenSet[str]] = None  # the node ids whose finish ends this run (None: any node's)
+        self.refused_finish = 0
+        self._log = RateLimitedLog(log)
 
     def reset(self) -> None:
-        """Forget every handler and subscription (the router stays attached)."""
+        """Forget every handler and subscription, and who may finish the run (the router stays attached)."""
         self._unroute(list(self._routed))
         self.bus = EventBus()
+        self.finishers = None
+
+    def finish_from(self, nodes: Optional[Iterable[Any]]) -> None:
+        """Let only ``nodes`` (node ids; None: any node) end this run by setting ``task.finish``."""
+        self.finishers = None if nodes is None else frozenset(str(node) for node in nodes)
+
+    def _remote_finish(self, router: Any, args: Any) -> None:
+        """A finish heard from another node: passed on if its sender may end the run, else refused."""
+        if self.router is not router:
+            return
+        sender, finishers = getattr(router, "sender", None), self.finishers
+        if finishers is not None and sender is not None and str(sender) not in finishers:
+            self.refused_finish += 1  # the router's delivery thread alone runs this
+            self._log.log("finish", "node %s: node %s set task.finish, but only nodes %s may end the run; refused "
+                          "(%d so far)", getattr(router, "node_id", None), sender, sorted(finishers),
+                          self.refused_finish)
+            return
+        self._on_remote_finish(args[0] if isinstance(args, (list, tuple)) and args else None)
 
     # --- the router --------------------------------------------------------------------------------
     def attach(self, router: Any) -> None:
@@ -90,14 +114,14 @@ class Events:
             if not listen:
                 self._unroute([FINISH_TOPIC])
             elif router is not None and FINISH_TOPIC not in self._routed:
-                handler = self._routed[FINISH_TOPIC] = lambda args: self.router is router and self._on_remote_finish(
-                    args[0] if args else None)
+                handler = self._routed[FINISH_TOPIC] = lambda args: self._remote_finish(router, args)
                 router.on(FINISH_TOPIC, handler)
 
     def publish_finish(self) -> None:
-        """Tell the other nodes that this one set ``task.finish`` (a no-op without a router)."""
-        router = self.router
-        if router is not None:
+        """Tell the other nodes that this one set ``task.finish`` (a no-op without a router, or on a node that is not
+        among :attr:`finishers`: the others would refuse it)."""
+        router, finishers = self.router, self.finishers
+        if router is not None and (finishers is None or str(getattr(router, "node_id", None)) in finishers):
             try:
                 router.publish(FINISH_TOPIC, (getattr(router, "node_id", None),))
             except Exception as exc:  # a closed router: the peers will see this node leave instead
@@ -210,6 +234,17 @@ class TaskEvents:
         self._routing.attach(router)
         if self._running:
             self._routing.hear_finish(True)
+
+    def finish_from(self, nodes: Optional[Iterable[Any]]) -> None:
+        """Let only ``nodes`` (node ids; None, as each ``task.start()`` sets it: any node) end this run by setting
+        :attr:`finish`; a finish from another node is refused, counted in :attr:`refused_finish` and logged with its
+        sender at a bounded rate, and this node, when not among them, does not tell the others its own finish."""
+        self._routing.finish_from(nodes)
+
+    @property
+    def refused_finish(self) -> int:
+        """How many finishes from nodes not allowed by :meth:`finish_from` this task refused."""
+        return self._routing.refused_finish
 
     def detach_router(self) -> None:
         """Stop sending events to other nodes and delivering theirs (the router's subscriptions are removed)."""

@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from typing import Any, Dict, Iterator, Mapping, Optional
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional
 
 from conveyor.engine import FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLContext, Role, declares, task
 from conveyor.engine.parallel import codec
@@ -254,27 +255,40 @@ class RemoteEvaluations:
     ``stop_value``: the learner's own evaluator runs without one (with data-parallel learners an evaluation must
     not end rank 0's iteration before the others': conveyor/run/learners.py), and a result here that reaches
     it is marked ``stop_value_reached`` (for the saver) and ends the run after the iteration.
+    ``evaluators``: the node ids whose results count (None: any node's); a result from another node
+    (``router.sender``), with a mean that is not finite, or with a ``train_iter`` the learner has not reached, is
+    dropped and counted in :meth:`stats`, so no other node can end the run or set ``eval_best``.
 
     Writes ctx: ``last_eval_value``, ``last_eval_iter``.
     """
 
-    def __init__(self, policy: Any, stop_value: Optional[float] = None) -> None:
+    def __init__(self, policy: Any, stop_value: Optional[float] = None,
+                 evaluators: Optional[Iterable[Any]] = None) -> None:
         self._policy, self._stop_value = policy, stop_value
+        self._sources = None if evaluators is None else {str(node) for node in evaluators}
         self._lock = threading.Lock()
         self._newest: Optional[Dict[str, Any]] = None
-        self._rejections = Rejections("RemoteEvaluations on the learner")
+        self._router = task.router
+        self._rejections = Rejections("RemoteEvaluations on the learner", self._router)
         task.on(EVAL_EVENT, self._rejections(self._got, EVAL_EVENT))
         task.on(FINISH_EVENT, lambda error: self(task.ctx))
 
     def stats(self) -> Dict[str, int]:
-        """``rejected``: evaluation results dropped on receipt (no ``mean`` number, no ``train_iter`` count)."""
+        """``rejected``: evaluation results dropped on receipt (not from an evaluator, no finite ``mean``, no
+        ``train_iter`` count up to the learner's)."""
         return {"rejected": self._rejections.count}
 
     def __repr__(self) -> str:
         return "RemoteEvaluations()"
 
     def _got(self, result: Any) -> None:
-        check_fields(result, mean=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), train_iter=int)
+        sender = getattr(self._router, "sender", None)
+        if self._sources is not None and sender is not None and str(sender) not in self._sources:
+            raise BadMessage(f"node {sender} is not an evaluator (nodes {sorted(self._sources)})")
+        check_fields(result, mean=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                     and math.isfinite(v), train_iter=int)
+        if result["train_iter"] > task.ctx.train_iter:
+            raise BadMessage(f"train_iter {result['train_iter']} is past the learner's ({task.ctx.train_iter})")
         if self._stop_value is not None and result["mean"] >= self._stop_value:
             result["stop_value_reached"] = True
         snapshot = result.get("snapshot")

@@ -46,7 +46,7 @@ from conveyor import schema
 from conveyor.data.batch import to_tensor
 from conveyor.policy.data_parallel import DataParallel
 from conveyor.policy.encoders import ImageEncoder
-from conveyor.policy.learning import (LazyOptimizer, LearnResult, TargetSync, fused_adam, hard_update,  # noqa: F401
+from conveyor.policy.learning import (FiniteSteps, LazyOptimizer, LearnResult, TargetSync, fused_adam, hard_update,  # noqa: F401
                                       make_target, soft_update)
 from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, encoder_option,  # noqa: F401
                                      nstep_option, offline_schema, replay_buffer_schema)
@@ -129,6 +129,7 @@ class Policy(abc.ABC):
         self._stateful: dict[str, Stateful] = {}
         # Held by a learning step and by checkpointing, so an async pipeline never saves a half-applied update.
         self._learn_lock = threading.RLock()
+        self.finite_steps = FiniteSteps(type(self).__name__)  # steps skipped for a loss that is not finite
         self.register_state("model", self.model)
         self.register_state("rng", GeneratorState(self.rng))
         self._weights = VersionedWeights(self.model, self._learn_lock, self._acting_extras)
@@ -366,7 +367,7 @@ class Policy(abc.ABC):
         """Backward ``loss`` and step ``optimizer`` (whose parameters are ``parameters``), clipping by
         ``cfg.learn.grad_clip``; the norm if clipped. Among data-parallel learners the gradients are averaged over
         the group as the backward pass runs (:meth:`DataParallel.backward`), so every learner clips and steps
-        alike."""
+        alike. A step whose loss is not finite is skipped (:class:`FiniteSteps`)."""
         for p in parameters:  # what optimizer.zero_grad(set_to_none=True) does, at a tenth of its cost
             p.grad = None
         if self._data_parallel is None:
@@ -376,7 +377,8 @@ class Policy(abc.ABC):
         grad_norm = None
         if self.cfg.learn.grad_clip is not None:
             grad_norm = nn.utils.clip_grad_norm_(parameters, self.cfg.learn.grad_clip)
-        optimizer.step()
+        if self.finite_steps.allow(loss, parameters, averaged=self._data_parallel is not None):
+            optimizer.step()
         return grad_norm
 
     def _average_gradients(self, parameters: Sequence[torch.Tensor]) -> None:

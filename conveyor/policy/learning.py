@@ -4,10 +4,12 @@
   ``priorities`` of a prioritized replay batch, and ``early_stop`` when the policy declined the step.
 - :class:`LazyOptimizer` makes its torch optimizer on first use, so a process that only acts never makes one.
 - :func:`make_target` / :class:`TargetSync` keep a frozen target network in step with its source.
+- :class:`FiniteSteps` skips an optimizer step whose loss or gradients are not finite, so weights never become NaN.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -16,7 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["LearnResult", "LazyOptimizer", "fused_adam", "make_target", "hard_update", "soft_update", "TargetSync"]
+__all__ = ["FiniteSteps", "LearnResult", "LazyOptimizer", "fused_adam", "make_target", "hard_update", "soft_update", "TargetSync"]
+
+log = logging.getLogger(__name__)
 
 _NOT_METRICS = {"priority": "priorities", "early_stop": "early_stop"}  # the keys learn() outputs once carried
 
@@ -224,3 +228,32 @@ class TargetSync:
     def _copy_buffers(self) -> None:
         for t, s in zip(self._target_buffers, self._source_buffers):
             t.copy_(s)
+
+
+class FiniteSteps:
+    """Which optimizer steps go ahead: one whose loss (or, among data-parallel learners, averaged gradients: the same
+    on every learner) is not finite is skipped, parameters and optimizer state untouched; :attr:`skipped` counts
+    them, warned at the 1st, 2nd, 4th, 8th... so a stream of bad batches logs a bounded number of lines."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner, self.skipped = owner, 0
+
+    def allow(self, loss: torch.Tensor, parameters: Any, averaged: bool) -> bool:
+        """Whether to step, after the backward pass of ``loss`` into ``parameters``' gradients; one host read of a
+        device flag (none while a CUDA graph is captured: such a step is left unchecked)."""
+        if loss.is_cuda and torch.cuda.is_current_stream_capturing():
+            return True
+        if averaged:
+            grads = [p.grad for p in parameters if p.grad is not None]
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        else:
+            finite = torch.isfinite(loss.detach()).all()
+        if bool(finite):
+            return True
+        for p in parameters:
+            p.grad = None
+        self.skipped += 1
+        if self.skipped & (self.skipped - 1) == 0:
+            log.warning("%s: skipped an update with a loss or gradients that are not finite (a batch with NaN or "
+                        "infinite values?); %d skipped so far", self.owner, self.skipped)
+        return False

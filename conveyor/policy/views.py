@@ -23,6 +23,7 @@ class Viewed(Protocol):
     version: int
     _weights: Any
     _learn_lock: Any
+    finite_steps: Any
 
     def publish(self) -> int: ...
     def set_lr_factor(self, factor: float) -> None: ...
@@ -58,7 +59,10 @@ class LearnMode:
         batch = policy._batch_to_tensor(batch)
         policy._weights.newest()  # version 0 holds the initial weights, never updated ones
         with policy._learn_lock:
-            return LearnResult.of(policy._forward_learn(batch), f"{type(policy).__name__}._forward_learn")
+            result = LearnResult.of(policy._forward_learn(batch), f"{type(policy).__name__}._forward_learn")
+        if policy.finite_steps.skipped:  # logged with the step's metrics once any step was skipped
+            result.metrics["charts/skipped_updates"] = float(policy.finite_steps.skipped)
+        return result
 
     def publish(self) -> int:
         """Make the current weights the newest acting version (see :meth:`Policy.publish`); its number."""

@@ -180,7 +180,9 @@ def _node_links(run: Any, node: Node, learner: bool) -> None:
     buffered = "replay_buffer" in run.cfg.policy.other
     on_policy = getattr(run._policy_cls, "learns_on_policy", not buffered)
     if run._owner:
-        run._evaluations = RemoteEvaluations(run.policy, stop_value=run._stop_here)
+        layout = node.layout  # evaluator nodes: their results are the only ones taken
+        run._evaluations = RemoteEvaluations(run.policy, stop_value=run._stop_here,
+                                             evaluators=range(layout.learners + layout.collectors, layout.n_nodes))
     run._clock = use_node_links(run.policy, run.run_dir, on_policy=on_policy, buffered=buffered,
                                 spaces=env_spaces(run.cfg.env) if learner else None)
 

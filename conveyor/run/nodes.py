@@ -280,7 +280,8 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
     learners, these form their group and add :class:`~conveyor.run.learners.LearnerSync` (``node.sync``), which
     for an entry without a replay buffer (``buffered`` False) agrees on the rows of ``train_data`` each trains on.
-    What a node takes from another is what that node may send: counters and weights from node 0 only, batches from
+    What a node takes from another is what that node may send: counters, weights and the run's end (``task.finish``)
+    from the learners only, batches from
     this learner's collectors only, checked against the env's ``spaces`` (a learner's). Returns the clock."""
     node = current_node()
     node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
@@ -291,6 +292,7 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     else:
         NodeTable.announce(EXCHANGE_TIMEOUT_S)
     rejoin_s = EXCHANGE_TIMEOUT_S if node.auto_recover else 0.0  # a lost learner is restarted: wait for it
+    task.finish_from(range(layout.learners))  # the learners end the run; another node's task.finish is refused
     clock = LearnerClock(lead=COLLECTOR_LEAD, timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s,
                          publish=node_id == 0 or not learner, learner=0)
     task.use(clock)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -321,3 +323,23 @@ def test_bad_config_value_is_an_error():
 def test_missing_obs_shape_is_an_error_saying_how_to_set_it():
     with pytest.raises(ConfigError, match=r"policy\.model\.obs_shape.*not set"):
         DQNPolicy({"model": {"action_shape": 2}})
+
+
+def test_an_update_with_a_loss_that_is_not_finite_is_skipped_and_counted_so_weights_never_become_nan():
+    cfg = {"model": {"obs_shape": 4, "action_shape": 2}, "learn": {"target_update_freq": 1000}}
+    policy = DQNPolicy(cfg, seed=0)
+    policy.learn_mode.forward(_cartpole_like_batch(0))  # the optimizer has state to keep
+    before = copy.deepcopy(policy.state_dict())
+    poisoned = _cartpole_like_batch(1)
+    poisoned.reward[3] = float("nan")
+    out = policy.learn_mode.forward(poisoned)
+    after = policy.state_dict()
+    assert out["charts/skipped_updates"] == 1.0 and policy.finite_steps.skipped == 1
+    for name, tensor in before["model"].items():
+        assert torch.equal(after["model"][name], tensor), name
+    for index, state in before["optimizer"]["state"].items():
+        assert all(torch.equal(after["optimizer"]["state"][index][key], value) for key, value in state.items())
+    policy.learn_mode.forward(_cartpole_like_batch(2))  # good data still trains
+    assert all(torch.isfinite(t).all() for t in policy.state_dict()["model"].values())
+    assert not torch.equal(policy.state_dict()["model"][next(iter(before["model"]))], before["model"][
+        next(iter(before["model"]))])

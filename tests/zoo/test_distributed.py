@@ -416,9 +416,12 @@ def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_sec
     from conveyor.middleware import EVAL_EVENT
     from conveyor.middleware.distributed import RemoteEvaluations
     mine, peer = peer_with_the_secret
-    wrong = [[[1]], [{"train_iter": 2}], [{"mean": "high", "train_iter": 2}], [{"mean": 5.0, "train_iter": -1}]]
+    wrong = [[[1]], [{"train_iter": 2}], [{"mean": "high", "train_iter": 2}], [{"mean": 5.0, "train_iter": -1}],
+             [{"mean": float("inf"), "train_iter": 2}], [{"mean": float("nan"), "train_iter": 2}],
+             [{"mean": 5.0, "train_iter": 3}]]  # past the learner's train_iter
     with task.start(ctx=OnlineRLContext()):
         task.add_role(Role.LEARNER)
+        task.ctx.train_iter = 2
         evaluations = RemoteEvaluations(policy=None)
         arrived = threading.Event()
         task.on(EVAL_EVENT, lambda result: arrived.set() if result == {"mean": 5.0, "train_iter": 2} else None)
@@ -429,6 +432,27 @@ def test_the_learner_drops_and_counts_wrong_evaluations_from_a_peer_with_the_sec
         evaluations(task.ctx)
         assert (task.ctx.last_eval_value, task.ctx.last_eval_iter) == (5.0, 2)
     assert evaluations.stats() == {"rejected": len(wrong)}
+
+
+def test_the_learner_takes_evaluations_from_its_evaluator_nodes_only_so_no_other_node_ends_the_run(
+        peer_with_the_secret):
+    import threading
+
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.middleware import EVAL_EVENT
+    from conveyor.middleware.distributed import RemoteEvaluations
+    mine, peer = peer_with_the_secret  # the peer is node "9"; the run's evaluator is node "3"
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.LEARNER)
+        evaluations = RemoteEvaluations(policy=None, stop_value=100.0, evaluators=[3])
+        arrived = threading.Event()
+        task.on(EVAL_EVENT, lambda result: arrived.set())
+        peer.wait_for_subscribers(EVAL_EVENT, 1, 20)
+        peer.publish(EVAL_EVENT, [{"mean": 500.0, "train_iter": 0}])
+        assert arrived.wait(20)
+        evaluations(task.ctx)
+        assert not task.finish and task.ctx.last_eval_value is None
+    assert evaluations.stats() == {"rejected": 1}
 
 
 def test_a_collector_waits_past_timeout_s_while_a_busy_learner_keeps_sending_its_counters(peer_with_the_secret):

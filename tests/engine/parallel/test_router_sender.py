@@ -29,3 +29,27 @@ def test_no_peer_can_tell_a_worker_that_another_node_finished(make_router):
     peer.publish(FINISHED_TOPIC, "9")
     assert left.get(timeout=WAIT) == "9" and left.empty()
     assert worker.stats()["rejected_finished"] == 1
+
+
+def test_only_the_nodes_that_may_end_the_run_can_set_task_finish_for_this_node(peer_with_the_secret):
+    import threading
+
+    from conveyor.engine import task
+    from conveyor.engine.routing import FINISH_TOPIC
+    mine, peer = peer_with_the_secret  # this node is "0", the peer "9"
+    probed, finish_seen = threading.Event(), []
+
+    def probe(ctx):
+        peer.wait_for_subscribers(FINISH_TOPIC, 1, WAIT)
+        peer.wait_for_subscribers("probe", 1, WAIT)
+        peer.publish(FINISH_TOPIC, ("0",))  # in node 0's name: only node 0 may end the run
+        peer.publish("probe", [])  # delivered after it: once heard, the finish was handled
+        assert probed.wait(WAIT)
+        finish_seen.append(task.finish)
+
+    with task.start():
+        task.finish_from(["0"])
+        task.on("probe", probed.set)
+        task.use(probe)
+        task.run(max_step=1)
+    assert finish_seen == [False] and task.refused_finish == 1
