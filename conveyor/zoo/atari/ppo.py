@@ -4,13 +4,12 @@
     conveyor train atari/ppo --collectors 2 --max-env-step 10000000
 
 Trains the on-policy family's pipeline (conveyor/zoo/on_policy.py). Hyperparameters: CleanRL's ``ppo_atari.py`` and
-RL Zoo's ``ppo.yml``
-(atari), after Schulman et al. 2017 (arXiv:1707.06347, table 5): the Nature CNN shared by actor and critic,
-8 envs x 128 steps per rollout, 4 epochs of 4 minibatches (256 transitions), Adam 2.5e-4 annealed linearly to 0
-over 10M agent steps, gamma 0.99, GAE lambda 0.95, clip 0.1, entropy 0.01, value loss 0.5, gradient norm 0.5.
-The envs (atari/dqn's too) end a training episode at each lost life, clip training rewards to their sign and
-press FIRE at each game start and after each lost life (the references' FireResetEnv: a greedy policy that
-never fires would stall an evaluation until the 108,000-frame limit).
+RL Zoo's ``ppo.yml`` (atari), after Schulman et al. 2017 (arXiv:1707.06347, table 5): the Nature CNN shared by actor
+and critic, 8 envs x 128 steps per rollout, 4 epochs of 4 minibatches (256 transitions), Adam 2.5e-4 annealed
+linearly to 0 over 10M agent steps, gamma 0.99, GAE lambda 0.95, clip 0.1, entropy 0.01, value loss 0.5, gradient
+norm 0.5. The envs (atari/dqn's too) end a training episode at each lost life, clip training rewards to their sign
+and press FIRE at each game start and after each lost life (the references' FireResetEnv: a greedy policy that never
+fires would stall an evaluation until the 108,000-frame limit).
 """
 from __future__ import annotations
 

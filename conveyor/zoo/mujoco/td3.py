@@ -3,11 +3,10 @@
     conveyor train mujoco/td3 [--set env.env_id=Hopper-v5] --max-env-step 1000000 [--seed N] [--async]
     conveyor train mujoco/td3 --collectors 2 --max-env-step 1000000
 
-Trains the off-policy family's pipeline (conveyor/zoo/off_policy.py) with TD3Policy. Hyperparameters: Fujimoto et al.
-2018 (arXiv:1802.09477)
-as CleanRL's ``td3_continuous_action.py`` runs them: 256-256 networks, Adam 3e-4, batch 256, tau 0.005,
-gamma 0.99, actor and targets updated every 2nd critic step, target noise 0.2 clipped at 0.5, exploration
-noise 0.1, a 1M replay and 25,000 uniformly random env steps before learning starts.
+Trains the off-policy family's pipeline (conveyor/zoo/off_policy.py) with TD3Policy. Hyperparameters: Fujimoto et
+al. 2018 (arXiv:1802.09477) as CleanRL's ``td3_continuous_action.py`` runs them: 256-256 networks, Adam 3e-4, batch
+256, tau 0.005, gamma 0.99, actor and targets updated every 2nd critic step, target noise 0.2 clipped at 0.5,
+exploration noise 0.1, a 1M replay and 25,000 uniformly random env steps before learning starts.
 """
 from __future__ import annotations
 
