@@ -68,6 +68,7 @@ def config(quick: bool) -> Any:
 def measure(collectors: int, env_steps: int, quick: bool, seed: int) -> Dict[str, Any]:
     """Train the entry with ``collectors`` collector processes for ``env_steps`` agent steps; the figures above."""
     from conveyor.run import train_distributed
+    from conveyor.zoo import load_entry
 
     cfg = config(quick)
     with scratch_dir():

@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from conveyor.engine.events import EventBus
-from conveyor.engine.parallel.guard import RateLimitedLog
+from conveyor.engine.ratelimit import RateLimitedLog
 
 __all__ = ["CLOSE_EVENT", "FINISH_EVENT", "FINISH_TOPIC", "LOCAL_EVENTS", "PEER_LOST_EVENT", "STOP_EVENT", "Events",
            "TaskEvents"]

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Optional, Set
 
-from conveyor.engine.parallel.guard import RateLimitedLog
+from conveyor.engine.ratelimit import RateLimitedLog
 
 __all__ = ["BadMessage", "Rejections", "check_fields", "layout"]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
-from conveyor.engine.parallel.guard import RateLimitedLog
+from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.task import Role, task
 
 __all__ = ["DEFAULT_PORT", "HOST_ENV", "KubernetesError", "MAX_ROWS", "NODES_ENV", "NODES_TOPIC", "NodeTable",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import logging
 import os
 import select
 import socket
@@ -26,7 +25,9 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
-__all__ = ["AuthFailures", "HandshakeGuard", "PipeGuard", "RateLimitedLog", "ReplayWindow"]
+from conveyor.engine.ratelimit import RateLimitedLog
+
+__all__ = ["AuthFailures", "HandshakeGuard", "PipeGuard", "ReplayWindow"]
 
 
 class ReplayWindow:
@@ -57,30 +58,6 @@ class ReplayWindow:
         if back >= self.size or self._seen >> back & 1:
             return False
         self._seen |= 1 << back
-        return True
-
-
-class RateLimitedLog:
-    """``log(kind, message)`` writes at most one record per ``kind`` each ``period_s`` seconds."""
-
-    def __init__(self, logger: logging.Logger, period_s: float = 60.0) -> None:
-        self.logger, self.period_s = logger, period_s
-        self._last: Dict[str, float] = {}
-        self._skipped: Dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def log(self, kind: str, message: str, *args: Any, level: int = logging.WARNING) -> bool:
-        """Log ``message % args`` unless ``kind`` was logged within the period; returns whether it was."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < self.period_s:
-                self._skipped[kind] = self._skipped.get(kind, 0) + 1
-                return False
-            self._last[kind] = now
-            skipped = self._skipped.pop(kind, 0)
-        suffix = f" ({skipped} more like it in the last {self.period_s:.0f}s not logged)" if skipped else ""
-        self.logger.log(level, message + suffix, *args)
         return True
 
 

@@ -32,7 +32,8 @@ import pynng
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import (HELLO, AuthError, Frame, MalformedFrame, OversizeError, ReplayError,
                                             open_frame)
-from conveyor.engine.parallel.guard import HandshakeGuard, PipeGuard, RateLimitedLog, _remote, close_socket
+from conveyor.engine.parallel.guard import HandshakeGuard, PipeGuard, _remote, close_socket
+from conveyor.engine.ratelimit import RateLimitedLog
 
 __all__ = ["CONTROL_TOPIC", "Inbox"]
 

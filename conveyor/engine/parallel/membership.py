@@ -35,7 +35,8 @@ import pynng
 
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import Frame, pack
-from conveyor.engine.parallel.guard import AuthFailures, RateLimitedLog, close_socket
+from conveyor.engine.parallel.guard import AuthFailures, close_socket
+from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
 from conveyor.engine.parallel.peers import MAX_SEQ_JUMP, MAX_TOPICS_PER_PEER, Link, Peer, PeerTable, is_local_address
 

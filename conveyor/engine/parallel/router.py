@@ -62,7 +62,8 @@ import pynng
 
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import HELLO, Frame, generate_secret, new_incarnation, pack, sign
-from conveyor.engine.parallel.guard import RateLimitedLog, close_socket
+from conveyor.engine.parallel.guard import close_socket
+from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, Inbox
 from conveyor.engine.parallel.membership import Link, Membership, is_local_address
 

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from conveyor.engine.parallel.guard import RateLimitedLog
+from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.processes import Terminated, pack_exception
 
 __all__ = ["FINISHED_TOPIC", "WorkerRouter", "serve"]
