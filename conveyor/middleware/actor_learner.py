@@ -26,7 +26,7 @@ import treevalue
 from conveyor.data import DequeBuffer
 from conveyor.data.batch import to_numpy, to_tensor
 from conveyor.engine import OnlineRLContext, declares
-from conveyor.middleware.trainer import _learn_int, _Trainer
+from conveyor.middleware.on_policy import _learn_int, _Trainer
 
 __all__ = ["unroll_cutter", "UnrollLearner", "unroll_learner"]
 
