@@ -4,6 +4,7 @@
   ``priorities`` of a prioritized replay batch, and ``early_stop`` when the policy declined the step.
 - :class:`LazyOptimizer` makes its torch optimizer on first use, so a process that only acts never makes one.
 - :func:`make_target` / :class:`TargetSync` keep a frozen target network in step with its source.
+- :func:`masked_mean` reduces a loss over the valid steps of padded sequences.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["LearnResult", "LazyOptimizer", "fused_adam", "make_target", "hard_update", "soft_update", "TargetSync"]
+__all__ = ["LearnResult", "LazyOptimizer", "fused_adam", "make_target", "hard_update", "soft_update", "TargetSync",
+           "masked_mean"]
 
 _NOT_METRICS = {"priority": "priorities", "early_stop": "early_stop"}  # the keys learn() outputs once carried
 
@@ -170,6 +172,14 @@ def fused_adam(device: torch.device) -> bool:
         return True
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return device.type == "cpu" and (major, minor) >= (2, 4)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of ``x`` over the entries where ``mask`` is 1 (all of them when ``mask`` is None): a recurrent
+    policy's loss over the valid steps of padded sequences; 0 when none is."""
+    if mask is None:
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def make_target(model: nn.Module) -> nn.Module:
