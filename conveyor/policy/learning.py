@@ -2,9 +2,9 @@
 
 - :class:`LearnResult` is what ``learn_mode.forward(batch)`` returns: the step's float ``metrics``, the new
   ``priorities`` of a prioritized replay batch, and ``early_stop`` when the policy declined the step.
+- :func:`masked_mean` reduces a loss over the valid steps of padded sequences.
 - :class:`LazyOptimizer` makes its torch optimizer on first use, so a process that only acts never makes one.
 - :func:`make_target` / :class:`TargetSync` keep a frozen target network in step with its source.
-- :func:`masked_mean` reduces a loss over the valid steps of padded sequences.
 """
 from __future__ import annotations
 
