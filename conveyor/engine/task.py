@@ -2,7 +2,7 @@
 
 This module keeps the loop and the public face (DI-engine's names: ``use``, ``run``, ``forward``, ``backward``,
 ``renew``, ``wrap``, ``emit``, ``on``, ``once``, ``off``, ``wait_for``, ``finish`` ...). The rest lives beside
-it: events and the router glue in :mod:`~conveyor.engine.routing`, roles in :mod:`~conveyor.engine.roles`,
+it: events and the router glue in :mod:`~conveyor.engine.task_events`, roles in :mod:`~conveyor.engine.roles`,
 records and composition helpers in :mod:`~conveyor.engine.chain`, the async loop in
 :mod:`~conveyor.engine.pipeline`, state in :mod:`~conveyor.engine.state`, tables in :mod:`~conveyor.engine.inspection`.
 """
@@ -21,7 +21,7 @@ from conveyor.engine.declare import PipelineError
 from conveyor.engine.inspection import Described, Inspection, TaskInspection, scalars
 from conveyor.engine.pipeline import AsyncPipeline
 from conveyor.engine.roles import Role, Roles, TaskRoles
-from conveyor.engine.routing import CLOSE_EVENT, FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, Events, TaskEvents
+from conveyor.engine.task_events import CLOSE_EVENT, FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, Events, TaskEvents
 from conveyor.engine.state import PipelineState
 
 __all__ = ["CLOSE_EVENT", "FINISH_EVENT", "Inspection", "PEER_LOST_EVENT", "Role", "STOP_EVENT", "Task", "task"]

@@ -8,12 +8,12 @@ from conveyor.middleware.enhancer import NStepEnhancer, nstep_returns, nstep_rew
 from conveyor.middleware.exchanger import ContextExchanger, ModelExchanger
 from conveyor.middleware.evaluator import (EVAL_EVENT, EvaluationError, InteractionEvaluator, evaluate,
                                           interaction_evaluator)
-from conveyor.middleware.learner import OffPolicyLearner, data_pusher
+from conveyor.middleware.off_policy import OffPolicyLearner, data_pusher
 from conveyor.middleware.logger import offline_logger, online_logger, progress_bar, wandb_online_logger
 from conveyor.middleware.offline import EpisodeRecorder, OfflineDataFetcher, episode_recorder, offline_data_fetcher
 from conveyor.middleware.termination import termination_checker
-from conveyor.middleware.trainer import MultistepTrainer, Trainer, multistep_trainer, trainer
-from conveyor.middleware.unrolls import UnrollLearner, unroll_cutter, unroll_learner
+from conveyor.middleware.on_policy import MultistepTrainer, Trainer, multistep_trainer, trainer
+from conveyor.middleware.actor_learner import UnrollLearner, unroll_cutter, unroll_learner
 
 __all__ = ["Barrier", "EpisodeRecorder", "OfflineDataFetcher", "episode_recorder", "offline_data_fetcher",
            "CheckpointError", "CkptSaver", "ContextExchanger", "ModelExchanger", "EPISODE_EVENT", "EVAL_EVENT", "EpisodeCollector", "EvaluationError",

@@ -1,7 +1,7 @@
 """Advantage estimation for on-policy learning: GAE(lambda) over the collector's time-major trajectories."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -10,22 +10,12 @@ import treevalue
 
 from conveyor.data.batch import flatten_batch
 from conveyor.engine import OnlineRLContext, declares
+from conveyor.middleware.protocols import Buffer, ValuePolicy
 
 __all__ = ["gae_estimator", "generalized_advantage"]
 
 # Keys a learner never reads again once advantages are estimated: dropping them halves minibatch gathers.
 _CONSUMED = ("next_obs", "next_hidden", "valid")
-
-
-class ValuePolicy(Protocol):
-    """A view with ``value``; ``scale_reward(reward, done) -> (reward, discounted_return or None)`` is read too
-    where it has one (as ``ActorCriticCollectMode``)."""
-
-    def value(self, obs: Any, **state: Any) -> np.ndarray: ...
-
-
-class Buffer(Protocol):
-    def extend(self, batch: Any) -> None: ...
 
 
 def generalized_advantage(reward: np.ndarray, value: np.ndarray, next_value: np.ndarray, done: np.ndarray,

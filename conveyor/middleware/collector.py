@@ -6,23 +6,18 @@ treetensor batch ``[T, N]`` (docs/design.md): nothing is built per transition.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from conveyor.data.batch import stack_nested, to_tensor
 from conveyor.engine import OnlineRLContext, declares, task
+from conveyor.middleware.protocols import CollectPolicy
 
 __all__ = ["StepCollector", "EpisodeCollector", "eps_greedy_handler", "EPISODE_EVENT"]
 
 EPISODE_EVENT = "collector.episode"
 """Emitted by collectors for every finished training episode with ``(env_index, return, length)``."""
-
-
-class CollectPolicy(Protocol):
-    def forward(self, obs: Any, **kwargs: Any) -> Dict[str, Any]: ...
-
-    def reset(self, env_ids: Optional[List[int]] = None) -> None: ...
 
 
 def _random_actions(space: Any, n: int) -> np.ndarray:

@@ -17,7 +17,7 @@ from conveyor.engine import FINISH_EVENT, PEER_LOST_EVENT, STOP_EVENT, OnlineRLC
 from conveyor.engine.parallel import codec
 from conveyor.middleware import EVAL_EVENT
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields
-from conveyor.policy.base import Snapshot
+from conveyor.policy.views import Snapshot
 
 __all__ = ["COLLECTOR_LEAD", "EXCHANGE_TIMEOUT_S", "EvaluatedWeights", "LearnerClock", "PROGRESS_TOPIC",
            "RemoteEvaluations"]

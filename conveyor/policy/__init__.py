@@ -4,25 +4,12 @@ A learning step returns a :class:`LearnResult`; acting reads the versions :class
 
 Imports only ``conveyor.schema`` and ``conveyor.data`` of Conveyor: a policy works without a pipeline.
 """
-from conveyor.policy.base import (
-    Acting,
-    ActorCriticCollectMode,
-    ActorCriticLearnMode,
-    CollectMode,
-    EvalMode,
-    LearnMode,
-    Policy,
-    Snapshot,
-    Stateful,
-    TargetSync,
-    configured_device,
-    hard_update,
-    make_target,
-    soft_update,
-)
+from conveyor.policy.base import Policy, Stateful, configured_device
 from conveyor.policy.data_parallel import DataParallel, DataParallelError, SignedStore
-from conveyor.policy.learning import LazyOptimizer, LearnResult
-from conveyor.policy.weights import ModuleVersions, VersionedWeights
+from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, hard_update, make_target, soft_update
+from conveyor.policy.views import (ActorCriticCollectMode, ActorCriticLearnMode, CollectMode, EvalMode, LearnMode,
+                                   Snapshot)
+from conveyor.policy.weights import Acting, ModuleVersions, VersionedWeights
 from conveyor.policy.actor_critic import ActorCritic
 from conveyor.policy.bc import BCPolicy
 from conveyor.policy.continuous import (

@@ -46,19 +46,13 @@ from conveyor import schema
 from conveyor.data.batch import to_tensor
 from conveyor.policy.data_parallel import DataParallel
 from conveyor.policy.encoders import ImageEncoder
-from conveyor.policy.learning import (FiniteSteps, LazyOptimizer, LearnResult, TargetSync, fused_adam, hard_update,  # noqa: F401
-                                      make_target, soft_update)
-from conveyor.policy.options import (_hidden_sizes_check, _optional_positive, encoder_option,  # noqa: F401
-                                     nstep_option, offline_schema, replay_buffer_schema)
-from conveyor.policy.views import (ActorCriticCollectMode, ActorCriticLearnMode, CollectMode, EvalMode, LearnMode,
-                                   Snapshot)
-from conveyor.policy.weights import Acting, VersionedWeights, _Version
+from conveyor.policy.learning import FiniteSteps, LazyOptimizer, LearnResult
+from conveyor.policy.options import encoder_option, hidden_sizes_check, optional_positive
+from conveyor.policy.views import CollectMode, EvalMode, LearnMode
+from conveyor.policy.weights import Acting, Version, VersionedWeights
 from conveyor.schema import ConfigError, Option
 
-__all__ = ["Policy", "LearnMode", "ActorCriticLearnMode", "CollectMode", "ActorCriticCollectMode", "EvalMode", "Snapshot",
-           "Acting", "Stateful",
-           "LazyOptimizer", "LearnResult", "make_target", "hard_update", "soft_update", "TargetSync"]
-# fused_adam and the option groups (conveyor.policy.options) stay importable from here, where they were.
+__all__ = ["Policy", "Stateful", "GeneratorState", "configured_device"]
 
 
 @runtime_checkable
@@ -158,7 +152,7 @@ class Policy(abc.ABC):
                 "action_shape": Option(None, "Number of discrete actions, or the action dimension for "
                                              "continuous control (set from the env).", type=(int, list, tuple)),
                 "hidden_sizes": Option([64, 64], "Widths of the hidden layers of each encoder.", type=list,
-                                       check=_hidden_sizes_check),
+                                       check=hidden_sizes_check),
                 "encoder": encoder_option(),
                 "mixed_precision": Option(False, "On CUDA, run image encoders under bf16 autocast (their features "
                                                  "come out float32: heads and losses stay full precision); no effect "
@@ -171,7 +165,7 @@ class Policy(abc.ABC):
                 "learning_rate": Option(1e-3, "Adam learning rate.", type=float, check=schema.positive),
                 "update_per_collect": Option(1, "Gradient steps per collection round.", check=schema.positive),
                 "grad_clip": Option(None, "Clip the gradient's global L2 norm to this (None: no clipping).",
-                                    type=float, check=_optional_positive),
+                                    type=float, check=optional_positive),
                 "learning_starts": Option(0, "Transitions in the replay buffer before off-policy training starts "
                                              "(at least batch_size).", check=schema.non_negative),
             },
@@ -179,13 +173,13 @@ class Policy(abc.ABC):
                 "n_sample": Option(64, "Transitions collected per collection round (over all envs).",
                                    check=schema.positive),
                 "n_episode": Option(None, "Episodes per collection round, for episode collectors.", type=int,
-                                    check=_optional_positive),
+                                    check=optional_positive),
             },
             "eval": {
                 "evaluator": {
                     "eval_freq": Option(500, "Evaluate every this many gradient steps.", check=schema.positive),
                     "eval_env_step_freq": Option(None, "Also evaluate every this many env steps (None: only by "
-                                                       "gradient steps).", type=int, check=_optional_positive),
+                                                       "gradient steps).", type=int, check=optional_positive),
                 },
             },
             "other": {},
@@ -411,7 +405,7 @@ class Policy(abc.ABC):
         """
         return self._checkpoint(None)
 
-    def _checkpoint(self, version: _Version | None) -> dict[str, Any]:
+    def _checkpoint(self, version: Version | None) -> dict[str, Any]:
         """:meth:`state_dict`, with the model's weights (and version number) of ``version`` when given."""
         with self._learn_lock:
             newest = self._weights.newest()

@@ -21,12 +21,12 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Acting, Policy
+from conveyor.policy.base import Policy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
-from conveyor.policy.options import _hidden_sizes_check, offline_schema
+from conveyor.policy.options import action_bound_check, hidden_sizes_check, offline_schema
 from conveyor.policy.continuous import ActionScaler
 from conveyor.policy.model import EncoderHead
-from conveyor.policy.sac import _bound_check
+from conveyor.policy.weights import Acting
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["BCPolicy"]
@@ -55,11 +55,11 @@ class BCPolicy(Policy):
                 "action_shape": Option(None, "Number of discrete actions, or the action dimension of a 1-D Box "
                                              "(set from the env).", type=int, check=schema.positive),
                 "action_low": Option(None, "Lower bound of continuous actions: a float or one per dim (set from the "
-                                           "env; None: -1).", type=(float, list, tuple), check=_bound_check),
+                                           "env; None: -1).", type=(float, list, tuple), check=action_bound_check),
                 "action_high": Option(None, "Upper bound of continuous actions: a float or one per dim (set from "
-                                            "the env; None: 1).", type=(float, list, tuple), check=_bound_check),
+                                            "the env; None: 1).", type=(float, list, tuple), check=action_bound_check),
                 "hidden_sizes": Option([256, 256], "Widths of the hidden layers.", type=list,
-                                       check=_hidden_sizes_check),
+                                       check=hidden_sizes_check),
             },
             "learn": {
                 "batch_size": Option(256, "Transitions per gradient step.", check=schema.positive),

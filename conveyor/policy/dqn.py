@@ -16,10 +16,11 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Acting, GeneratorState, Policy
+from conveyor.policy.base import GeneratorState, Policy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, fused_adam, make_target
 from conveyor.policy.options import nstep_option, replay_buffer_schema
 from conveyor.policy.model import QNetwork
+from conveyor.policy.weights import Acting
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["DQNPolicy"]

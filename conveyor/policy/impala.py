@@ -24,9 +24,9 @@ import treevalue
 
 from conveyor import schema
 from conveyor.data.batch import flatten_batch
-from conveyor.policy.learning import LearnResult
-from conveyor.policy.ppo import PPOPolicy, _masked_mean
-from conveyor.policy.options import _optional_positive
+from conveyor.policy.learning import LearnResult, masked_mean
+from conveyor.policy.options import optional_positive
+from conveyor.policy.ppo import PPOPolicy
 from conveyor.policy.vtrace import vtrace
 from conveyor.schema import ConfigError, Option
 
@@ -73,14 +73,14 @@ class IMPALAPolicy(PPOPolicy):
                                         check=schema.positive),
                 "rho_bar": Option(1.0, "Clip of V-trace's importance weights on the TD errors and the policy "
                                        "gradient: bounds which policy's value is learned (None: unclipped).",
-                                  type=float, check=_optional_positive),
+                                  type=float, check=optional_positive),
                 "c_bar": Option(1.0, "Clip of V-trace's trace-cutting weights: bounds how far back a TD error "
-                                     "reaches (None: unclipped).", type=float, check=_optional_positive),
+                                     "reaches (None: unclipped).", type=float, check=optional_positive),
                 "value_coef": Option(0.5, "Weight of the baseline (value) loss.", type=float,
                                      check=schema.non_negative),
                 "entropy_coef": Option(0.01, "Weight of the entropy bonus.", type=float, check=schema.non_negative),
                 "grad_clip": Option(40.0, "Clip the gradient's global L2 norm to this (None: no clipping).",
-                                    type=(float, type(None)), check=_optional_positive),
+                                    type=(float, type(None)), check=optional_positive),
                 "replay_ratio": Option(0, "Sample reuse: gradient steps on unrolls drawn from a FIFO replay of recent "
                                           "ones after each step on fresh ones (each unroll is learned from 1 + this "
                                           "many times on average; V-trace corrects for their age). 0: each once.",
@@ -157,16 +157,16 @@ class IMPALAPolicy(PPOPolicy):
                              truncated | ~valid, rho_bar=learn.rho_bar, c_bar=learn.c_bar)
 
         mask = valid.to(value.dtype)
-        pg_loss = -_masked_mean(targets.pg_advantage * logp, mask)
-        v_loss = 0.5 * _masked_mean((value - targets.vs).pow(2), mask)
-        entropy_loss = _masked_mean(entropy, mask)
+        pg_loss = -masked_mean(targets.pg_advantage * logp, mask)
+        v_loss = 0.5 * masked_mean((value - targets.vs).pow(2), mask)
+        entropy_loss = masked_mean(entropy, mask)
         loss = pg_loss + learn.value_coef * v_loss - learn.entropy_coef * entropy_loss
 
         with torch.no_grad():
             rho_bar = learn.rho_bar if learn.rho_bar is not None else float("inf")
             clipped = (logp - traj.logp).exp() > rho_bar
-            metrics = torch.stack([pg_loss, v_loss, entropy_loss, _masked_mean(targets.rho, mask),
-                                   _masked_mean(clipped.to(mask.dtype), mask)]).tolist()
+            metrics = torch.stack([pg_loss, v_loss, entropy_loss, masked_mean(targets.rho, mask),
+                                   masked_mean(clipped.to(mask.dtype), mask)]).tolist()
         out: dict[str, Any] = dict(zip(("losses/policy", "losses/value", "losses/entropy", "charts/rho_mean",
                                         "charts/rho_clip_frac"), metrics))
         out.update(self._policy_lag(traj))

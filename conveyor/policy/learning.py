@@ -2,6 +2,7 @@
 
 - :class:`LearnResult` is what ``learn_mode.forward(batch)`` returns: the step's float ``metrics``, the new
   ``priorities`` of a prioritized replay batch, and ``early_stop`` when the policy declined the step.
+- :func:`masked_mean` reduces a loss over the valid steps of padded sequences.
 - :class:`LazyOptimizer` makes its torch optimizer on first use, so a process that only acts never makes one.
 - :func:`make_target` / :class:`TargetSync` keep a frozen target network in step with its source.
 - :class:`FiniteSteps` skips an optimizer step whose loss or gradients are not finite, so weights never become NaN.
@@ -18,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["FiniteSteps", "LearnResult", "LazyOptimizer", "fused_adam", "make_target", "hard_update", "soft_update", "TargetSync"]
+__all__ = ["FiniteSteps", "LearnResult", "LazyOptimizer", "fused_adam", "make_target", "hard_update", "soft_update",
+           "TargetSync", "masked_mean"]
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,14 @@ def fused_adam(device: torch.device) -> bool:
         return True
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return device.type == "cpu" and (major, minor) >= (2, 4)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of ``x`` over the entries where ``mask`` is 1 (all of them when ``mask`` is None): a recurrent
+    policy's loss over the valid steps of padded sequences; 0 when none is."""
+    if mask is None:
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def make_target(model: nn.Module) -> nn.Module:

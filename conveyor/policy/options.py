@@ -1,5 +1,6 @@
-"""Config options the policies share: checks, option groups (n-step, replay buffer, offline data) and a way to
-change the default of an inherited option without declaring it again."""
+"""Config options the policies share: the checks of their values (one rule each, for every policy), option groups
+(n-step, replay buffer, offline data) and a way to change the default of an inherited option without declaring it
+again."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,19 +10,34 @@ from conveyor import schema
 from conveyor.schema import Option
 
 __all__ = ["nstep_option", "replay_buffer_schema", "offline_schema", "lr_option", "with_defaults", "encoder_option",
-           "cuda_graph_option"]
+           "cuda_graph_option", "action_bound_check", "hidden_sizes_check", "optional_positive"]
 
 ENCODER_KINDS = ("auto", "mlp", "nature", "impala")
 """The values of ``policy.model.encoder`` (conveyor.policy.model.build_encoder builds each)."""
 
 
-def _hidden_sizes_check(value: Sequence[int]) -> str | None:
+def _number(value: Any) -> bool:
+    """An int or a float; a bool is not a number here, as nowhere in config validation."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def hidden_sizes_check(value: Sequence[int]) -> str | None:
+    """A ``check`` for the widths of hidden layers: a non-empty list of positive ints."""
     ok = len(value) > 0 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
     return None if ok else "must be a non-empty list of positive ints"
 
 
-def _optional_positive(value: Any) -> str | None:
+def optional_positive(value: Any) -> str | None:
+    """A ``check`` for a number > 0, or None where None turns the feature off."""
     return None if value is None or value > 0 else "must be > 0 (or None to disable)"
+
+
+def action_bound_check(value: Any) -> str | None:
+    """A ``check`` for ``model.action_low`` / ``action_high``: a number, a non-empty list of numbers (one per action
+    dim) or None (bools are not numbers)."""
+    ok = value is None or _number(value) or \
+        (isinstance(value, (list, tuple)) and len(value) > 0 and all(_number(v) for v in value))
+    return None if ok else "must be a float, a non-empty list of floats (one per action dim), or None"
 
 
 def _optional_lr(value: Any) -> str | None:
@@ -76,7 +92,7 @@ def replay_buffer_schema(size: int) -> dict:
                                 "sampling bias, as the PER paper anneals to).", type=float, check=schema.unit_interval),
         "beta_anneal_steps": Option(100_000, "Transitions added to the buffer (env steps) over which beta rises "
                                              "linearly to beta_end; the schedule is saved with the buffer (None: beta "
-                                             "stays fixed).", type=int, check=_optional_positive),
+                                             "stays fixed).", type=int, check=optional_positive),
         "frame_stack": Option("auto", "Store each image frame once and stack at sampling (same samples, ~1/8 of the "
                                       "memory for 4-frame Atari stacks): 'auto' does it for uint8 observations "
                                       "[k, H, W] with k > 1, an int k forces it for [k, H, W] observations, None "

@@ -27,25 +27,15 @@ from torch import nn
 from conveyor import schema
 from conveyor.data.batch import to_host
 from conveyor.policy.actor_critic import ActorCritic, make_action_dist
-from conveyor.policy.base import Acting, ActorCriticCollectMode, ActorCriticLearnMode, Policy
-from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam
-from conveyor.policy.options import _optional_positive
+from conveyor.policy.base import Policy
+from conveyor.policy.learning import LazyOptimizer, LearnResult, fused_adam, masked_mean
+from conveyor.policy.options import action_bound_check, optional_positive
 from conveyor.policy.normaliser import FrozenNormaliser, ObsNormaliser, RewardNormaliser, RunningMeanStd
+from conveyor.policy.views import ActorCriticCollectMode, ActorCriticLearnMode
+from conveyor.policy.weights import Acting
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["PPOPolicy"]
-
-
-def _bound_check(value: Any) -> str | None:
-    ok = value is None or isinstance(value, (int, float)) or \
-        (isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value))
-    return None if ok else "must be a float, a list of floats (one per action dim) or None"
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    if mask is None:
-        return x.mean()
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 class PPOPolicy(Policy):
@@ -82,17 +72,17 @@ class PPOPolicy(Policy):
                                        "value (read by gae_estimator).", type=float, check=schema.unit_interval),
             "model": {
                 "action_shape": Option(None, "Number of discrete actions, or the action dimension for continuous "
-                                             "control (set from the env).", type=int, check=_optional_positive),
+                                             "control (set from the env).", type=int, check=optional_positive),
                 "action_space": Option("discrete", "Action distribution: 'discrete' (categorical), 'gaussian' "
                                                    "(diagonal Gaussian, clipped to the bounds for the env) or "
                                                    "'tanh_gaussian' (squashed into the bounds).",
                                        choices=("discrete", "gaussian", "tanh_gaussian")),
                 "action_low": Option(None, "Lower action bound: a float or one per dim (set from a Box env; None: "
                                            "unbounded for 'gaussian', -1 for 'tanh_gaussian').",
-                                     type=(float, list), check=_bound_check),
+                                     type=(float, list), check=action_bound_check),
                 "action_high": Option(None, "Upper action bound: a float or one per dim (set from a Box env; None: "
                                             "unbounded for 'gaussian', 1 for 'tanh_gaussian').",
-                                      type=(float, list), check=_bound_check),
+                                      type=(float, list), check=action_bound_check),
                 "activation": Option("tanh", "Activation of the hidden layers of vector-observation encoders.",
                                      choices=("tanh", "relu")),
                 "share_encoder": Option(False, "One encoder for actor and critic (always so with an rnn)."),
@@ -120,7 +110,7 @@ class PPOPolicy(Policy):
                                         check=schema.positive),
                 "lr_anneal_steps": Option(None, "Anneal the learning rate linearly to 0 over this many lr_anneal_unit "
                                                 "(None: constant); the trainer sets it before each round.", type=int,
-                                          check=_optional_positive),
+                                          check=optional_positive),
                 "lr_anneal_unit": Option("env_step", "What lr_anneal_steps counts: 'env_step' (ctx.env_step when a "
                                                      "round starts) or 'iteration' (training rounds); never gradient "
                                                      "steps, whose number early stopping varies.",
@@ -129,17 +119,17 @@ class PPOPolicy(Policy):
                                      type=float, check=schema.positive),
                 "value_clip": Option(None, "Also clip the new value to within this of the collected one and take the "
                                            "larger of the two losses (None: plain value loss).", type=float,
-                                     check=_optional_positive),
+                                     check=optional_positive),
                 "value_coef": Option(0.5, "Weight of the value loss.", type=float, check=schema.non_negative),
                 "entropy_coef": Option(0.0, "Weight of the entropy bonus.", type=float, check=schema.non_negative),
                 "target_kl": Option(None, "End a round's passes once a minibatch's approx_kl under the current policy "
                                           "exceeds 1.5 * target_kl, before stepping on it (Stable-Baselines3's rule; "
                                           "None: run every epoch).", type=float,
-                                    check=_optional_positive),
+                                    check=optional_positive),
                 "adv_norm": Option(True, "Normalise advantages to zero mean, unit std within each minibatch (all "
                                          "of it, over data-parallel learners' shares)."),
                 "grad_clip": Option(0.5, "Clip the gradient's global L2 norm to this (None: no clipping).",
-                                    type=(float, type(None)), check=_optional_positive),
+                                    type=(float, type(None)), check=optional_positive),
                 "sequence_length": Option(16, "Recurrent policies: steps per replayed sequence (gae_estimator cuts "
                                               "each env's trajectory into these).", check=schema.positive),
             },
@@ -395,31 +385,31 @@ class PPOPolicy(Policy):
             elif mask is None:
                 adv_std, adv_mean = torch.std_mean(adv, correction=0)
             else:
-                adv_mean = _masked_mean(adv, mask)
-                adv_std = _masked_mean((adv - adv_mean).pow(2), mask).sqrt()
+                adv_mean = masked_mean(adv, mask)
+                adv_std = masked_mean((adv - adv_mean).pow(2), mask).sqrt()
             adv = (adv - adv_mean) / (adv_std + 1e-8)
 
         pg_loss1 = -adv * ratio
         pg_loss2 = -adv * ratio.clamp(1.0 - learn.clip_ratio, 1.0 + learn.clip_ratio)
-        pg_loss = _masked_mean(torch.max(pg_loss1, pg_loss2), mask)
+        pg_loss = masked_mean(torch.max(pg_loss1, pg_loss2), mask)
 
         v_loss_unclipped = (new_value - batch["return"]).pow(2)
         if learn.value_clip is not None:
             v_clipped = batch.value + (new_value - batch.value).clamp(-learn.value_clip, learn.value_clip)
             v_loss_clipped = (v_clipped - batch["return"]).pow(2)
-            v_loss = 0.5 * _masked_mean(torch.max(v_loss_unclipped, v_loss_clipped), mask)
+            v_loss = 0.5 * masked_mean(torch.max(v_loss_unclipped, v_loss_clipped), mask)
         else:
-            v_loss = 0.5 * _masked_mean(v_loss_unclipped, mask)
+            v_loss = 0.5 * masked_mean(v_loss_unclipped, mask)
 
-        entropy_loss = _masked_mean(entropy, mask)
+        entropy_loss = masked_mean(entropy, mask)
         loss = pg_loss - learn.entropy_coef * entropy_loss + learn.value_coef * v_loss
 
         with torch.no_grad():
             kl_terms = (ratio - 1.0) - logratio  # the low-variance estimator of KL(old || new)
             # among data-parallel learners, over the whole minibatch: every learner decides the early stop alike
-            approx_kl = (_masked_mean(kl_terms, mask) if self._data_parallel is None
+            approx_kl = (masked_mean(kl_terms, mask) if self._data_parallel is None
                          else self._data_parallel.mean(kl_terms, mask))
-            clip_frac = _masked_mean(((ratio - 1.0).abs() > learn.clip_ratio).float(), mask)
+            clip_frac = masked_mean(((ratio - 1.0).abs() > learn.clip_ratio).float(), mask)
             metrics = torch.stack([pg_loss, v_loss, entropy_loss, approx_kl, clip_frac]).tolist()
         out: dict[str, Any] = dict(zip(("losses/policy", "losses/value", "losses/entropy", "charts/approx_kl",
                                         "charts/clip_frac"), metrics))

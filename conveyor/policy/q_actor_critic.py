@@ -22,7 +22,8 @@ from conveyor.policy.base import Policy
 from conveyor.policy.continuous import ActionScaler
 from conveyor.policy.cuda_graph import CudaGraphStep, scalars
 from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, fused_adam, make_target
-from conveyor.policy.options import _hidden_sizes_check, lr_option, nstep_option, replay_buffer_schema, with_defaults
+from conveyor.policy.options import (action_bound_check, hidden_sizes_check, lr_option, nstep_option,
+                                     replay_buffer_schema, with_defaults)
 from conveyor.schema import ConfigError, Option
 
 __all__ = ["QActorCriticPolicy", "TorchGeneratorState"]
@@ -35,13 +36,6 @@ def _theta_check(value: Any) -> str | None:
 def _action_dim_check(value: Any) -> str | None:
     ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
     return None if ok else "must be the action dimension of a 1-D Box action space (an int > 0)"
-
-
-def _bound_check(value: Any) -> str | None:
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
-        return None
-    ok = isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value)
-    return None if ok else "must be a float, a list of floats (one per action dim), or None"
 
 
 class TorchGeneratorState:
@@ -86,11 +80,11 @@ class QActorCriticPolicy(Policy):
                 "action_shape": Option(None, "Action dimension of the 1-D Box action space (set from the env).",
                                        type=int, check=_action_dim_check),
                 "action_low": Option(None, "Lower action bound: a float or one per dim (set from the env; None: -1).",
-                                     type=(float, list, tuple), check=_bound_check),
+                                     type=(float, list, tuple), check=action_bound_check),
                 "action_high": Option(None, "Upper action bound: a float or one per dim (set from the env; None: 1).",
-                                      type=(float, list, tuple), check=_bound_check),
+                                      type=(float, list, tuple), check=action_bound_check),
                 "hidden_sizes": Option([256, 256], "Widths of the hidden layers of the actor and of each critic.",
-                                       type=list, check=_hidden_sizes_check),
+                                       type=list, check=hidden_sizes_check),
                 "critic_num": Option(2, "Critics in the ensemble; targets and the actor use their minimum.",
                                      check=schema.positive),
             },

@@ -28,10 +28,10 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Acting
 from conveyor.policy.options import cuda_graph_option, lr_option
 from conveyor.policy.continuous import EnsembleQ, TanhGaussianActor
-from conveyor.policy.q_actor_critic import QActorCriticPolicy, _bound_check  # noqa: F401  (bc imports it here)
+from conveyor.policy.q_actor_critic import QActorCriticPolicy
+from conveyor.policy.weights import Acting
 from conveyor.schema import Option
 
 __all__ = ["SACPolicy", "SACModel", "TanhActorCriticPolicy"]

@@ -23,12 +23,12 @@ import treetensor.torch as ttorch
 from torch import nn
 
 from conveyor import schema
-from conveyor.policy.base import Acting
 from conveyor.policy.continuous import DeterministicActor, EnsembleQ
 from conveyor.policy.learning import TargetSync, make_target
 from conveyor.policy.options import cuda_graph_option
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel
+from conveyor.policy.weights import Acting
 from conveyor.schema import Option
 
 __all__ = ["TD3Policy"]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from conveyor.policy.learning import LearnResult
-from conveyor.policy.weights import Acting, _Version
+from conveyor.policy.weights import Acting, Version
 
 
 
@@ -108,14 +108,14 @@ class ActorCriticLearnMode(LearnMode):
         policy._gather(policy._batch_to_tensor(batch))
 
 
-def _collect(policy: Viewed, version: _Version, memory: dict, obs: Any, kwargs: dict) -> dict[str, Any]:
+def _collect(policy: Viewed, version: Version, memory: dict, obs: Any, kwargs: dict) -> dict[str, Any]:
     with torch.no_grad():
         out = policy._forward_collect(Acting(version, memory), policy._obs_to_tensor(obs), **kwargs)
     out["weight_version"] = np.full(len(out["action"]), version.number, dtype=np.int64)
     return out
 
 
-def _evaluate(policy: Viewed, version: _Version, memory: dict, obs: Any) -> dict[str, Any]:
+def _evaluate(policy: Viewed, version: Version, memory: dict, obs: Any) -> dict[str, Any]:
     with torch.no_grad():
         return policy._forward_eval(Acting(version, memory), policy._obs_to_tensor(obs))
 

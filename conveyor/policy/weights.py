@@ -24,7 +24,7 @@ from torch import nn
 
 from conveyor.policy.normaliser import FrozenNormaliser
 
-__all__ = ["Acting", "VersionedWeights", "ModuleVersions", "WIRE_TYPES"]
+__all__ = ["Acting", "Version", "VersionedWeights", "ModuleVersions", "WIRE_TYPES"]
 
 _SPARE_COPIES = 2  # unpinned old versions kept for reuse, so publishing copies into them instead of allocating
 _OWN_EXTRAS = object()  # publish's default: take the extras from the weights' owner
@@ -35,7 +35,7 @@ WIRE_TYPES: List[Tuple[type, str, Callable[[Any], Any], Callable[[Any], Any]]] =
 """``(type, name, to_wire, from_wire)`` of the types a version's extras hold, for a codec that sends versions."""
 
 
-class _Version:
+class Version:
     """One published copy of the acting weights: a frozen module, the extras taken with it, its readers' pins."""
 
     __slots__ = ("number", "model", "tensors", "extras", "pins")
@@ -54,7 +54,7 @@ class Acting:
 
     __slots__ = ("model", "extras", "memory", "version")
 
-    def __init__(self, version: _Version, memory: dict) -> None:
+    def __init__(self, version: Version, memory: dict) -> None:
         self.model = version.model
         self.extras = version.extras
         self.memory = memory
@@ -69,11 +69,11 @@ class VersionedWeights:
     def __init__(self, model: nn.Module, lock: threading.RLock, extras: Callable[[], Any]) -> None:
         self._model, self._lock, self._extras = model, lock, extras
         self._versions_lock = threading.Lock()
-        self._newest: _Version | None = None
-        self._spare: List[_Version] = []
+        self._newest: Version | None = None
+        self._spare: List[Version] = []
         self._model_tensors: List[torch.Tensor] | None = None
 
-    def newest(self) -> _Version:
+    def newest(self) -> Version:
         """The newest version (the initial weights, version 0, published now if none is yet)."""
         newest = self._newest
         if newest is None:
@@ -99,7 +99,7 @@ class VersionedWeights:
         if version is None:
             model = copy.deepcopy(self._model)
             model.requires_grad_(False)
-            version = _Version(model)
+            version = Version(model)
         else:
             if self._model_tensors is None:
                 self._model_tensors = [*self._model.parameters(), *self._model.buffers()]
@@ -135,7 +135,7 @@ class VersionedWeights:
             torch._foreach_copy_([*self._model.parameters(), *self._model.buffers()], list(state["tensors"]))
             self._copy(int(state["version"]), state["extras"])
 
-    def pin(self) -> _Version:
+    def pin(self) -> Version:
         """The newest version, pinned: it is not recycled until :meth:`unpin`."""
         if self._newest is None:
             self.newest()
@@ -144,14 +144,14 @@ class VersionedWeights:
             version.pins += 1
             return version
 
-    def unpin(self, version: _Version) -> None:
+    def unpin(self, version: Version) -> None:
         """Release a :meth:`pin`."""
         with self._versions_lock:
             version.pins -= 1
             if version.pins == 0 and version is not self._newest:
                 self._retire(version)
 
-    def _retire(self, version: _Version) -> None:
+    def _retire(self, version: Version) -> None:
         if len(self._spare) < _SPARE_COPIES:
             self._spare.append(version)
 

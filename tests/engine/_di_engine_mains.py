@@ -4,7 +4,7 @@ import threading
 import numpy as np
 
 from conveyor.engine import OnlineRLContext, task
-from conveyor.engine.routing import FINISH_TOPIC
+from conveyor.engine.task_events import FINISH_TOPIC
 from conveyor.middleware import Barrier, ContextExchanger
 
 WAIT = 20

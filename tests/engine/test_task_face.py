@@ -10,7 +10,7 @@ from conveyor import OnlineRLContext, Task, task
 from conveyor.engine import STOP_EVENT, declares
 from conveyor.engine.parallel import generate_secret
 from conveyor.engine.parallel.router import Router
-from conveyor.engine.routing import FINISH_TOPIC
+from conveyor.engine.task_events import FINISH_TOPIC
 from tests.engine.test_state import Counter
 
 WAIT = 20

@@ -161,6 +161,22 @@ def test_grad_clip_accepts_a_float_and_rejects_a_negative():
         EchoPolicy({**cfg, "learn": {"grad_clip": -1.0}})
 
 
+@pytest.mark.parametrize("cls, model", [("PPOPolicy", {"action_space": "gaussian"}), ("SACPolicy", {}),
+                                        ("TD3Policy", {}), ("BCPolicy", {"action_space": "continuous"})])
+@pytest.mark.parametrize("bound", [[True, 1.0], [], True])
+def test_every_continuous_policy_refuses_an_action_bound_of_bools_or_no_values(cls, model, bound):
+    with pytest.raises(ConfigError, match=r"policy\.model\.action_low"):
+        getattr(conveyor.policy, cls)({"model": {"obs_shape": 3, "action_shape": 2, **model, "action_low": bound,
+                                                 "action_high": 2.0}})
+
+
+@pytest.mark.parametrize("cls, model", [("PPOPolicy", {"action_space": "gaussian"}), ("SACPolicy", {}),
+                                        ("TD3Policy", {}), ("BCPolicy", {"action_space": "continuous"})])
+def test_every_continuous_policy_takes_an_action_bound_of_ints_and_floats(cls, model):
+    cfg = {"model": {"obs_shape": 3, "action_shape": 2, **model, "action_low": [-1, -2.5], "action_high": 2}}
+    assert getattr(conveyor.policy, cls)(cfg).cfg.model.action_low == [-1, -2.5]
+
+
 def test_cuda_config_without_a_cuda_device_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"policy\.cuda=False"):

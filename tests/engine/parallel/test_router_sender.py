@@ -35,7 +35,7 @@ def test_only_the_nodes_that_may_end_the_run_can_set_task_finish_for_this_node(p
     import threading
 
     from conveyor.engine import task
-    from conveyor.engine.routing import FINISH_TOPIC
+    from conveyor.engine.task_events import FINISH_TOPIC
     mine, peer = peer_with_the_secret  # this node is "0", the peer "9"
     probed, finish_seen = threading.Event(), []
 

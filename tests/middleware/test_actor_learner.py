@@ -9,7 +9,7 @@ from easydict import EasyDict
 
 from conveyor import OnlineRLContext
 from conveyor.middleware import unroll_cutter, unroll_learner
-from tests.middleware.test_trainer import RecordingLearner, train
+from tests.middleware.test_on_policy import RecordingLearner, train
 
 
 def learn_cfg(batch_size, publish_every):

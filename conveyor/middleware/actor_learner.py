@@ -26,7 +26,7 @@ import treevalue
 from conveyor.data import DequeBuffer
 from conveyor.data.batch import to_numpy, to_tensor
 from conveyor.engine import OnlineRLContext, declares
-from conveyor.middleware.trainer import _learn_int, _Trainer
+from conveyor.middleware.trainer_base import TrainerBase, learn_int
 
 __all__ = ["unroll_cutter", "UnrollLearner", "unroll_learner"]
 
@@ -62,7 +62,7 @@ def unroll_cutter():
 
 
 @declares(reads=("train_data", "train_iter", "env_step"), writes=("train_data", "train_iter", "train_output"))
-class UnrollLearner(_Trainer):
+class UnrollLearner(TrainerBase):
     """One gradient step per ``cfg.policy.learn.batch_size`` unrolls received (and ``replay_ratio`` more on replayed
     ones), publishing every ``publish_every``.
 
@@ -92,12 +92,12 @@ class UnrollLearner(_Trainer):
     def __init__(self, cfg: Any, policy: Any) -> None:
         super().__init__(cfg, policy, "UnrollLearner")
         learn = cfg.policy.learn
-        self._batch_size = _learn_int(learn.get("batch_size"), "batch_size", "UnrollLearner")
-        self._publish_every = _learn_int(learn.get("publish_every"), "publish_every", "UnrollLearner")
-        self._replay_ratio = _learn_int(learn.get("replay_ratio", 0), "replay_ratio", "UnrollLearner", minimum=0)
+        self._batch_size = learn_int(learn.get("batch_size"), "batch_size", "UnrollLearner")
+        self._publish_every = learn_int(learn.get("publish_every"), "publish_every", "UnrollLearner")
+        self._replay_ratio = learn_int(learn.get("replay_ratio", 0), "replay_ratio", "UnrollLearner", minimum=0)
         self._replay: Optional[DequeBuffer] = None
         if self._replay_ratio:
-            size = _learn_int(learn.get("replay_size"), "replay_size", "UnrollLearner")
+            size = learn_int(learn.get("replay_size"), "replay_size", "UnrollLearner")
             self._replay = DequeBuffer(size, seed=cfg.get("seed"))
         self._queued: List[Any] = []
         self._since_publish = 0

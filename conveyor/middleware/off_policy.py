@@ -2,33 +2,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Protocol
-
+from typing import Any, Dict, List, Optional
 
 from conveyor.data.batch import flatten_batch
 from conveyor.engine import OnlineRLContext, declares
+from conveyor.middleware.protocols import Buffer, LearnPolicy, check_learn_view
 from conveyor.policy.learning import LearnResult
 
 __all__ = ["data_pusher", "OffPolicyLearner"]
-
-
-class Buffer(Protocol):
-    def extend(self, batch: Any) -> None: ...
-
-    def sample(self, n: int) -> Any: ...
-
-    def update_priority(self, index: Any, priority: Any) -> None: ...
-
-    @property
-    def prioritized(self) -> bool: ...
-
-    def __len__(self) -> int: ...
-
-
-class LearnPolicy(Protocol):
-    def forward(self, batch: Any) -> LearnResult: ...
-
-    def publish(self) -> int: ...
 
 
 def _valid_rows(batch: Any) -> Any:
@@ -86,9 +67,7 @@ class OffPolicyLearner:
     """
 
     def __init__(self, cfg: Any, policy: LearnPolicy, buffer: Buffer) -> None:
-        if not callable(getattr(policy, "forward", None)) or not callable(getattr(policy, "publish", None)):
-            raise TypeError(f"OffPolicyLearner needs a learn view with forward(batch) and publish(), such as "
-                            f"policy.learn_mode; got {policy!r}")
+        check_learn_view(policy, "OffPolicyLearner")
         learn = cfg.policy.learn
         self._policy = policy
         self._buffer = buffer
