@@ -126,8 +126,21 @@ class PipeGuard:
             self._pending.pop(pipe.id, None)
             self._trusted.pop(pipe.id, None)
 
+    def is_open(self, pipe_id: int) -> bool:
+        """Whether the pipe numbered ``pipe_id`` is admitted and not closed yet."""
+        with self._lock:
+            return pipe_id in self._pending or pipe_id in self._trusted
+
+    def close(self, pipe_id: int) -> None:
+        """Close the pipe numbered ``pipe_id`` if it is admitted (nng then calls :meth:`closed`)."""
+        with self._lock:
+            pipe = self._trusted[pipe_id] if pipe_id in self._trusted else self._pending.get(pipe_id, (0.0, None))[1]
+        if pipe is not None:
+            _close_pipe(pipe)
+
     def authenticated(self, pipe: Any) -> None:
-        """A message addressed to this incarnation came through ``pipe``: it is a peer's, no longer pending."""
+        """A message that passed every check of the router came through ``pipe``: it is a peer's, no longer
+        pending."""
         if pipe is None:
             return
         with self._lock:
@@ -165,10 +178,7 @@ class PipeGuard:
     def _refuse(self, pipe: Any, why: str) -> None:
         self._count("rejected_connections")
         self._log.log("connections", "router %s: closed a connection from %s (%s)", self._name, _remote(pipe), why)
-        try:
-            pipe.close()
-        except Exception:  # already closed by its peer: nothing left to refuse
-            pass
+        _close_pipe(pipe)
 
 
 class HandshakeGuard:
@@ -329,6 +339,13 @@ def close_socket(sock: Any) -> None:
         _closed.append((now, sock))
         while _closed and now - _closed[0][0] > _KEEP_CLOSED_S:
             _closed.popleft()
+
+
+def _close_pipe(pipe: Any) -> None:
+    try:
+        pipe.close()
+    except Exception:  # already closed by its peer
+        pass
 
 
 def _remote(pipe: Any) -> str:

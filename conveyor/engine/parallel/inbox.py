@@ -53,8 +53,8 @@ class _Router(Protocol):
 
     def _count(self, name: str, n: int = 1) -> None: ...
     def _on_hello(self, frame: Frame, message: Dict[str, Any]) -> None: ...
-    def _on_control(self, frame: Frame, message: Dict[str, Any]) -> None: ...
-    def _accept(self, frame: Frame) -> List[Callable[[Any], Any]]: ...
+    def _on_control(self, frame: Frame, message: Dict[str, Any], pipe: int) -> bool: ...
+    def _accept(self, frame: Frame, pipe: int) -> Optional[List[Callable[[Any], Any]]]: ...
     def _auth_failed(self, remote: str) -> None: ...
     def _resumed(self) -> None: ...
 
@@ -154,7 +154,8 @@ class Inbox:
                       type(error).__name__, error)
 
     def _handle(self, msg: Any) -> None:
-        """Check one received message and hand it to the router, or queue it for delivery."""
+        """Check one received message and hand it to the router, or queue it for delivery. Its connection counts
+        as a peer's (:meth:`PipeGuard.authenticated`) once the router took a message from it: not for a replay."""
         router = self._router
         view = memoryview(msg._buffer)  # pynng's view of the nng message: no copy until decoding
         try:
@@ -168,18 +169,22 @@ class Inbox:
             return router._auth_failed(_remote(msg.pipe) if msg.pipe is not None else "?")
         except MalformedFrame:
             return router._count("malformed")
+        pipe = msg.pipe.id if msg.pipe is not None else -1  # the connection it came through (-1: none known)
         if frame.topic == CONTROL_TOPIC:
             message = control_message(frame)
             if message is None:
                 return router._count("malformed")
             if frame.receiver_incarnation == HELLO:
                 return router._on_hello(frame, message) if message["kind"] == "state" else router._count("malformed")
-            self.guard.authenticated(msg.pipe)
-            return router._on_control(frame, message)
+            if router._on_control(frame, message, pipe):
+                self.guard.authenticated(msg.pipe)
+            return
         if frame.receiver_incarnation == HELLO:
             return router._count("malformed")  # a hello carries our state only: nothing else is replayable
+        handlers = router._accept(frame, pipe)
+        if handlers is None:
+            return
         self.guard.authenticated(msg.pipe)
-        handlers = router._accept(frame)
         if handlers:
             self._queue(msg, frame, handlers, len(view))
 

@@ -9,7 +9,10 @@ from a new incarnation has restarted: the old one is lost and *retired*, so its 
 refused (:mod:`~conveyor.engine.parallel.peers` keeps them, bounded, and says why none can come back).
 Within an incarnation, link counters are checked against a
 :class:`~conveyor.engine.parallel.guard.ReplayWindow`, and counters and state numbers that jump further
-than the sender could have counted are refused, so that one forged message cannot cut its peer off.
+than the sender could have counted are refused. An incarnation is bound to the inbox connection it speaks
+through (:meth:`~conveyor.engine.parallel.peers.Peer.admit`): while that is open and the peer live, its messages
+through another one and a new incarnation of its node id are refused (a holder of the secret cannot move its
+window or retire it); a lost peer's connection is closed and its binding released, for it to bind afresh.
 
 State: a node's *state* (advertised address, subscribed topics, the ids of the peers it has heard) goes
 on each link as soon as the link connects, whenever it changes, and every ``heartbeat_s``
@@ -38,7 +41,8 @@ from conveyor.engine.parallel.frame import Frame, pack
 from conveyor.engine.parallel.guard import AuthFailures, close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
-from conveyor.engine.parallel.peers import MAX_SEQ_JUMP, MAX_TOPICS_PER_PEER, Link, Peer, PeerTable, is_local_address
+from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, MAX_TOPICS_PER_PEER, REFUSALS, Link, Peer, PeerTable,
+                                           is_local_address)
 
 __all__ = ["Link", "Membership", "Peer", "is_local_address"]  # the first, second and last live in peers.py
 
@@ -60,6 +64,8 @@ class _Router(Protocol):
     def closed(self) -> bool: ...
     def topics(self) -> List[str]: ...
     def _count(self, name: str, n: int = 1) -> None: ...
+    def _pipe_open(self, pipe: int) -> bool: ...
+    def _close_pipe(self, pipe: int) -> None: ...
     def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True,
               count: bool = True) -> bool: ...
 
@@ -268,15 +274,18 @@ class Membership:
                 self.links[url].dropped_at = 0.0
             dead += [(p, "its connection closed") for p in self.peers.values()
                      if p.alive and p.address in dropped and not self.links[p.address].connected]
+            pipes = [p.pipe for p, _ in dead if p.pipe is not None]
         for peer, why in dead:
             self._lose(peer, why)
+        for pipe in pipes:  # half open, or silent: whatever comes back reconnects and binds afresh
+            self._router._close_pipe(pipe)
 
     def _lose(self, peer: Peer, why: str) -> None:
         node_id = self._router.node_id
         with self._lock:
             if not peer.alive:
                 return
-            peer.alive = False
+            peer.alive, peer.pipe = False, None  # its next message binds whichever connection it comes through
             peer.topics = frozenset()
             self._router._count("peers_lost")
             self._changed.notify_all()
@@ -301,7 +310,7 @@ class Membership:
         sender, inc = frame.sender, frame.sender_incarnation
         with self._lock:
             if self.peers.replaced(sender, inc):
-                return self._refuse_replay(frame)
+                return self._refuse("replay", frame)
             if len(self._candidates) >= _MAX_CANDIDATES and (sender, inc) not in self._candidates:
                 self._candidates.pop(next(iter(self._candidates)))
             self._candidates[(sender, inc)] = (message["address"], time.monotonic() + self._router.auth_timeout_s)
@@ -310,9 +319,11 @@ class Membership:
             self._dial_back(message["address"], None)
         self._wake.set()
 
-    def on_control(self, frame: Frame, message: Dict[str, Any]) -> None:
-        """State or goodbye sealed for us: proof that ``frame``'s incarnation runs now, unless it is a replay
-        (its counter seen, or its incarnation replaced and this nothing new from it) or jumps too far."""
+    def on_control(self, frame: Frame, message: Dict[str, Any], pipe: int) -> bool:
+        """State or goodbye sealed for us, through inbox connection ``pipe``: proof that ``frame``'s incarnation
+        runs now, unless it is a replay (its counter seen, or its incarnation replaced and this nothing new from
+        it), jumps too far, or comes through another connection than its incarnation's, or than a live
+        previous incarnation's of its node id. Returns whether it was taken."""
         sender, inc, bye = frame.sender, frame.sender_incarnation, message["kind"] == "bye"
         with self._lock:
             old = self.peers.get(sender)
@@ -320,19 +331,21 @@ class Membership:
             if old is None or old.incarnation != inc:
                 new = self.peers.retired(sender, inc)
                 if (new is None or bye) and self.peers.replaced(sender, inc):
-                    return self._refuse_replay(frame)
+                    return self._refuse("replay", frame)
                 if bye:
-                    return
+                    return False
                 returning, new = new is not None, new or Peer(sender, message["address"], inc)
-                if not self._fresh(new, frame, replaced=returning):
-                    return
+                if not self._fresh(new, frame, pipe, replaced=returning):
+                    return False
+                if old is not None and old.alive and old.bound_elsewhere(pipe, self._router._pipe_open):
+                    return self._refuse("impersonation", frame)
                 if old is None and not self.peers.make_room(sender):
                     self._router._count("rejected_peers")
                     self._log.log("peers full", "router %s: refused peer %r: already %d peers, all live",
                                   self._router.node_id, sender, len(self.peers))
-                    return
-            elif not self._fresh(old, frame, replaced=False):
-                return
+                    return False
+            elif not self._fresh(old, frame, pipe, replaced=False):
+                return False
         if new is not None:
             if old is not None:
                 self._lose(old, "it restarted")  # its callbacks run before the new incarnation is live
@@ -343,6 +356,7 @@ class Membership:
                 self.peers[sender] = new
         with self._lock:
             peer = self.peers[sender]
+            peer.pipe = pipe  # bound to the connection it speaks through (released if it is lost)
             if bye:
                 new_link = False
             else:
@@ -358,55 +372,50 @@ class Membership:
                     link.for_hello = False
                 self._changed.notify_all()
         if bye:
-            return self._lose(peer, "it closed")
+            self._lose(peer, "it closed")
+            return True
         if new_link:
             self._dial_back(peer.address, inc)
         if not was_alive or self._router.node_id not in peer.heard or new_link:
             self._wake.set()  # tell it (again) that we heard it
+        return True
 
-    def _fresh(self, peer: Peer, frame: Frame, replaced: bool) -> bool:
-        """Whether a control message of ``peer``'s incarnation is new: its counter unseen and not absurdly far
-        ahead, its state number newer (not absurdly). ``replaced``: an older state is then a replay."""
-        if peer.window.too_far(frame.counter) or frame.seq - peer.control_seq > MAX_SEQ_JUMP:
-            return self._refuse_jump(frame)
-        if not peer.window.accept(frame.counter) or (replaced and frame.seq <= peer.control_seq):
-            self._refuse_replay(frame)
-            return False
+    def _fresh(self, peer: Peer, frame: Frame, pipe: int, replaced: bool) -> bool:
+        """Whether a control message of ``peer``'s incarnation through ``pipe`` is new (:meth:`Peer.admit`), its
+        state number newer (not absurdly). ``replaced``: an older state is then a replay."""
+        if frame.seq - peer.control_seq > MAX_SEQ_JUMP:
+            return self._refuse("jump", frame)
+        refused = peer.admit(frame.counter, pipe, self._router._pipe_open)
+        if refused is None and replaced and frame.seq <= peer.control_seq:
+            refused = "replay"
+        if refused is not None:
+            return self._refuse(refused, frame)
         if frame.seq <= peer.control_seq:
             return False  # an older state overtaken by a newer one
         peer.control_seq = frame.seq
         return True
 
-    def _refuse_replay(self, frame: Frame) -> None:
-        self._router._count("rejected_replay")
-        self._log.log("replay", "router %s: refused a recorded message from %r (incarnation %s): it was sent before, "
-                      "or by an incarnation that restarted since", self._router.node_id, frame.sender,
-                      frame.sender_incarnation.hex(), level=logging.INFO)
-
-    def _refuse_jump(self, frame: Frame) -> bool:
-        self._router._count("malformed")
-        self._log.log("jump", "router %s: refused a message from %r on %r numbered far past its last one (counter "
-                      "%d, seq %d): not one its sender could have counted", self._router.node_id, frame.sender,
-                      frame.topic, frame.counter, frame.seq)
+    def _refuse(self, kind: str, frame: Frame) -> bool:
+        """Count a message refused as ``kind`` (a key of ``REFUSALS``), log it at a bounded rate; False."""
+        name, level, why = REFUSALS[kind]
+        self._router._count(name)
+        self._log.log(kind, "router %s: refused a message from %r (incarnation %s) on %r (counter %d, seq %d): %s",
+                      self._router.node_id, frame.sender, frame.sender_incarnation.hex(), frame.topic, frame.counter,
+                      frame.seq, why, level=level)
         return False
 
-    def accept(self, frame: Frame) -> bool:
-        """Whether an authentic data message is new from a known peer: not when its sender incarnation is not
-        a known peer's, its counter was seen or jumps too far, or its seq is a repeat or an absurd jump (each
-        counted). Call with the lock held."""
+    def accept(self, frame: Frame, pipe: int) -> bool:
+        """Whether an authentic data message through inbox connection ``pipe`` is new from a known peer: not
+        when its sender incarnation is not a known peer's, :meth:`Peer.admit` refuses it, or its seq is a repeat
+        or an absurd jump (each counted); if so the incarnation is bound to ``pipe``. Call with the lock held."""
         count = self._router._count
         peer = self.peers.get(frame.sender)
         if peer is None or peer.incarnation != frame.sender_incarnation:
-            if self.peers.replaced(frame.sender, frame.sender_incarnation):
-                self._refuse_replay(frame)
-            else:
-                count("malformed")
-            return False
-        if peer.window.too_far(frame.counter):
-            return self._refuse_jump(frame)
-        if not peer.window.accept(frame.counter):
-            count("rejected_replay")
-            return False
+            return self._refuse("replay" if self.peers.replaced(frame.sender, frame.sender_incarnation) else "unknown",
+                                frame)
+        refused = peer.admit(frame.counter, pipe, self._router._pipe_open)
+        if refused is not None:
+            return self._refuse(refused, frame)
         if peer.alive:
             peer.last_seen = time.monotonic()
         last = peer.last_seq.get(frame.topic, -1)
@@ -414,7 +423,7 @@ class Membership:
             count("duplicated")
             return False
         if frame.seq - last > MAX_SEQ_JUMP:
-            return self._refuse_jump(frame)  # would make every later message of its look old
+            return self._refuse("jump", frame)  # would make every later message of its look old
         if last < 0 and len(peer.last_seq) >= MAX_TOPICS_PER_PEER:
             count("malformed")
             self._log.log("topics", "router %s: refused a message on %r from %r: it already sent on %d topics",
@@ -422,7 +431,7 @@ class Membership:
             return False
         if last >= 0 and frame.seq - last > 1:  # counted only on a gap: the common case takes no lock call
             count("lost", frame.seq - last - 1)
-        peer.last_seq[frame.topic] = frame.seq
+        peer.last_seq[frame.topic], peer.pipe = frame.seq, pipe
         return True
 
     def auth_failed(self, remote: str) -> None:

@@ -7,7 +7,13 @@ replay windows and state numbers*, so their recorded messages are refused as rep
 refused by age (an incarnation carries its start time, see :func:`~conveyor.engine.parallel.frame.new_incarnation`),
 so a recorder cannot cycle them out. A replaced incarnation may come back only with a message it never
 sent before (an unseen link counter and a newer state number): proof that its process still runs, which a
-recording cannot give, so a holder of the secret who forges a newer incarnation cannot cut the live one off.
+recording cannot give.
+
+Each incarnation speaks through one connection to our inbox (one nng pipe of its link's Push0 socket at a
+time): :meth:`Peer.admit` binds it to the connection of its first message taken, and refuses its messages
+through any other connection while that one is open. The secret is shared, so anyone holding it can seal
+a message in another node's name; the connection is what such a forger cannot share, so it cannot touch
+the replay window of a node that speaks, and cannot cut it off by numbering its messages ahead.
 
 Everything here is keyed by ids a holder of the secret chooses, so it is bounded: at most :data:`MAX_PEERS`
 node ids (a dead peer is forgotten to make room for a new one; a live one never is) and
@@ -17,20 +23,31 @@ from __future__ import annotations
 
 import collections
 import ipaddress
+import logging
 import time
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Optional
 from urllib.parse import urlsplit
 
 from conveyor.engine.parallel.frame import incarnation_started
 from conveyor.engine.parallel.guard import ReplayWindow
 
-__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "Peer", "PeerTable", "RETIRED_PER_NODE",
-           "is_local_address"]
+__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "Peer", "PeerTable", "REFUSALS",
+           "RETIRED_PER_NODE", "is_local_address"]
 
 MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
 RETIRED_PER_NODE = 16  # replaced incarnations of one node id kept with their windows; older ones refused by age
 MAX_PEERS = 1024  # node ids remembered; a dead one is forgotten to make room, a live one never
 MAX_TOPICS_PER_PEER = 1024  # topics whose seq is tracked per peer
+REFUSALS = {  # kinds of refused message (Peer.admit's, membership's): (counter in stats(), log level, why)
+    "replay": ("rejected_replay", logging.INFO, "it was sent before, or by an incarnation that restarted since"),
+    "unknown": ("malformed", logging.INFO, "data from an incarnation that is no known peer's"),
+    "jump": ("malformed", logging.WARNING, "numbered far past its last one: not one its sender could have counted"),
+    "foreign pipe": ("rejected_foreign_pipe", logging.WARNING, "that incarnation speaks through another connection, "
+                     "still open: sealed in its name by another holder of the secret"),
+    "impersonation": ("rejected_impersonation", logging.WARNING, "a new incarnation of a live node that speaks "
+                      "through another connection, still open: announced in its name by another holder of the "
+                      "secret"),
+}
 
 
 def is_local_address(url: str) -> bool:
@@ -77,6 +94,23 @@ class Peer:
         self.alive = False
         self.window = ReplayWindow(max_jump=MAX_SEQ_JUMP)
         self.last_seq: Dict[str, int] = {}
+        self.pipe: Optional[int] = None  # id of the inbox connection it speaks through (None: not bound, or lost)
+
+    def bound_elsewhere(self, pipe: int, pipe_open: Callable[[int], bool]) -> bool:
+        """Whether this incarnation speaks through another inbox connection than ``pipe`` that is still open
+        (``pipe_open(id)``): a message of its through ``pipe`` was then sealed by someone else."""
+        return self.pipe is not None and self.pipe != pipe and pipe_open(self.pipe)
+
+    def admit(self, counter: int, pipe: int, pipe_open: Callable[[int], bool]) -> Optional[str]:
+        """Why a message of this incarnation with link counter ``counter``, through inbox connection ``pipe``,
+        is refused: ``"foreign pipe"`` (:meth:`bound_elsewhere`), ``"jump"`` (a counter it could not have
+        reached) or ``"replay"`` (seen before); None: the counter is new, and marked seen. The caller binds
+        ``pipe`` (``peer.pipe = pipe``) once every check of its own passed too."""
+        if self.bound_elsewhere(pipe, pipe_open):
+            return "foreign pipe"
+        if self.window.too_far(counter):
+            return "jump"
+        return None if self.window.accept(counter) else "replay"
 
 
 class PeerTable(Dict[str, Peer]):

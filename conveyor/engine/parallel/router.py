@@ -19,9 +19,11 @@ Trust (:mod:`~conveyor.engine.parallel.frame` has the message format). Each rout
 *incarnation* when it starts. A message is tagged with a key derived from the shared secret and the
 incarnations of its sender and its receiver, so it only authenticates at the receiver incarnation it
 was sealed for; a handshake proves each peer's incarnation fresh, and restarted peers' old incarnations
-are retired (:mod:`~conveyor.engine.parallel.membership` has the handshake). Refusals are counted:
-``rejected_size``, ``rejected_auth``, ``rejected_replay``, ``malformed`` (a counter or seq that jumps further
-than its sender could have counted, too), ``rejected_peers``.
+are retired (:mod:`~conveyor.engine.parallel.membership` has the handshake). The secret is shared, so each
+incarnation is also bound to the inbox connection it speaks through: another holder of the secret sealing
+in its name through another connection is refused. Refusals are counted: ``rejected_size``,
+``rejected_auth``, ``rejected_replay``, ``malformed`` (a counter or seq that jumps further than its sender
+could have counted, too), ``rejected_foreign_pipe``, ``rejected_impersonation``, ``rejected_peers``.
 
 Membership (:mod:`~conveyor.engine.parallel.membership`): a node's state (address, topics, peers heard)
 goes to its peers when it changes and every ``heartbeat_s``. A peer silent for ``peer_timeout_s``, one
@@ -132,7 +134,8 @@ class Router:
         self._delivering = threading.local()  # the delivery thread: the sender of the message being handled
         self._counts = dict.fromkeys(("sent", "received", "rejected_auth", "rejected_size", "rejected_replay",
                                       "rejected_connections", "malformed", "lost", "duplicated", "send_timeouts",
-                                      "handler_errors", "receive_errors", "peers_lost", "rejected_peers"), 0)
+                                      "handler_errors", "receive_errors", "peers_lost", "rejected_peers",
+                                      "rejected_foreign_pipe", "rejected_impersonation"), 0)
         self._log = RateLimitedLog(log)
         self._members = Membership(self, self._lock, self._changed, self._wake, self._log)
         self._inbox = Inbox(self, self._inc, listen, decode=codec.decode if codec is not None else _codec.decode,
@@ -336,11 +339,12 @@ class Router:
                 self._inbox.error("control", e)
 
     # --- what the inbox hands over (inbox._Router) ---------------------------------------------------
-    def _accept(self, frame: Frame) -> List[Callable[[Any], Any]]:
-        """The handlers to deliver an authentic data message to: none where membership refuses it."""
+    def _accept(self, frame: Frame, pipe: int) -> Optional[List[Callable[[Any], Any]]]:
+        """The handlers to deliver an authentic data message that came through inbox connection ``pipe`` to;
+        None where membership refuses it."""
         with self._lock:
-            if not self._members.accept(frame):
-                return []
+            if not self._members.accept(frame, pipe):
+                return None
             self._counts["received"] += 1
             return [functools.partial(self._deliver, frame.sender, fn) for fn in self._handlers.get(frame.topic, ())]
 
@@ -355,8 +359,14 @@ class Router:
     def _on_hello(self, frame: Frame, message: Dict[str, Any]) -> None:
         self._members.on_hello(frame, message)
 
-    def _on_control(self, frame: Frame, message: Dict[str, Any]) -> None:
-        self._members.on_control(frame, message)
+    def _on_control(self, frame: Frame, message: Dict[str, Any], pipe: int) -> bool:
+        return self._members.on_control(frame, message, pipe)
+
+    def _pipe_open(self, pipe: int) -> bool:
+        return self._inbox.guard.is_open(pipe)
+
+    def _close_pipe(self, pipe: int) -> None:
+        self._inbox.guard.close(pipe)
 
     def _auth_failed(self, remote: str) -> None:
         self._members.auth_failed(remote)
@@ -371,7 +381,9 @@ class Router:
     def stats(self) -> Dict[str, Any]:
         """Counters: ``sent``, ``received``, ``rejected_auth``, ``rejected_size``, ``rejected_replay``,
         ``rejected_connections``, ``malformed``, ``lost``, ``duplicated``, ``send_timeouts``, ``handler_errors``,
-        ``receive_errors``, ``peers_lost``, ``rejected_peers`` (new node ids refused while every known one lives);
+        ``receive_errors``, ``peers_lost``, ``rejected_peers`` (new node ids refused while every known one lives),
+        ``rejected_foreign_pipe`` (messages in the name of an incarnation that speaks through another connection)
+        and ``rejected_impersonation`` (new incarnations of a live node id announced through another connection);
         ``peers``: live peer ids; ``connections`` and ``pending``: the inbox's connections now, and those not
         authenticated yet; ``handshaking``: tcp connections nng holds before its handshake; ``backlog_bytes``:
         received, not yet delivered."""

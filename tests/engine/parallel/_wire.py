@@ -1,4 +1,5 @@
 """Hand-made traffic for the router tests: messages sealed as a known peer would, raw sockets, memory."""
+import itertools
 import socket
 import struct
 import time
@@ -6,6 +7,8 @@ import time
 import pynng
 
 from conveyor.engine.parallel import encode, generate_secret, seal
+from conveyor.engine.parallel.frame import new_incarnation
+from conveyor.engine.parallel.router import CONTROL_TOPIC
 
 WAIT = 10  # seconds: the bound on every wait; a healthy exchange takes milliseconds
 SECRET = generate_secret()
@@ -13,10 +16,9 @@ FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
 
 
 def as_peer(sender, receiver, secret):
-    """A sealer of messages from ``sender``'s incarnation to ``receiver``'s, as if ``sender`` sent them. Their
-    link counters are far above the router's own, so none repeats one of its, and the receiver then refuses
-    ``sender``'s own later messages as too old: seal as a router kept for injecting only. ``frames=`` sends
-    raw codec frames."""
+    """A sealer of messages from ``sender``'s incarnation to ``receiver``'s, as if ``sender`` sent them (link
+    counters from 2**31): what a recording or a forgery in its name can carry. ``receiver`` takes none of them
+    through another connection than ``sender``'s own while that one is open. ``frames=`` sends raw codec frames."""
     deadline = time.monotonic() + WAIT
     while sender.node_id not in receiver.peers():  # its state reached the receiver: its incarnation is known
         assert time.monotonic() < deadline, f"{receiver.node_id} never heard {sender.node_id}"
@@ -28,6 +30,23 @@ def as_peer(sender, receiver, secret):
     def sealed(topic, seq, payload=None, *, frames=None, key=secret):
         return seal(key, topic, seq, sender.node_id, encode(payload) if frames is None else frames,
                     counter=next(counter), **keys)
+    return sealed
+
+
+def join_as(raw, receiver, node_id="injector", secret=SECRET):
+    """Make ``node_id`` a peer of ``receiver`` that speaks through ``raw`` (a :func:`raw_sender`): its state, sealed
+    for ``receiver`` from a new incarnation. Returns a sealer of that incarnation's messages (link counters from 1,
+    or ``counter=``; ``frames=`` sends raw codec frames), which ``receiver`` takes through ``raw`` only. It sends
+    no heartbeat: ``receiver`` loses it after ``peer_timeout_s`` (and closes ``raw``'s connection, which redials)."""
+    keys = dict(sender_incarnation=new_incarnation(), receiver_incarnation=bytes.fromhex(receiver.incarnation))
+    counters = itertools.count()
+    state = {"kind": "state", "address": receiver.address, "topics": [], "heard": [receiver.node_id]}
+    raw.send(seal(secret, CONTROL_TOPIC, 0, node_id, encode(state), counter=next(counters), **keys))
+    eventually(lambda: node_id in receiver.peers(), f"{receiver.node_id} hears {node_id}")
+
+    def sealed(topic, seq, payload=None, *, frames=None, key=secret, counter=None):
+        return seal(key, topic, seq, node_id, encode(payload) if frames is None else frames,
+                    counter=next(counters) if counter is None else counter, **keys)
     return sealed
 
 

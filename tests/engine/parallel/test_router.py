@@ -20,7 +20,7 @@ from conveyor.engine.parallel import generate_secret
 from conveyor.engine.parallel.guard import close_socket
 from conveyor.engine.parallel.router import Router
 from tests.engine.parallel._groups import kill_group
-from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, eventually, raw_sender
+from tests.engine.parallel._wire import FAST, SECRET, WAIT, eventually, join_as, raw_sender
 
 PEER_SCRIPT = Path(__file__).with_name("_router_peer.py")
 ROOT = Path(__file__).resolve().parents[3]
@@ -105,14 +105,12 @@ def test_three_routers_in_two_processes_exchange_messages(make_router, spawn_pee
 def test_forged_corrupted_and_oversize_messages_are_dropped_and_counted(make_router, tmp_path):
     receiver = make_router("receiver", listen=f"ipc://{tmp_path}/receiver.ipc", max_message_size=1 << 16)
     sender = make_router("sender", peers=[receiver.address])
-    injector = make_router("injector", peers=[receiver.address])  # a known peer whose messages we make by hand
     got = collect(receiver, "x")
     sender.wait_for_subscribers("x", 1, WAIT)
-    injector.wait_for_subscribers("x", 1, WAIT)
-    sealed = as_peer(injector, receiver, SECRET)
-    flipped = bytearray(sealed("x", 100, "good"))
-    flipped[len(flipped) // 2] ^= 0x01
     with raw_sender(receiver.address) as raw:
+        sealed = join_as(raw, receiver)  # a known peer whose messages we make by hand
+        flipped = bytearray(sealed("x", 100, "good"))
+        flipped[len(flipped) // 2] ^= 0x01
         raw.send(sealed("x", 100, "forged", key=generate_secret()))
         raw.send(bytes(flipped))
         raw.send(sealed("x", 101, b"\x00" * (1 << 16)))  # over max, under nng's 2x cut-off
@@ -125,11 +123,9 @@ def test_forged_corrupted_and_oversize_messages_are_dropped_and_counted(make_rou
 
 def test_gaps_count_as_lost_and_repeats_are_dropped_as_duplicated(make_router):
     receiver = make_router("receiver")
-    injector = make_router("injector", peers=[receiver.address])
     got = collect(receiver, "x")
-    injector.wait_for_subscribers("x", 1, WAIT)
-    sealed = as_peer(injector, receiver, SECRET)
     with raw_sender(receiver.address) as raw:
+        sealed = join_as(raw, receiver)
         for seq in (0, 1, 3, 3, 2, 4, 5):
             raw.send(sealed("x", seq, seq))
         assert [got.get(timeout=WAIT) for _ in range(5)] == [0, 1, 3, 4, 5]

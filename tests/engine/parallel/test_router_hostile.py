@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from conveyor.engine.parallel import DecodeError, decode, encode, generate_secret, open_frame
 from conveyor.engine.parallel.frame import HELLO
-from tests.engine.parallel._wire import (FAST, SECRET, WAIT, as_peer, eventually, raw_sender, rss_bytes, sp_connect,
-                                        sp_length)
+from tests.engine.parallel._wire import (FAST, SECRET, WAIT, as_peer, eventually, join_as, raw_sender, rss_bytes,
+                                        sp_connect, sp_length)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -84,10 +84,6 @@ hostile = st.one_of(
 
 def test_no_input_of_any_length_or_content_ends_the_receive_loop(make_router):
     receiver, sender, got = pair(make_router)
-    injector = make_router("injector", peers=[receiver.address])
-    injector.wait_for_subscribers("x", 1, WAIT)
-    sealed = as_peer(injector, receiver, SECRET)
-    valid = sealed("x", 1, {"obs": np.arange(12.0).reshape(3, 4)})
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(hostile)
@@ -108,6 +104,8 @@ def test_no_input_of_any_length_or_content_ends_the_receive_loop(make_router):
         raw.send(data)
 
     with raw_sender(receiver.address) as raw:
+        sealed = join_as(raw, receiver)
+        valid = sealed("x", 1, {"obs": np.arange(12.0).reshape(3, 4)})
         send()
     still_receives(sender, got)
     stats = receiver.stats()
@@ -123,8 +121,10 @@ class Tap:
     def __init__(self, listen, forward_to):
         import pynng
         self.recorded = []
+        self._forward_to = forward_to
         self._in = pynng.Pull0(listen=listen, recv_timeout=100)
         self._out = pynng.Push0(dial=forward_to, send_timeout=WAIT * 1000)
+        self._sending = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._relay, daemon=True)
         self._thread.start()
@@ -137,7 +137,17 @@ class Tap:
             except pynng.Timeout:
                 continue
             self.recorded.append(data)
-            self._out.send(data)
+            with self._sending:
+                self._out.send(data)
+
+    def reconnect(self, closed):
+        """Close the connection it forwards on, wait for ``closed()`` (the receiver saw it close), and forward on a
+        new one: what a link whose connection broke does, its sender's incarnation unchanged."""
+        import pynng
+        with self._sending:
+            self._out.close()
+            eventually(closed, "the receiver sees the old connection closed")
+            self._out = pynng.Push0(dial=self._forward_to, send_timeout=WAIT * 1000)
 
     def close(self):
         self._stop.set()
@@ -223,15 +233,13 @@ def test_arrays_sharing_one_buffer_are_refused_instead_of_multiplying_it():
 
 def test_an_amplifying_message_is_dropped_and_heartbeats_go_on(make_router):
     receiver, sender, got = pair(make_router, max_message_size=32 << 20)
-    injector = make_router("injector", peers=[receiver.address])
-    injector.wait_for_subscribers("x", 1, WAIT)
-    sealed = as_peer(injector, receiver, SECRET)
     buffer = np.zeros(16 << 20, np.uint8)
     node = json.loads(encode(buffer)[0])
     frames = [json.dumps({"t": [node] * 150}).encode(), memoryview(buffer)]  # ~2.4 GB if each array were decoded
     gc.collect()
     before = rss_bytes()
     with raw_sender(receiver.address) as raw:
+        sealed = join_as(raw, receiver)
         raw.send(sealed("x", 1, frames=frames))
         eventually(lambda: receiver.stats()["malformed"] == 1, "the amplifying message refused")
     still_receives(sender, got)
@@ -264,10 +272,8 @@ def test_a_slow_handler_does_not_make_healthy_peers_look_silent(make_router):
 
 def test_a_seq_near_two_to_the_64_does_not_block_its_sender(make_router):
     receiver, sender, got = pair(make_router)
-    injector = make_router("injector", peers=[receiver.address])
-    injector.wait_for_subscribers("x", 1, WAIT)
-    sealed = as_peer(injector, receiver, SECRET)
     with raw_sender(receiver.address) as raw:
+        sealed = join_as(raw, receiver)
         raw.send(sealed("x", 0, "first"))
         raw.send(sealed("x", 2 ** 64 - 2, "far future"))
         raw.send(sealed("x", 1, "second"))

@@ -1,17 +1,18 @@
-"""Trust, round two: a recorded message of a replaced incarnation, a forged counter or seq, a node id flood and a
-node with another secret knocking on a listener are each refused, counted, and never cut an honest peer off."""
+"""Trust, round two: a recorded message of a replaced incarnation, a forged counter or seq, messages or a new
+incarnation sealed in a live peer's name through another connection, a node id flood and a node with another
+secret knocking on a listener are each refused, counted, and never cut an honest peer off."""
 import logging
 import queue
 import time
 
 import pytest
 
-from conveyor.engine.parallel import encode, generate_secret, seal
+from conveyor.engine.parallel import encode, generate_secret, open_frame, seal
 from conveyor.engine.parallel import peers as peers_module
 from conveyor.engine.parallel.frame import new_incarnation
 from conveyor.engine.parallel.peers import RETIRED_PER_NODE, Peer, PeerTable
 from conveyor.engine.parallel.router import CONTROL_TOPIC
-from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, eventually, raw_sender
+from tests.engine.parallel._wire import FAST, SECRET, WAIT, eventually, join_as, raw_sender
 from tests.engine.parallel.test_router_hostile import Tap, pair, still_receives
 
 
@@ -21,6 +22,87 @@ def forged_state(sender, receiver, *, incarnation=None, seq=0, counter=1 << 31, 
     return seal(SECRET, CONTROL_TOPIC, seq, sender.node_id, encode(state), counter=counter,
                 sender_incarnation=incarnation or bytes.fromhex(sender.incarnation),
                 receiver_incarnation=bytes.fromhex(receiver.incarnation))
+
+
+@pytest.fixture
+def tapped(make_router, tmp_path):
+    """``tapped(**receiver_options)``: a receiver, a sender whose messages to it pass a :class:`Tap` (what anyone
+    on the wire reads), the queue of what the receiver gets on "x", and the tap (closed at the end)."""
+    taps = []
+
+    def make(**receiver_options):
+        receiver_listen, tap_listen = f"ipc://{tmp_path}/receiver.ipc", f"ipc://{tmp_path}/tap.ipc"
+        receiver = make_router("receiver", listen=receiver_listen, advertise=tap_listen, **receiver_options)
+        taps.append(Tap(tap_listen, receiver_listen))
+        sender = make_router("sender", peers=[tap_listen])
+        got = queue.Queue()
+        receiver.on("x", got.put)
+        sender.wait_for_subscribers("x", 1, WAIT)
+        eventually(lambda: receiver.peers() == ["sender"], "the receiver hears the sender through the tap")
+        return receiver, sender, got, taps[-1]
+
+    yield make
+    for tap in taps:
+        tap.close()
+
+
+def keyed(tap, receiver):
+    """The frames the tap relayed sealed for ``receiver``'s incarnation (incarnations and counters are in clear)."""
+    frames = [open_frame(SECRET, data, 1 << 30) for data in tap.recorded]
+    return [(f, data) for f, data in zip(frames, tap.recorded) if f.receiver_incarnation.hex() == receiver.incarnation]
+
+
+@pytest.mark.parametrize("ahead", [1000, 1 << 31])
+def test_messages_sealed_ahead_in_a_live_peers_name_through_another_connection_are_refused(tapped, ahead):
+    receiver, sender, got, tap = tapped()
+    counter = max(f.counter for f, _ in keyed(tap, receiver)) + ahead  # a little ahead of the honest one
+    keys = dict(sender_incarnation=bytes.fromhex(sender.incarnation),
+                receiver_incarnation=bytes.fromhex(receiver.incarnation))
+    hello = {"kind": "state", "address": receiver.address, "topics": ["x"], "heard": []}
+    with raw_sender(receiver.listen_address) as raw:  # the forger's own connection, past the tap
+        raw.send(seal(SECRET, CONTROL_TOPIC, 1 << 20, "sender", encode(hello), counter=counter,
+                      sender_incarnation=keys["sender_incarnation"]))  # a hello: answered, binds and moves nothing
+        raw.send(seal(SECRET, "x", 1 << 20, "sender", encode("forged"), counter=counter, **keys))
+        raw.send(forged_state(sender, receiver, seq=1 << 20, counter=counter + 1))
+        raw.send(seal(SECRET, CONTROL_TOPIC, 1 << 20, "sender", encode({"kind": "bye"}), counter=counter + 2, **keys))
+        eventually(lambda: receiver.stats()["rejected_foreign_pipe"] == 3, "the three forged messages refused")
+    assert sender.publish("x", "honest") == 1 and got.get(timeout=WAIT) == "honest"
+    stats = receiver.stats()
+    assert stats["peers_lost"] == 0 and stats["peers"] == ["sender"] and stats["rejected_foreign_pipe"] == 3
+
+
+def test_a_new_incarnation_announced_in_a_live_nodes_name_through_another_connection_is_refused(make_router,
+                                                                                                caplog):
+    caplog.set_level(logging.WARNING, logger="conveyor.engine.parallel.router")
+    receiver, sender, got = pair(make_router)
+    with raw_sender(receiver.address) as raw:
+        raw.send(forged_state(sender, receiver, incarnation=new_incarnation(), counter=0))
+        eventually(lambda: receiver.stats()["rejected_impersonation"] == 1, "the made-up incarnation refused")
+    assert sender.publish("x", "honest") == 1 and got.get(timeout=WAIT) == "honest"
+    stats = receiver.stats()
+    assert stats["peers_lost"] == 0 and stats["peers"] == ["sender"]
+    assert any("announced in its name" in r.getMessage() for r in caplog.records)
+
+
+def test_a_recorded_message_replayed_on_a_new_connection_does_not_make_it_a_peers(tapped):
+    receiver, sender, got, tap = tapped(auth_timeout_s=1.0)
+    assert sender.publish("x", "once") == 1 and got.get(timeout=WAIT) == "once"
+    recorded = keyed(tap, receiver)[-1][1]
+    closed = receiver.stats()["rejected_connections"]
+    with raw_sender(receiver.listen_address) as raw:
+        raw.send(recorded)
+        eventually(lambda: receiver.stats()["rejected_connections"] > closed, "its connection closed as a stranger's")
+    stats = receiver.stats()
+    assert stats["rejected_foreign_pipe"] == 1 and stats["peers_lost"] == 0
+    assert sender.publish("x", "after") == 1 and got.get(timeout=WAIT) == "after"
+
+
+def test_a_peer_whose_connection_broke_is_heard_through_its_new_one(tapped):
+    receiver, sender, got, tap = tapped()
+    tap.reconnect(lambda: receiver.stats()["connections"] == 0)
+    assert sender.publish("x", "after") == 1 and got.get(timeout=WAIT) == "after"
+    stats = receiver.stats()
+    assert stats["peers_lost"] == 0 and stats["rejected_foreign_pipe"] == 0 and stats["connections"] == 1
 
 
 def test_a_recorded_state_of_a_restarted_incarnation_is_refused_and_the_new_one_stays_live(make_router, tmp_path):
@@ -60,38 +142,31 @@ def test_an_incarnation_replaced_long_ago_stays_refused_however_many_restarts_fo
     assert not table.replaced("collector", incarnations[-1]) and not table.replaced("other", incarnations[0])
 
 
-def test_a_forged_newer_incarnation_does_not_cut_off_the_live_one(make_router):
-    receiver, sender, got = pair(make_router)
-    with raw_sender(receiver.address) as raw:
-        raw.send(forged_state(sender, receiver, incarnation=new_incarnation()))
-        # taken for a restart, until the live incarnation's next state proves it still runs: the forged one is lost
-        eventually(lambda: receiver.stats()["peers_lost"] == 2, "the live incarnation taken back")
-    still_receives(sender, got)
-    assert receiver.peers() == ["sender"] and receiver.stats()["peers_lost"] == 2
-
-
-def test_a_forged_link_counter_near_two_to_the_64_does_not_cut_off_its_sender(make_router, caplog):
+def test_a_link_counter_near_two_to_the_64_does_not_cut_its_incarnation_off(make_router, caplog):
     caplog.set_level(logging.WARNING, logger="conveyor.engine.parallel.router")
-    receiver, sender, got = pair(make_router)
-    keys = dict(sender_incarnation=bytes.fromhex(sender.incarnation),
-                receiver_incarnation=bytes.fromhex(receiver.incarnation))
-    with raw_sender(receiver.address) as raw:
-        raw.send(seal(SECRET, "x", 1 << 20, "sender", encode("forged"), counter=2 ** 64 - 1, **keys))
-        raw.send(forged_state(sender, receiver, counter=2 ** 64 - 2))
-        eventually(lambda: receiver.stats()["malformed"] == 2, "both forged counters refused")
-    still_receives(sender, got)
-    assert got.empty() and receiver.stats()["peers_lost"] == 0
+    receiver = make_router("receiver")
+    got = queue.Queue()
+    receiver.on("x", got.put)
+    state = {"kind": "state", "address": receiver.address, "topics": [], "heard": []}
+    with raw_sender(receiver.address) as raw:  # its own connection: what reaches its window
+        sealed = join_as(raw, receiver)
+        raw.send(sealed("x", 1 << 20, "far", counter=2 ** 64 - 1))
+        raw.send(sealed(CONTROL_TOPIC, 1, state, counter=2 ** 64 - 2))
+        raw.send(sealed("x", 0, "next"))  # its own next counter: still new
+        assert got.get(timeout=WAIT) == "next"
+    assert got.empty() and receiver.stats()["malformed"] == 2
     assert any("numbered far past" in r.getMessage() for r in caplog.records)
 
 
-def test_a_forged_state_number_near_two_to_the_64_does_not_silence_its_sender(make_router):
-    receiver, sender, got = pair(make_router)
+def test_a_state_number_near_two_to_the_64_does_not_silence_its_incarnation(make_router):
+    receiver = make_router("receiver")
+    state = {"kind": "state", "address": receiver.address, "topics": [], "heard": []}
     with raw_sender(receiver.address) as raw:
-        raw.send(forged_state(sender, receiver, seq=2 ** 64 - 1))
-        eventually(lambda: receiver.stats()["malformed"] == 1, "the forged state number refused")
-    for i in range(3):  # longer than peer_timeout_s: its states keep it live, so it is still heard
-        still_receives(sender, got, f"after {i}")
-    assert receiver.stats()["peers_lost"] == 0
+        sealed = join_as(raw, receiver)
+        raw.send(sealed(CONTROL_TOPIC, 2 ** 64 - 1, state))
+        raw.send(sealed(CONTROL_TOPIC, 1, {"kind": "bye"}))  # its next state number: taken, so it leaves
+        eventually(lambda: receiver.peers() == [], "its goodbye taken")
+    assert receiver.stats()["malformed"] == 1 and receiver.stats()["peers_lost"] == 1
 
 
 def test_node_ids_are_bounded_and_a_live_peer_is_never_forgotten_for_a_new_one(make_router, monkeypatch):
@@ -99,17 +174,20 @@ def test_node_ids_are_bounded_and_a_live_peer_is_never_forgotten_for_a_new_one(m
     receiver, sender, got = pair(make_router)
     injector = make_router("injector", peers=[receiver.address])
     injector.wait_for_subscribers("x", 1, WAIT)
-    sealed = as_peer(injector, receiver, SECRET)
     state = {"kind": "state", "address": receiver.address, "topics": [], "heard": []}
+
+    def ghost(name):
+        return seal(SECRET, CONTROL_TOPIC, 0, name, encode(state), counter=0, sender_incarnation=new_incarnation(),
+                    receiver_incarnation=bytes.fromhex(receiver.incarnation))
     with raw_sender(receiver.address) as raw:
         for i in range(10):
-            inc = new_incarnation()
-            raw.send(seal(SECRET, CONTROL_TOPIC, 0, f"ghost {i}", encode(state), counter=0, sender_incarnation=inc,
-                          receiver_incarnation=bytes.fromhex(receiver.incarnation)))
+            raw.send(ghost(f"ghost {i}"))
         eventually(lambda: receiver.stats()["rejected_peers"] == 8, "the ghosts beyond the bound refused")
         assert sorted(receiver.peers()) == ["ghost 0", "ghost 1", "injector", "sender"]
         eventually(lambda: sorted(receiver.peers()) == ["injector", "sender"], "the ghosts silent, so dead")
-        raw.send(sealed(CONTROL_TOPIC, 1 << 40, frames=encode({**state, "topics": ["x"]})))
+    with raw_sender(receiver.address) as raw:  # a new connection: the dead ghosts' was closed with them
+        raw.send(ghost("late"))
+        eventually(lambda: "late" in receiver.peers(), "a new id taken in a dead one's room")
     still_receives(sender, got)
     assert receiver.stats()["rejected_peers"] == 8 and "sender" in receiver.peers()
 
