@@ -127,12 +127,16 @@ def scratch_dir() -> Iterator[Path]:
             os.chdir(cwd)
 
 
+_PORT_PICKER = random.SystemRandom()
+"""Not the global generator, which the tests seed alike: two test workers would try the same ports at once."""
+
+
 def free_ports(n: int) -> int:
     """A first port p with p..p+n-1 all free on every interface now, from 20000-32767: below the kernel's
     ephemeral range (32768 up), whose ports any outgoing connection (Ray's many among them) may take between this
     check and the run's bind, and above Ray's worker ports (10002-19999)."""
     for _ in range(50):
-        first = random.randrange(20000, 32768 - n)
+        first = _PORT_PICKER.randrange(20000, 32768 - n)
         held = []
         try:
             for port in range(first, first + n):

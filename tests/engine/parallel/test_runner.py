@@ -2,6 +2,7 @@
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,9 +142,17 @@ def test_a_sigterm_during_a_workers_exit_handlers_ends_it_without_a_traceback(tm
     assert "Exception ignored" not in err and "_Terminated" not in err, err
 
 
-def test_a_launch_removes_the_ipc_directories_that_killed_launchers_left(tmp_path, launcher, monkeypatch):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+@pytest.fixture
+def short_tmp():
+    """A fresh folder right under the system's temp dir: ipc paths under a test worker's ``tmp_path``
+    (``.../popen-gw0/<test name>/...``) pass the 107 bytes a Unix socket takes."""
+    path = Path(tempfile.mkdtemp(prefix="cv-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_launch_removes_the_ipc_directories_that_killed_launchers_left(short_tmp, launcher, monkeypatch):
+    tmp = short_tmp
     monkeypatch.setenv("TMPDIR", str(tmp))
     proc = launcher(2, "-")  # ipc files in the runner's own directory under $TMPDIR
     kill_and_wait_for_its_workers(proc, read_ready_lines(proc, 2))  # killed, it cannot remove its directory
