@@ -1,5 +1,6 @@
 """The ``conveyor`` command. Each subcommand lives in its own module of this package, which adds its parser
-with ``register(commands)`` and handles it with the ``run(args) -> int`` it sets as the parser's default.
+with ``register(commands)`` and handles it with the ``run(args) -> int`` it sets as the parser's default (the job
+subcommands ``slurm-script`` and ``k8s-manifest`` through :func:`conveyor.cli._jobs.add_job_parser`).
 
 Bad usage, bad input and disk errors print one line saying what is wrong and how to fix it, and exit with
 code 2 (see :mod:`conveyor.cli._common`).

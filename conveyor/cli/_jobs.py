@@ -8,11 +8,12 @@ every node: node 0 the learner, 1..C the collectors, then the evaluators (``conv
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any, Callable, List
 
 from conveyor.cli._common import message, usage_error
 
-__all__ = ["add_job_arguments", "checked_layout", "default_exp_name", "print_job", "train_command"]
+__all__ = ["add_job_parser", "checked_layout", "default_exp_name", "print_job", "train_command"]
 
 
 def print_job(write: Callable[[argparse.Namespace], str], args: argparse.Namespace) -> int:
@@ -25,9 +26,14 @@ def print_job(write: Callable[[argparse.Namespace], str], args: argparse.Namespa
     return 0
 
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """The entry, the layout (``--learners``, ``--collectors``, ``--evaluators``) and what the run is given
-    (``--set``, ``--seed``, ``--max-env-step``, ``--ckpt-interval``, ``--port``)."""
+def add_job_parser(commands: "argparse._SubParsersAction", name: str, write: Callable[[argparse.Namespace], str], *,
+                   help: str, description: str, exp_name_help: str) -> argparse.ArgumentParser:
+    """Add the job subcommand ``name``, which prints what ``write(args)`` writes (:func:`print_job`): its parser with
+    the entry, the layout (``--learners``, ``--collectors``, ``--evaluators``), what the run is given (``--set``,
+    ``--seed``, ``--max-env-step``, ``--ckpt-interval``, ``--port``) and ``--exp-name``; returns it for the options
+    of that scheduler alone."""
+    parser = commands.add_parser(name, help=help, description=description)
+    parser.set_defaults(run=functools.partial(print_job, write))
     parser.add_argument("entry", help="zoo entry as <env>/<algo> (`conveyor list` shows them), or an entry file's "
                                       "path as the nodes see it")
     parser.add_argument("--learners", type=int, default=1, metavar="L",
@@ -48,6 +54,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                              "the most a lost node or a preemption costs")
     parser.add_argument("--port", type=int, default=None, metavar="P",
                         help="node r listens on port P + r (default 29650)")
+    parser.add_argument("--exp-name", default=None, metavar="NAME", help=exp_name_help)
+    return parser
 
 
 def checked_layout(args: argparse.Namespace) -> Any:

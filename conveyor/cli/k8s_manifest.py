@@ -22,9 +22,9 @@ import argparse
 import re
 from typing import Any, Dict, List, Tuple
 
-from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, print_job, train_command
+from conveyor.cli._jobs import add_job_parser, checked_layout, default_exp_name, train_command
 
-__all__ = ["register", "run", "manifest", "objects"]
+__all__ = ["register", "manifest", "objects"]
 
 SECRET_DIR = "/etc/conveyor"
 """Where the pods mount the Secret (its key ``secret`` is the file ``--secret-file`` reads)."""
@@ -38,26 +38,19 @@ _QUANTITY = re.compile(r"^[0-9.]+[a-zA-Z]{0,2}$")
 
 def register(commands: "argparse._SubParsersAction") -> None:
     """Add the ``k8s-manifest`` subcommand."""
-    parser = commands.add_parser("k8s-manifest", help="print a Kubernetes indexed Job training an entry",
-                                 description="Print a Kubernetes manifest (a headless Service and an indexed Job, one "
-                                             "pod per node: 1 learner + C collectors + M evaluators) that trains "
-                                             "ENTRY; apply it with `kubectl apply -f FILE`.")
-    add_job_arguments(parser)
+    parser = add_job_parser(commands, "k8s-manifest", manifest, help="print a Kubernetes indexed Job training an entry",
+                            description="Print a Kubernetes manifest (a headless Service and an indexed Job, one pod "
+                                        "per node: 1 learner + C collectors + M evaluators) that trains ENTRY; apply "
+                                        "it with `kubectl apply -f FILE`.",
+                            exp_name_help="the run's name (default: the entry's); the Service and the Job are named "
+                                          "after it")
     parser.add_argument("--image", required=True, help="a container image with conveyor installed")
-    parser.add_argument("--exp-name", default=None, metavar="NAME",
-                        help="the run's name (default: the entry's); the Service and the Job are named after it")
     parser.add_argument("--secret-name", default=None, metavar="S",
                         help="the Kubernetes Secret whose key 'secret' is the run's secret (default <name>-secret)")
     parser.add_argument("--runs-claim", default=None, metavar="PVC",
                         help="a PersistentVolumeClaim for the run directory (default: an emptyDir, lost with the pod)")
     parser.add_argument("--cpu", default="1", help="CPU request of every pod (default 1)")
     parser.add_argument("--memory", default="2Gi", help="memory request of every pod (default 2Gi)")
-    parser.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print the manifest; bad input is one line and exit code 2."""
-    return print_job(manifest, args)
 
 
 def manifest(args: argparse.Namespace) -> str:

@@ -19,9 +19,9 @@ import argparse
 import re
 import shlex
 
-from conveyor.cli._jobs import add_job_arguments, checked_layout, default_exp_name, print_job, train_command
+from conveyor.cli._jobs import add_job_parser, checked_layout, default_exp_name, train_command
 
-__all__ = ["register", "run", "script"]
+__all__ = ["register", "script"]
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -29,27 +29,20 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 def register(commands: "argparse._SubParsersAction") -> None:
     """Add the ``slurm-script`` subcommand."""
-    parser = commands.add_parser("slurm-script", help="print an sbatch script training an entry on a Slurm cluster",
-                                 description="Print an sbatch script that trains ENTRY with one Slurm task per node "
-                                             "(1 learner + C collectors + M evaluators); submit it with "
-                                             "`sbatch script.sh` from a directory every node sees.")
-    add_job_arguments(parser)
+    parser = add_job_parser(commands, "slurm-script", script,
+                            help="print an sbatch script training an entry on a Slurm cluster",
+                            description="Print an sbatch script that trains ENTRY with one Slurm task per node (1 "
+                                        "learner + C collectors + M evaluators); submit it with `sbatch script.sh` "
+                                        "from a directory every node sees.",
+                            exp_name_help="the run's name: the same name in a new job continues that run (default: "
+                                          "the entry's run name and the job id)")
     parser.add_argument("--nodes", type=int, required=True, metavar="N", help="hosts the tasks are spread over")
     parser.add_argument("--gpus-per-learner", type=int, default=0, metavar="G",
                         help="GPUs for the learner (--gres=gpu:G on every host; the nodes train with --device cuda)")
     parser.add_argument("--time", default=None, metavar="HH:MM:SS", help="the job's time limit ([D-]HH:MM:SS)")
     parser.add_argument("--partition", default=None, metavar="P", help="the Slurm partition")
-    parser.add_argument("--exp-name", default=None, metavar="NAME",
-                        help="the run's name: the same name in a new job continues that run (default: the entry's "
-                             "run name and the job id)")
     parser.add_argument("--secret-file", default=None, metavar="F",
                         help="a secret file every node reads (mode 0600; default: one made for the job)")
-    parser.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print the script; bad input is one line and exit code 2."""
-    return print_job(script, args)
 
 
 def script(args: argparse.Namespace) -> str:

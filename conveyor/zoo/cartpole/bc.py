@@ -23,7 +23,7 @@ from conveyor.zoo import offline
 
 BUILD_DATASET = ("conveyor train cartpole/dqn --exp-name cartpole_expert && conveyor collect cartpole/dqn --ckpt "
                  "runs/cartpole_expert/ckpt/eval_best.pth.tar --episodes 100 --dataset-id cartpole/expert-v0")
-"""The commands that record this entry's dataset (quoted when it is missing)."""
+"""The commands that record the CartPole offline entries' dataset (cartpole/cql's too; quoted when it is missing)."""
 
 main_config = EasyDict(dict(
     exp_name="cartpole_bc",

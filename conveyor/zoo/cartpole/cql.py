@@ -12,6 +12,7 @@ For the "mixed" data of benchmarks/offline.py (half the episodes with random act
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
@@ -20,18 +21,18 @@ from conveyor.engine import OfflineRLContext
 from conveyor.policy import DiscreteCQLPolicy
 from conveyor.run import Run
 from conveyor.zoo import offline
-from conveyor.zoo.cartpole.bc import BUILD_DATASET
+from conveyor.zoo.cartpole import bc
 
 main_config = EasyDict(dict(
     exp_name="cartpole_cql",
     seed=0,
-    env=dict(env_id="CartPole-v1", evaluator_env_num=10, n_evaluator_episode=10, stop_value=500.0),
+    env=copy.deepcopy(bc.main_config.env),  # cartpole/bc's: CartPole-v1, 10 evaluation episodes, stop at 500
     policy=dict(
         discount_factor=0.99,
         model=dict(hidden_sizes=[128, 128], dueling=True),
         learn=dict(batch_size=256, learning_rate=1e-3, target_theta=0.01, cql_alpha=1.0, max_train_iter=5000),
-        eval=dict(evaluator=dict(eval_freq=500)),
-        other=dict(dataset=dict(id="cartpole/expert-v0")),
+        # cartpole/bc's evaluation (every 500 train iterations) and dataset (cartpole/expert-v0)
+        **copy.deepcopy({key: bc.main_config.policy[key] for key in ("eval", "other")}),
     ),
 ))
 """The default config; every key is documented in DiscreteCQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
@@ -44,4 +45,4 @@ pipeline = offline.pipeline
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
     """Train discrete CQL on the CartPole dataset; returns the final context. ``options``: :class:`~conveyor.run.Run`'s;
     offline, a run is bounded by ``max_train_iter``."""
-    return Run(pipeline, main_config, DiscreteCQLPolicy, cfg, build_dataset=BUILD_DATASET, **options).train()
+    return Run(pipeline, main_config, DiscreteCQLPolicy, cfg, build_dataset=bc.BUILD_DATASET, **options).train()

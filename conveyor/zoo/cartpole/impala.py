@@ -10,6 +10,7 @@ arrive a few versions stale: ``charts/policy_lag`` in TensorBoard (docs/impala.m
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
@@ -18,11 +19,12 @@ from conveyor.engine import OnlineRLContext
 from conveyor.policy import IMPALAPolicy
 from conveyor.run import Run
 from conveyor.zoo import actor_learner
+from conveyor.zoo.cartpole import ppo
 
 main_config = EasyDict(dict(
     exp_name="cartpole_impala",
     seed=0,
-    env=dict(env_id="CartPole-v1", collector_env_num=8, evaluator_env_num=10, n_evaluator_episode=10, stop_value=475.0),
+    env=copy.deepcopy(ppo.main_config.env),  # cartpole/ppo's: CartPole-v1, 8 envs, 10 evaluation episodes, stop at 475
     policy=dict(
         discount_factor=0.99,
         model=dict(hidden_sizes=[64, 64]),

@@ -9,6 +9,7 @@ Build the dataset (as for pendulum/cql), then train:
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Optional
 
 from easydict import EasyDict
@@ -17,19 +18,18 @@ from conveyor.engine import OfflineRLContext
 from conveyor.policy import IQLPolicy
 from conveyor.run import Run
 from conveyor.zoo import offline
-from conveyor.zoo.pendulum.cql import BUILD_DATASET
+from conveyor.zoo.pendulum import cql
 
 main_config = EasyDict(dict(
     exp_name="pendulum_iql",
     seed=0,
-    env=dict(env_id="Pendulum-v1", evaluator_env_num=5, n_evaluator_episode=10, stop_value=-150.0),
+    env=copy.deepcopy(cql.main_config.env),  # pendulum/cql's: Pendulum-v1, 10 evaluation episodes, stop at -150
     policy=dict(
-        discount_factor=0.99,
-        model=dict(hidden_sizes=[128, 128]),
+        # pendulum/cql's discount (0.99), 128-128 network, evaluation (every 1000 train iterations) and dataset
+        # (pendulum/medium-v0): the two train on the same data and are evaluated alike
+        **copy.deepcopy({key: cql.main_config.policy[key] for key in ("discount_factor", "model", "eval", "other")}),
         learn=dict(batch_size=256, learning_rate=3e-4, expectile=0.7, beta=3.0, max_weight=100.0,
                    max_train_iter=5000),
-        eval=dict(evaluator=dict(eval_freq=1000)),
-        other=dict(dataset=dict(id="pendulum/medium-v0")),
     ),
 ))
 """The default config; every key is documented in IQLPolicy.config_schema() and conveyor.envs.ENV_SCHEMA."""
@@ -42,4 +42,4 @@ pipeline = offline.pipeline
 def main(cfg: Optional[Mapping[str, Any]] = None, **options: Any) -> OfflineRLContext:
     """Train IQL on the Pendulum dataset; returns the final context. ``options``: :class:`~conveyor.run.Run`'s; offline,
     a run is bounded by ``max_train_iter``."""
-    return Run(pipeline, main_config, IQLPolicy, cfg, build_dataset=BUILD_DATASET, **options).train()
+    return Run(pipeline, main_config, IQLPolicy, cfg, build_dataset=cql.BUILD_DATASET, **options).train()
