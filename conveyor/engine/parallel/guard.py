@@ -237,7 +237,7 @@ class HandshakeGuard:
         """Look once: note the connections waiting for their handshake, shut down the old and the surplus."""
         admitted, now, seen = self._admitted(), time.monotonic(), {}
         for fd in self._descriptors():
-            peer = _peer_port(fd, self.port, max(1, round(self.timeout_s)))
+            peer = _peer_port(fd, self.port, max(1, round(self.timeout_s)), self.max_waiting)
             if peer == _LISTENING:
                 self._listening = fd
             elif peer is not None and peer not in admitted:
@@ -279,10 +279,12 @@ def _open_spare() -> Optional[int]:
 _LISTENING = -1
 
 
-def _peer_port(fd: int, port: int, defer_s: int) -> Optional[int]:
+def _peer_port(fd: int, port: int, defer_s: int, backlog: int) -> Optional[int]:
     """The peer's port where ``fd`` is a TCP connection accepted on local ``port``, ``_LISTENING`` where it is
     the socket listening on ``port``, else None. The listening one gets ``TCP_DEFER_ACCEPT``: connections that
-    send nothing wait in the kernel (up to its backlog), holding no descriptor of ours, for ``defer_s``."""
+    send nothing wait in the kernel, holding no descriptor of ours, for ``defer_s``; and a backlog of ``backlog``
+    (the guard's ``max_waiting``): when ``defer_s`` ends, no more than that many reach nng's accept at once, so a
+    flood's descriptors stay bounded even while this thread waits for a busy CPU (honest dialers retry)."""
     try:
         sock = socket.socket(fileno=fd)
     except OSError:  # not a socket, or closed meanwhile
@@ -295,6 +297,7 @@ def _peer_port(fd: int, port: int, defer_s: int) -> Optional[int]:
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             if hasattr(socket, "TCP_DEFER_ACCEPT"):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer_s)
+            sock.listen(backlog)
             return _LISTENING
         return sock.getpeername()[1]
     except OSError:  # closed meanwhile
