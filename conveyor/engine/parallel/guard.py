@@ -237,8 +237,10 @@ class HandshakeGuard:
         """Look once: note the connections waiting for their handshake, shut down the old and the surplus."""
         admitted, now, seen = self._admitted(), time.monotonic(), {}
         for fd in self._descriptors():
-            peer = _peer_port(fd, self.port, max(1, round(self.timeout_s)), self.max_waiting)
+            peer = _peer_port(fd, self.port)
             if peer == _LISTENING:
+                if self._listening != fd:  # first seen: set up once, not at every look
+                    _hold_silent_connections(fd, max(1, round(self.timeout_s)), self.max_waiting)
                 self._listening = fd
             elif peer is not None and peer not in admitted:
                 seen[(fd, peer)] = self._waiting.get((fd, peer), now)
@@ -279,12 +281,9 @@ def _open_spare() -> Optional[int]:
 _LISTENING = -1
 
 
-def _peer_port(fd: int, port: int, defer_s: int, backlog: int) -> Optional[int]:
+def _peer_port(fd: int, port: int) -> Optional[int]:
     """The peer's port where ``fd`` is a TCP connection accepted on local ``port``, ``_LISTENING`` where it is
-    the socket listening on ``port``, else None. The listening one gets ``TCP_DEFER_ACCEPT``: connections that
-    send nothing wait in the kernel, holding no descriptor of ours, for ``defer_s``; and a backlog of ``backlog``
-    (the guard's ``max_waiting``): when ``defer_s`` ends, no more than that many reach nng's accept at once, so a
-    flood's descriptors stay bounded even while this thread waits for a busy CPU (honest dialers retry)."""
+    the socket listening on ``port``, else None."""
     try:
         sock = socket.socket(fileno=fd)
     except OSError:  # not a socket, or closed meanwhile
@@ -295,13 +294,29 @@ def _peer_port(fd: int, port: int, defer_s: int, backlog: int) -> Optional[int]:
         if sock.getsockname()[1] != port:
             return None
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            if hasattr(socket, "TCP_DEFER_ACCEPT"):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer_s)
-            sock.listen(backlog)
             return _LISTENING
         return sock.getpeername()[1]
     except OSError:  # closed meanwhile
         return None
+    finally:
+        sock.detach()  # the descriptor is nng's: never close it
+
+
+def _hold_silent_connections(fd: int, defer_s: int, backlog: int) -> None:
+    """Give nng's listening socket ``fd`` ``TCP_DEFER_ACCEPT``: connections that send nothing wait in the kernel,
+    holding no descriptor of ours, for ``defer_s``; and a backlog of ``backlog`` (the guard's ``max_waiting``): when
+    ``defer_s`` ends, no more than that many reach nng's accept at once, so a flood's descriptors stay bounded even
+    while the guard's thread waits for a busy CPU (honest dialers retry)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed meanwhile
+        return
+    try:
+        if hasattr(socket, "TCP_DEFER_ACCEPT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer_s)
+        sock.listen(backlog)
+    except OSError:  # closed meanwhile
+        pass
     finally:
         sock.detach()  # the descriptor is nng's: never close it
 
