@@ -12,11 +12,16 @@ import yaml
 
 from conveyor.cli import main as cli_main
 
-from benchmarks._cluster import SRUN, marked_jobs, processes_with, stand_in_sbatch, wait_until
+from benchmarks._cluster import SRUN, marked_jobs, processes_with, stand_in_sbatch, unavailable, wait_until
 from benchmarks._harness import free_ports
 from tests.launcher_helpers import SETS, WAIT, ended_at, slurm_script
 
 pytestmark = pytest.mark.slow
+
+under_real_slurm = pytest.mark.skipif(
+    unavailable() is None, reason="Slurm runs here: tests/test_slurm_cluster.py scancels the same script's jobs on a real "
+                                  "cluster and resumes the run")
+"""For machines without Slurm; where it runs, the real cluster's test covers the same and more (both signals)."""
 
 @pytest.fixture
 def jobs(tmp_path):
@@ -57,6 +62,7 @@ def scancel(jobs, path, job_id, run_dir, seen):
     return latest.stat().st_mtime_ns
 
 
+@under_real_slurm
 def test_scancel_writes_the_final_checkpoint_leaves_no_process_and_the_requeued_job_resumes(tmp_path, capsys, jobs):
     path = slurm_script(tmp_path, capsys, "--max-env-step", "1000000", "--ckpt-interval", "1")
     run_dir = tmp_path / "runs" / "cartpole_dqn-7"
