@@ -3,7 +3,7 @@ of seeds aggregated and experiments overlaid; every bad input one line with exit
 import pytest
 
 from conveyor.cli import main
-from tests.cli_helpers import TINY, assert_usage_error
+from tests.cli_helpers import TINY, assert_usage_error, run_conveyor
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,41 @@ def test_eval_of_a_checkpoint_file_records_an_episode(video, runs, tmp_path, cap
     import imageio.v3 as iio
     frames = iio.imread(out, index=None, **({"plugin": "FFMPEG"} if video.endswith(".mp4") else {}))
     assert frames.ndim == 4 and frames.shape[0] > 5  # the reset frame and one per step
+
+
+@pytest.fixture(scope="module")
+def mujoco_run(tmp_path_factory):
+    """A tiny SAC run on InvertedPendulum-v5 (a MuJoCo env) with a checkpoint."""
+    root = tmp_path_factory.mktemp("mujoco")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        assert main(["train", "mujoco/sac", "--set", "env.env_id=InvertedPendulum-v5", "--set",
+                     "env.evaluator_env_num=1", "--set", "env.n_evaluator_episode=1", "--set",
+                     "policy.model.hidden_sizes=[8]", "--set", "policy.learn.learning_starts=16", "--set",
+                     "policy.collect.random_collect_size=16", "--set", "policy.learn.batch_size=8", "--set",
+                     "policy.eval.evaluator.eval_freq=32", "--set", "policy.other.replay_buffer.size=100",
+                     "--max-env-step", "64", "--no-progress", "--exp-name", "sac"]) == 0
+    return root / "runs" / "sac"
+
+
+def test_eval_records_a_mujoco_episode_without_a_display(mujoco_run, tmp_path):
+    out = tmp_path / "sac.mp4"
+    done = run_conveyor(["conveyor", "eval", str(mujoco_run), "--episodes", "1", "--record", str(out)], tmp_path,
+                        timeout=300, unset=("DISPLAY", "WAYLAND_DISPLAY", "MUJOCO_GL", "PYOPENGL_PLATFORM"))
+    assert done.returncode == 0, done.stderr
+    assert f"to {out}" in done.stdout
+    import imageio.v3 as iio
+    assert iio.imread(out, index=None, plugin="FFMPEG").shape[0] > 1
+
+
+def test_eval_refuses_to_record_mujoco_without_a_display_or_offscreen_renderer(mujoco_run, tmp_path):
+    out = tmp_path / "sac.mp4"
+    done = run_conveyor(["conveyor", "eval", str(mujoco_run), "--episodes", "1", "--record", str(out)], tmp_path,
+                        timeout=300, env={"MUJOCO_GL": "glfw"}, unset=("DISPLAY", "WAYLAND_DISPLAY"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("conveyor: error: --record: rendering InvertedPendulum-v5 without a display needs "
+                                  "MuJoCo's EGL or OSMesa renderer") and done.stderr.count("\n") == 1, done.stderr
+    assert not out.exists()
 
 
 def test_eval_errors_are_one_line(runs, tmp_path, capsys):

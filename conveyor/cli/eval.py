@@ -54,17 +54,21 @@ def run(args: argparse.Namespace) -> int:
     from conveyor.schema import ConfigError
     from conveyor.run import RunDirError
 
+    if args.record is not None:
+        from conveyor.cli import _video
+        _video.offscreen_gl()  # before mujoco is imported (by the config's env check)
     try:
         ckpt, run_dir = _locate(Path(args.target))
         cfg, policy = _load_policy(ckpt, run_dir)
+        if args.record is not None:
+            _video.check_renderer(cfg.env.env_id)
         result = _evaluate(cfg, policy, args.episodes, args.seed, args.progress)
         episodes = f"{args.episodes} episode{'s' * (args.episodes != 1)}"
         print(f"{ckpt} on {cfg.env.env_id}, {episodes} (seed {args.seed}): return mean "
               f"{number(result['mean'])}, std {number(result['std'])}, min {number(min(result['returns']))}, "
               f"max {number(max(result['returns']))}")
         if args.record is not None:
-            from conveyor.cli._video import record_episode
-            ret, length = record_episode(cfg, policy, Path(args.record), args.seed)
+            ret, length = _video.record_episode(cfg, policy, Path(args.record), args.seed)
             print(f"recorded one episode (return {number(ret)}, {length} steps) to {args.record}")
     except (ConfigError, RunDirError, FileNotFoundError, ImportError) as exc:
         return usage_error(message(exc))
