@@ -14,7 +14,8 @@ from conveyor.envs._subprocess import SubprocessEnvManager
 from conveyor.envs._sync import SyncEnvManager
 from conveyor.schema import ConfigError, Option, closest, non_negative, positive, validate
 
-__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_id", "env_factory", "env_spaces", "make_env_manager"]
+__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_config", "check_env_id", "env_factory", "env_spaces",
+           "make_env_manager"]
 
 ENV_SCHEMA: dict[str, Option] = {
     "env_id": Option("CartPole-v1", "Gymnasium env id passed to gymnasium.make ('module:Id' imports module first)",
@@ -94,6 +95,14 @@ def check_env_id(env_id: str) -> None:
     entry_point = gym.spec(name).entry_point
     if isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco"):
         require_extra("mujoco", "mujoco", why=f"env.env_id {env_id!r}")
+
+
+def check_env_config(env_cfg: Mapping[str, Any]) -> None:
+    """Raise :class:`~conveyor.schema.ConfigError` if ``cfg.env`` (validated) names an env or a manager that cannot
+    be built here: :func:`check_env_id`, and for ``manager: envpool`` envpool installed and providing the id."""
+    check_env_id(env_cfg["env_id"])
+    if env_cfg.get("manager") == "envpool":
+        envpool_task_id(env_cfg["env_id"])
 
 
 def _closest_env_id(env_id: str) -> str | None:
