@@ -26,6 +26,18 @@ def test_eval_prints_rounded_statistics_of_the_best_checkpoint(runs, capsys):
     assert len(numbers) == 4 and all(len(n.partition(".")[2]) <= 3 for n in numbers)  # mean, std, min, max
 
 
+def test_eval_writes_progress_lines_when_stderr_is_not_a_terminal(runs, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from conveyor.middleware import logger
+    seconds = iter(range(0, 10**6))
+    monkeypatch.setattr(logger, "time", SimpleNamespace(monotonic=lambda: float(next(seconds))))  # a slow clock
+    assert main(["eval", str(runs / "dqn_s0"), "--episodes", "3"]) == 0
+    lines = capsys.readouterr().err.splitlines()  # capsys: stderr is not a terminal
+    assert len(lines) > 2 and all(line.startswith("eval: ") and "/3 episode (" in line for line in lines), lines
+    assert lines[-1].startswith("eval: 3/3 episode (100%), mean_return=")
+
+
 @pytest.mark.parametrize("video", ["episode.gif", "episode.mp4"])
 def test_eval_of_a_checkpoint_file_records_an_episode(video, runs, tmp_path, capsys):
     out = tmp_path / video

@@ -121,20 +121,25 @@ def _load_policy(ckpt: Path, run_dir: Path) -> Tuple[Any, Any]:
 
 
 def _evaluate(cfg: Any, policy: Any, episodes: int, seed: int, progress: bool) -> Dict[str, Any]:
-    """``episodes`` episodes in rounds of at most ``env.evaluator_env_num`` (one seed per round), with a bar."""
+    """``episodes`` episodes in rounds of at most ``env.evaluator_env_num`` (one seed per round), with a bar on a
+    terminal, else a line every few seconds (:func:`~conveyor.middleware.logger.progress_display`)."""
     import numpy as np
-    from tqdm import tqdm
 
     from conveyor.envs import make_env_manager
     from conveyor.middleware import evaluate
+    from conveyor.middleware.logger import progress_display
 
     env_num = min(episodes, cfg.env.evaluator_env_num)
     returns: List[float] = []
-    with make_env_manager(dict(cfg.env, evaluator_env_num=env_num), "evaluator") as env, \
-            tqdm(total=episodes, desc="eval", unit="episode", disable=None if progress else True) as bar:
+    bar = progress_display(episodes, "eval", "episode") if progress else None
+    with make_env_manager(dict(cfg.env, evaluator_env_num=env_num), "evaluator") as env:
         for start in range(0, episodes, env_num):
             count = min(env_num, episodes - start)
-            returns += evaluate(policy.eval_mode, env, count, seed=seed + start * 1000)["returns"]
-            bar.update(count)
-            bar.set_postfix(mean_return=number(float(np.mean(returns))), refresh=False)
+            on_step = None if bar is None else (lambda done, start=start: bar.update(start + done - bar.n))
+            returns += evaluate(policy.eval_mode, env, count, seed=seed + start * 1000, on_step=on_step)["returns"]
+            if bar is not None:
+                bar.set_postfix(refresh=False, mean_return=number(float(np.mean(returns))))
+    if bar is not None:
+        bar.refresh()
+        bar.close()
     return {"returns": returns, "mean": float(np.mean(returns)), "std": float(np.std(returns))}
