@@ -89,6 +89,9 @@ def test_eval_errors_are_one_line(runs, tmp_path, capsys):
     (empty / "ckpt").mkdir(parents=True)
     assert_usage_error(main(["eval", str(empty)]), capsys, "no checkpoint in", "eval_best.pth.tar")
     assert_usage_error(main(["eval", str(tmp_path / "nothing")]), capsys, "no run directory or checkpoint file at")
+    config = runs / "dqn_s0" / "config.json"
+    assert_usage_error(main(["eval", str(config)]), capsys, f"{config} is a run's config, not a checkpoint: pass the "
+                       f"run directory ({runs / 'dqn_s0'}) or a .pth.tar checkpoint")
     broken = tmp_path / "broken"
     (broken / "ckpt").mkdir(parents=True)
     (broken / "ckpt" / "final.pth.tar").write_bytes((runs / "dqn_s0" / "ckpt" / "final.pth.tar").read_bytes())

@@ -10,7 +10,7 @@ from typing import Any, List, Tuple
 import gymnasium as gym
 import numpy as np
 
-from conveyor.envs import SyncEnvManager, env_factory
+from conveyor.envs import SyncEnvManager, env_factory, is_mujoco_id
 from conveyor.middleware import evaluate
 
 __all__ = ["record_episode", "offscreen_gl", "check_renderer"]
@@ -34,11 +34,7 @@ def offscreen_gl() -> None:
 
 def check_renderer(env_id: str) -> None:
     """Refuse in one line to render a MuJoCo env without a display or an offscreen renderer (GLFW would abort)."""
-    try:
-        entry_point = str(gym.spec(env_id).entry_point)
-    except gym.error.Error:
-        return
-    if "mujoco" in entry_point and _headless() and os.environ.get("MUJOCO_GL") not in _OFFSCREEN:
+    if is_mujoco_id(env_id) and _headless() and os.environ.get("MUJOCO_GL") not in _OFFSCREEN:
         raise ImportError(f"--record: rendering {env_id} without a display needs MuJoCo's EGL or OSMesa renderer "
                           f"(MUJOCO_GL={os.environ.get('MUJOCO_GL', 'glfw')} here): apt install libegl1 (or "
                           f"libosmesa6) and leave MUJOCO_GL unset, or run with a DISPLAY")

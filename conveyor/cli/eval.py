@@ -91,6 +91,10 @@ def _locate(target: Path) -> Tuple[Path, Path]:
     if not target.is_file():
         raise FileNotFoundError(f"no run directory or checkpoint file at {target}")
     run_dir = target.parent.parent if target.parent.name == "ckpt" else target.parent
+    if target.suffix.lower() in (".json", ".yaml", ".yml", ".txt", ".py"):
+        what = "a run's config" if target.name == "config.json" else f"a {target.suffix} file"
+        raise FileNotFoundError(f"{target} is {what}, not a checkpoint: pass the run directory ({run_dir}) or a "
+                                f".pth.tar checkpoint ({run_dir / 'ckpt' / CHECKPOINTS[0]})")
     return target, run_dir
 
 

@@ -75,6 +75,13 @@ def test_conveyor_train_runs_an_offline_entry_on_a_recorded_dataset(in_tmp, smal
     assert {"losses/bc", "charts/accuracy", "charts/train_epoch"} <= set(events.Tags()["scalars"])
 
 
+def test_the_log_of_an_offline_run_names_no_env_step(in_tmp, small_bc):
+    record_random_episodes(in_tmp / "datasets", "cartpole/expert-v0", "CartPole-v1", 4)
+    assert cli(["train", "cartpole/bc", "--exp-name", "bc", "--no-progress"]) == 0
+    log = (in_tmp / "runs" / "bc" / "log.txt").read_text()
+    assert "evaluation at train_iter 0: mean return" in log and "env_step" not in log, log
+
+
 def test_a_resumed_offline_run_ends_exactly_where_a_straight_run_ends(in_tmp, small_bc):
     record_random_episodes(in_tmp / "datasets", "cartpole/expert-v0", "CartPole-v1", 10)
     small_bc.main(exp_name="straight", max_train_iter=20, progress=False)
