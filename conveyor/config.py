@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Type
 import gymnasium as gym
 from easydict import EasyDict
 
-from conveyor.envs import ENV_SCHEMA, check_env_id, env_spaces
+from conveyor.envs import ENV_SCHEMA, check_env_config, env_spaces
 from conveyor.schema import ConfigError, Option, validate
 
 __all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError", "apply_overrides", "load_config_file",
@@ -74,7 +74,7 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
         raise ConfigError("config has a 'policy' section but compile_config() was given no policy class: "
                           "pass policy=<the policy class>, e.g. compile_config(cfg, policy=DQNPolicy)")
     compiled = validate(copy.deepcopy(dict(cfg)), schema)
-    check_env_id(compiled.env.env_id)
+    check_env_config(compiled.env)
     if not infer_shapes or policy is None:
         return compiled
     observation_space, action_space = env_spaces(compiled.env)

@@ -1,4 +1,13 @@
-"""What the CLI tests share: tiny training budgets and the shape of an error (one line, exit code 2)."""
+"""What the CLI tests share: tiny training budgets, the shape of an error (one line, exit code 2), and a
+``conveyor`` command run in its own process."""
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Mapping, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = ["--set", "env.collector_env_num=2", "--set", "env.evaluator_env_num=2", "--set", "env.n_evaluator_episode=2",
         "--set", "policy.model.hidden_sizes=[8]", "--set", "policy.eval.evaluator.eval_freq=8",
@@ -14,3 +23,24 @@ def assert_usage_error(code, capsys, *fragments):
     for fragment in fragments:
         assert fragment in err, err
     return err
+
+
+def run_conveyor(argv: List[str], cwd: Path, *, timeout: float, env: Optional[Mapping[str, str]] = None,
+                 unset: tuple = ()) -> subprocess.CompletedProcess:
+    """``argv`` (``["conveyor", ...]``) in its own session with this checkout first on PYTHONPATH, ``env`` added and
+    the variables in ``unset`` removed; its whole process group is stopped afterwards, also on failure."""
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               **(env or {})}
+    for name in unset:
+        environ.pop(name, None)
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", *argv[1:]], cwd=cwd, env=environ, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -3,7 +3,7 @@ of seeds aggregated and experiments overlaid; every bad input one line with exit
 import pytest
 
 from conveyor.cli import main
-from tests.cli_helpers import TINY, assert_usage_error
+from tests.cli_helpers import TINY, assert_usage_error, run_conveyor
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,18 @@ def test_eval_prints_rounded_statistics_of_the_best_checkpoint(runs, capsys):
     assert len(numbers) == 4 and all(len(n.partition(".")[2]) <= 3 for n in numbers)  # mean, std, min, max
 
 
+def test_eval_writes_progress_lines_when_stderr_is_not_a_terminal(runs, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from conveyor.middleware import logger
+    seconds = iter(range(0, 10**6))
+    monkeypatch.setattr(logger, "time", SimpleNamespace(monotonic=lambda: float(next(seconds))))  # a slow clock
+    assert main(["eval", str(runs / "dqn_s0"), "--episodes", "3"]) == 0
+    lines = capsys.readouterr().err.splitlines()  # capsys: stderr is not a terminal
+    assert len(lines) > 2 and all(line.startswith("eval: ") and "/3 episode (" in line for line in lines), lines
+    assert lines[-1].startswith("eval: 3/3 episode (100%), mean_return=")
+
+
 @pytest.mark.parametrize("video", ["episode.gif", "episode.mp4"])
 def test_eval_of_a_checkpoint_file_records_an_episode(video, runs, tmp_path, capsys):
     out = tmp_path / video
@@ -37,11 +49,49 @@ def test_eval_of_a_checkpoint_file_records_an_episode(video, runs, tmp_path, cap
     assert frames.ndim == 4 and frames.shape[0] > 5  # the reset frame and one per step
 
 
+@pytest.fixture(scope="module")
+def mujoco_run(tmp_path_factory):
+    """A tiny SAC run on InvertedPendulum-v5 (a MuJoCo env) with a checkpoint."""
+    root = tmp_path_factory.mktemp("mujoco")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        assert main(["train", "mujoco/sac", "--set", "env.env_id=InvertedPendulum-v5", "--set",
+                     "env.evaluator_env_num=1", "--set", "env.n_evaluator_episode=1", "--set",
+                     "policy.model.hidden_sizes=[8]", "--set", "policy.learn.learning_starts=16", "--set",
+                     "policy.collect.random_collect_size=16", "--set", "policy.learn.batch_size=8", "--set",
+                     "policy.eval.evaluator.eval_freq=32", "--set", "policy.other.replay_buffer.size=100",
+                     "--max-env-step", "64", "--no-progress", "--exp-name", "sac"]) == 0
+    return root / "runs" / "sac"
+
+
+def test_eval_records_a_mujoco_episode_without_a_display(mujoco_run, tmp_path):
+    out = tmp_path / "sac.mp4"
+    done = run_conveyor(["conveyor", "eval", str(mujoco_run), "--episodes", "1", "--record", str(out)], tmp_path,
+                        timeout=300, unset=("DISPLAY", "WAYLAND_DISPLAY", "MUJOCO_GL", "PYOPENGL_PLATFORM"))
+    assert done.returncode == 0, done.stderr
+    assert f"to {out}" in done.stdout
+    import imageio.v3 as iio
+    assert iio.imread(out, index=None, plugin="FFMPEG").shape[0] > 1
+
+
+def test_eval_refuses_to_record_mujoco_without_a_display_or_offscreen_renderer(mujoco_run, tmp_path):
+    out = tmp_path / "sac.mp4"
+    done = run_conveyor(["conveyor", "eval", str(mujoco_run), "--episodes", "1", "--record", str(out)], tmp_path,
+                        timeout=300, env={"MUJOCO_GL": "glfw"}, unset=("DISPLAY", "WAYLAND_DISPLAY"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("conveyor: error: --record: rendering InvertedPendulum-v5 without a display needs "
+                                  "MuJoCo's EGL or OSMesa renderer") and done.stderr.count("\n") == 1, done.stderr
+    assert not out.exists()
+
+
 def test_eval_errors_are_one_line(runs, tmp_path, capsys):
     empty = tmp_path / "empty"
     (empty / "ckpt").mkdir(parents=True)
     assert_usage_error(main(["eval", str(empty)]), capsys, "no checkpoint in", "eval_best.pth.tar")
     assert_usage_error(main(["eval", str(tmp_path / "nothing")]), capsys, "no run directory or checkpoint file at")
+    config = runs / "dqn_s0" / "config.json"
+    assert_usage_error(main(["eval", str(config)]), capsys, f"{config} is a run's config, not a checkpoint: pass the "
+                       f"run directory ({runs / 'dqn_s0'}) or a .pth.tar checkpoint")
     broken = tmp_path / "broken"
     (broken / "ckpt").mkdir(parents=True)
     (broken / "ckpt" / "final.pth.tar").write_bytes((runs / "dqn_s0" / "ckpt" / "final.pth.tar").read_bytes())

@@ -111,6 +111,25 @@ def test_the_slurm_script_asks_for_a_task_per_node_and_sruns_the_train_command_o
                          "--no-progress --set 'policy.model.hidden_sizes=[8]'")
 
 
+def test_the_slurm_script_writes_the_resources_asked_for_as_sbatch_lines(capsys):
+    text = printed(capsys, "slurm-script", "cartpole/dqn", "--collectors", "2", "--nodes", "1", "--account", "rl-lab",
+                   "--cpus-per-task", "4", "--mem", "16G", "--output", "logs/%x-%j.out", "--time", "1-00:00:00")
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch[4:] == ["#SBATCH --time=1-00:00:00", "#SBATCH --account=rl-lab", "#SBATCH --cpus-per-task=4",
+                          "#SBATCH --mem=16G", "#SBATCH --output=logs/%x-%j.out"]
+
+
+def test_a_slurm_job_of_several_learners_places_them_first_and_is_not_requeued(capsys):
+    text = printed(capsys, "slurm-script", "cartpole/dqn", "--learners", "2", "--collectors", "2", "--evaluators", "1",
+                   "--nodes", "1")
+    lines = text.splitlines()
+    assert "#SBATCH --ntasks=5" in lines and "#SBATCH --no-requeue" in lines and "#SBATCH --requeue" not in lines
+    assert ("# conveyor train cartpole/dqn: nodes 0..1 the data-parallel learners, 2..3 collectors, 4..4 evaluators, "
+            "one task each.") in lines
+    assert "# A run of several learners cannot resume yet: the job is not requeued." in lines
+    assert lines[-1].startswith("exec srun conveyor train cartpole/dqn --collectors 2 --learners 2 --evaluators 1 ")
+
+
 def test_without_a_secret_file_the_script_makes_one_readable_by_its_owner_only_once_per_job(capsys):
     text = printed(capsys, "slurm-script", "cartpole/dqn", "--collectors", "1", "--nodes", "1")
     assert 'SECRET_FILE="$SLURM_SUBMIT_DIR/.conveyor/job-$SLURM_JOB_ID/secret"' in text
@@ -134,6 +153,10 @@ def test_without_a_secret_file_the_script_makes_one_readable_by_its_owner_only_o
     (["--gpus-per-learner", "-1"], "--gpus-per-learner must be >= 0"),
     (["--port", "65535"], "--port 65535"),
     (["--ckpt-interval", "0"], "--ckpt-interval must be a number of seconds > 0"),
+    (["--account", "a;b"], "--account 'a;b': expected an account name"),
+    (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1, got 0"),
+    (["--mem", "16 GB"], "--mem '16 GB': expected a size such as 16G"),
+    (["--output", "my log.out"], "--output 'my log.out': expected a file name without spaces"),
     (["--entry-typo"], "unrecognized arguments"),
 ])
 def test_bad_slurm_script_input_is_one_line(argv, fragment, capsys):
@@ -196,6 +219,18 @@ def test_the_manifest_is_a_headless_service_and_an_indexed_job_of_one_pod_per_no
     assert container["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
 
 
+def test_failed_pods_are_retried_and_the_manifest_says_where_checkpoints_live(capsys):
+    import yaml
+    text = printed(capsys, *SAMPLE)
+    assert "# Runs go to an emptyDir: its checkpoints are LOST with the pod" in text and "--runs-claim PVC" in text
+    assert list(yaml.safe_load_all(text))[1]["spec"]["backoffLimit"] == 3
+    text = printed(capsys, *SAMPLE, "--runs-claim", "runs-pvc", "--backoff-limit", "5")
+    assert "# Runs go to the PersistentVolumeClaim runs-pvc: checkpoints outlive the pods" in text
+    assert list(yaml.safe_load_all(text))[1]["spec"]["backoffLimit"] == 5
+    several = printed(capsys, *SAMPLE, "--learners", "2")  # a retried pod would resume: refused for several learners
+    assert list(yaml.safe_load_all(several))[1]["spec"]["backoffLimit"] == 0
+
+
 def test_pods_of_the_manifest_read_the_layout_the_local_one_has(capsys):
     import yaml
     _, job = yaml.safe_load_all(printed(capsys, *SAMPLE))
@@ -209,6 +244,8 @@ def test_pods_of_the_manifest_read_the_layout_the_local_one_has(capsys):
     (["--cpu", "lots"], "--cpu 'lots'"),
     (["--exp-name", "a" * 70], "DNS label"),
     (["--secret-name", "My_Secret"], "--secret-name 'My_Secret'"),
+    (["--backoff-limit", "-1"], "--backoff-limit must be >= 0, got -1"),
+    (["--learners", "2", "--backoff-limit", "1"], "--backoff-limit 1 with --learners 2"),
 ])
 def test_bad_k8s_manifest_input_is_one_line(argv, fragment, capsys):
     assert_usage_error(cli_main([*SAMPLE, *argv]), capsys, fragment)

@@ -2,6 +2,7 @@
 budgets and the line that says why training stopped."""
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +136,9 @@ def test_an_interrupted_run_ends_with_one_line_saying_so(workdir, capsys):
     assert capsys.readouterr().err == ("conveyor: interrupted by SIGINT at env step 120 (last eval -882.1); final "
                                        "and latest checkpoints written, continue with --resume; run directory "
                                        "runs/stopped\n")
+    quoted = " ".join((Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text().split())
+    assert "`conveyor: interrupted by SIGINT at env step 120 (last eval -882.1); final and latest checkpoints " \
+           "written, continue with --resume; run directory runs/stopped`" in quoted  # the docs quote this line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

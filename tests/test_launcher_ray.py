@@ -21,7 +21,7 @@ from conveyor.middleware import load_checkpoint
 
 from benchmarks._cluster import processes_with, wait_until
 from benchmarks._harness import free_ports
-from tests.cli_helpers import TINY, assert_usage_error
+from tests.cli_helpers import TINY, assert_usage_error, run_conveyor
 
 WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
@@ -276,6 +276,22 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
         # the driver's Ctrl-C reached the learner's node (Ray blocks SIGINT in its actors unless the run lets it in)
         assert "worker 0: asked to stop; the run ends after this iteration" in (run_dir / "log.txt").read_text()
         wait_until(lambda: processes_with(mark) == [], WAIT, "every process of the run to end")
+    finally:
+        for pid in processes_with(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * WAIT)
+def test_a_local_cluster_of_the_launcher_starts_without_ray_s_token_warning(tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    mark = uuid.uuid4().hex  # every process the driver starts (Ray's own too) inherits it
+    try:
+        done = run_conveyor(["conveyor", "train", "cartpole/dqn", "--collectors", "1", "--launcher", "ray", "--ports",
+                             str(free_ports(2)), *TINY], tmp_path, timeout=WAIT, unset=("RAY_AUTH_MODE",),
+                            env={"OMP_NUM_THREADS": "1", "LAUNCHER_TEST": mark})
+        assert done.returncode == 0, done.stderr
+        assert "Token authentication" not in done.stderr + done.stdout, done.stderr
     finally:
         for pid in processes_with(mark):
             os.kill(pid, signal.SIGKILL)

@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import ipaddress
-import os
 import re
 import shlex
-import signal
 import subprocess
-import sys
-from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 import pytest
 
 from conveyor.cli import parser
+from tests.cli_helpers import ROOT, run_conveyor
 
-ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 COMMAND_TIMEOUT = 600  # seconds: a bound on each command; each takes well under a minute here
 
@@ -111,22 +107,6 @@ def test_no_two_readme_runs_share_a_run_name():
         trained.add(name)
 
 
-def _run(argv: List[str], cwd: Path) -> subprocess.CompletedProcess:
-    """One command in its own session, its whole process group stopped afterwards, also on failure."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor", *argv[1:]], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=COMMAND_TIMEOUT)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.communicate()
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
 def _runs_named(argv: List[str]) -> List[str]:
     """The run names a command trains into or reads (``--exp-name``, the entry's default, ``runs/NAME``)."""
     from conveyor.zoo import load_entry
@@ -176,7 +156,7 @@ def test_the_readme_s_commands_run_one_after_another_in_a_fresh_folder(tmp_path)
     def run_lane(lane: List[List[str]]) -> List[subprocess.CompletedProcess]:
         done = []
         for argv in lane:
-            done.append(_run(argv, tmp_path))
+            done.append(run_conveyor(argv, tmp_path, timeout=COMMAND_TIMEOUT))
             if done[-1].returncode != 0:
                 break
         return done

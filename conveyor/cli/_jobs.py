@@ -40,9 +40,9 @@ def add_job_parser(commands: "argparse._SubParsersAction", name: str, write: Cal
                         help="data-parallel learner processes (default 1): nodes 0..L-1, then the collectors and "
                              "evaluators, L + C + M nodes in all")
     parser.add_argument("--collectors", type=int, required=True, metavar="C",
-                        help="collector processes (nodes 1..C); the job has 1 + C + M nodes")
+                        help="collector processes (nodes L..L+C-1, after the learners); the job has L + C + M nodes")
     parser.add_argument("--evaluators", type=int, default=0, metavar="M",
-                        help="evaluator processes (nodes C+1..C+M; default 0, as for conveyor train: the learner "
+                        help="evaluator processes (the last M nodes; default 0, as for conveyor train: the learner "
                              "evaluates)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to conveyor train: override one config value (repeatable)")
@@ -82,7 +82,7 @@ def checked_layout(args: argparse.Namespace) -> Any:
     if is_offline(entry.main_config):
         raise ConfigError(f"{args.entry} trains offline from a dataset, in one process: it has no collectors to "
                           f"spread over a job's nodes")
-    if args.learners > 1:  # a requeued job resumes: refused there, so a job of several learners is not requeued
+    if args.learners > 1:  # a restarted job would resume, which is refused: such a job is not requeued or retried
         check_learners(args.entry, entry.main_config, resume=False, auto_recover=False, learners=args.learners)
     return layout
 

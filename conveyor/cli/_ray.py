@@ -48,6 +48,19 @@ _GRACE_S = 60.0
 INSTALL = 'pip install "conveyor[ray]"'
 """What makes ``--launcher ray`` available."""
 
+_RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _TokenNotice(logging.Filter):
+    """Drops Ray's warning that a new local cluster uses token authentication: Ray's default, which the cluster the
+    launcher starts for itself keeps; it was printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+_TOKEN_NOTICE = _TokenNotice()
+
 
 class _Node:
     """One node of the run in a Ray actor: where it is, then its part of the run."""
@@ -121,6 +134,7 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     temp_dir = None  # a local cluster's session folder (its logs, sockets), removed with it
     if started and args.ray_address is None:
         temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-")
+        logging.getLogger(_RAY_TOKEN_LOGGER).addFilter(_TOKEN_NOTICE)
         ray.init(num_cpus=layout.n_nodes, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     elif started:
         try:

@@ -1,17 +1,43 @@
 """Recording one episode of a policy as a GIF or an MP4 (imageio), for ``conveyor eval --record``."""
 from __future__ import annotations
 
+import ctypes.util
 import os
+import sys
 from pathlib import Path
 from typing import Any, List, Tuple
 
 import gymnasium as gym
 import numpy as np
 
-from conveyor.envs import SyncEnvManager, env_factory
+from conveyor.envs import SyncEnvManager, env_factory, is_mujoco_id
 from conveyor.middleware import evaluate
 
-__all__ = ["record_episode"]
+__all__ = ["record_episode", "offscreen_gl", "check_renderer"]
+
+_OFFSCREEN = {"egl": "EGL", "osmesa": "OSMesa"}
+"""MuJoCo's offscreen renderers (``MUJOCO_GL``) in the order tried without a display, and the library each loads."""
+
+
+def _headless() -> bool:
+    return not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def offscreen_gl() -> None:
+    """Without a display, point MuJoCo at the first offscreen renderer whose library is here (EGL, then OSMesa) by
+    setting ``MUJOCO_GL`` before mujoco is imported: its default, GLFW, aborts the process without a display."""
+    if _headless() and "MUJOCO_GL" not in os.environ and "mujoco" not in sys.modules:
+        found = [gl for gl, library in _OFFSCREEN.items() if ctypes.util.find_library(library)]
+        if found:
+            os.environ["MUJOCO_GL"] = found[0]
+
+
+def check_renderer(env_id: str) -> None:
+    """Refuse in one line to render a MuJoCo env without a display or an offscreen renderer (GLFW would abort)."""
+    if is_mujoco_id(env_id) and _headless() and os.environ.get("MUJOCO_GL") not in _OFFSCREEN:
+        raise ImportError(f"--record: rendering {env_id} without a display needs MuJoCo's EGL or OSMesa renderer "
+                          f"(MUJOCO_GL={os.environ.get('MUJOCO_GL', 'glfw')} here): apt install libegl1 (or "
+                          f"libosmesa6) and leave MUJOCO_GL unset, or run with a DISPLAY")
 
 
 class _Frames(gym.Wrapper):
@@ -41,11 +67,13 @@ class _Frames(gym.Wrapper):
 def record_episode(cfg: Any, policy: Any, out: Path, seed: int) -> Tuple[float, int]:
     """Play one episode of ``policy.eval_mode`` on ``cfg.env`` rendering ``rgb_array`` frames (as the evaluator
     plays them, :func:`~conveyor.middleware.evaluate`) and write them to ``out`` (``.gif`` or ``.mp4``) at the
-    env's ``render_fps``; returns the episode's return and length."""
+    env's ``render_fps``; returns the episode's return and length. Without a display, call :func:`offscreen_gl`
+    before mujoco is imported."""
     try:
         import imageio.v3 as iio
     except ImportError:
         raise ImportError("--record needs imageio: pip install imageio (and imageio-ffmpeg for .mp4)") from None
+    check_renderer(cfg.env.env_id)
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # rgb_array frames need no window (pygame's envs)
     # As the evaluator builds it (an Atari id preprocessed, whole games), rendering rgb_array frames.
     make = env_factory({**cfg.env, "env_kwargs": dict(cfg.env.env_kwargs, render_mode="rgb_array")}, "evaluator")

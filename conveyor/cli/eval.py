@@ -54,17 +54,21 @@ def run(args: argparse.Namespace) -> int:
     from conveyor.schema import ConfigError
     from conveyor.run import RunDirError
 
+    if args.record is not None:
+        from conveyor.cli import _video
+        _video.offscreen_gl()  # before mujoco is imported (by the config's env check)
     try:
         ckpt, run_dir = _locate(Path(args.target))
         cfg, policy = _load_policy(ckpt, run_dir)
+        if args.record is not None:
+            _video.check_renderer(cfg.env.env_id)
         result = _evaluate(cfg, policy, args.episodes, args.seed, args.progress)
         episodes = f"{args.episodes} episode{'s' * (args.episodes != 1)}"
         print(f"{ckpt} on {cfg.env.env_id}, {episodes} (seed {args.seed}): return mean "
               f"{number(result['mean'])}, std {number(result['std'])}, min {number(min(result['returns']))}, "
               f"max {number(max(result['returns']))}")
         if args.record is not None:
-            from conveyor.cli._video import record_episode
-            ret, length = record_episode(cfg, policy, Path(args.record), args.seed)
+            ret, length = _video.record_episode(cfg, policy, Path(args.record), args.seed)
             print(f"recorded one episode (return {number(ret)}, {length} steps) to {args.record}")
     except (ConfigError, RunDirError, FileNotFoundError, ImportError) as exc:
         return usage_error(message(exc))
@@ -87,6 +91,10 @@ def _locate(target: Path) -> Tuple[Path, Path]:
     if not target.is_file():
         raise FileNotFoundError(f"no run directory or checkpoint file at {target}")
     run_dir = target.parent.parent if target.parent.name == "ckpt" else target.parent
+    if target.suffix.lower() in (".json", ".yaml", ".yml", ".txt", ".py"):
+        what = "a run's config" if target.name == "config.json" else f"a {target.suffix} file"
+        raise FileNotFoundError(f"{target} is {what}, not a checkpoint: pass the run directory ({run_dir}) or a "
+                                f".pth.tar checkpoint ({run_dir / 'ckpt' / CHECKPOINTS[0]})")
     return target, run_dir
 
 
@@ -117,20 +125,25 @@ def _load_policy(ckpt: Path, run_dir: Path) -> Tuple[Any, Any]:
 
 
 def _evaluate(cfg: Any, policy: Any, episodes: int, seed: int, progress: bool) -> Dict[str, Any]:
-    """``episodes`` episodes in rounds of at most ``env.evaluator_env_num`` (one seed per round), with a bar."""
+    """``episodes`` episodes in rounds of at most ``env.evaluator_env_num`` (one seed per round), with a bar on a
+    terminal, else a line every few seconds (:func:`~conveyor.middleware.logger.progress_display`)."""
     import numpy as np
-    from tqdm import tqdm
 
     from conveyor.envs import make_env_manager
     from conveyor.middleware import evaluate
+    from conveyor.middleware.logger import progress_display
 
     env_num = min(episodes, cfg.env.evaluator_env_num)
     returns: List[float] = []
-    with make_env_manager(dict(cfg.env, evaluator_env_num=env_num), "evaluator") as env, \
-            tqdm(total=episodes, desc="eval", unit="episode", disable=None if progress else True) as bar:
+    bar = progress_display(episodes, "eval", "episode") if progress else None
+    with make_env_manager(dict(cfg.env, evaluator_env_num=env_num), "evaluator") as env:
         for start in range(0, episodes, env_num):
             count = min(env_num, episodes - start)
-            returns += evaluate(policy.eval_mode, env, count, seed=seed + start * 1000)["returns"]
-            bar.update(count)
-            bar.set_postfix(mean_return=number(float(np.mean(returns))), refresh=False)
+            on_step = None if bar is None else (lambda done, start=start: bar.update(start + done - bar.n))
+            returns += evaluate(policy.eval_mode, env, count, seed=seed + start * 1000, on_step=on_step)["returns"]
+            if bar is not None:
+                bar.set_postfix(refresh=False, mean_return=number(float(np.mean(returns))))
+    if bar is not None:
+        bar.refresh()
+        bar.close()
     return {"returns": returns, "mean": float(np.mean(returns)), "std": float(np.std(returns))}

@@ -13,8 +13,9 @@ The secret is the key ``secret`` of a Kubernetes Secret, mounted read-only with 
 user must own it: no ``fsGroup``, which would make it group-readable, and the run refuses such a secret).
 A Job has one pod template, so every pod asks for the same ``--cpu`` and ``--memory``: size them for the
 learner. The run directory is ``--runs-claim`` (a PersistentVolumeClaim), else an ``emptyDir`` lost with
-the pod; the Job is not restarted on failure (``backoffLimit: 0``), and applying it again after deleting it
-resumes the run from its latest checkpoint when the run directory is kept.
+the pod, checkpoints included. A failed pod is retried up to ``--backoff-limit`` times (default 3; 0 with several
+learners, whose run cannot resume): its ``--resume-if-exists`` goes on from the latest checkpoint when the run
+directory is a claim, and so does applying the Job again after deleting it.
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def register(commands: "argparse._SubParsersAction") -> None:
                         help="the Kubernetes Secret whose key 'secret' is the run's secret (default <name>-secret)")
     parser.add_argument("--runs-claim", default=None, metavar="PVC",
                         help="a PersistentVolumeClaim for the run directory (default: an emptyDir, lost with the pod)")
+    parser.add_argument("--backoff-limit", type=int, default=None, metavar="N",
+                        help="retries of failed pods before the Job fails (default 3; 0 with --learners above 1, "
+                             "whose run cannot resume); a retried pod resumes the run from a --runs-claim")
     parser.add_argument("--cpu", default="1", help="CPU request of every pod (default 1)")
     parser.add_argument("--memory", default="2Gi", help="memory request of every pod (default 2Gi)")
 
@@ -57,10 +61,18 @@ def manifest(args: argparse.Namespace) -> str:
     """The manifest of ``args`` as YAML documents; ValueError with one line for bad input."""
     import yaml
 
+    service, job = objects(args)
+    retries = job["spec"]["backoffLimit"]
+    if args.runs_claim:
+        runs = [f"# Runs go to the PersistentVolumeClaim {args.runs_claim}: checkpoints outlive the pods, and a",
+                f"# retried pod (backoffLimit {retries}) resumes the run from its latest checkpoint."]
+    else:
+        runs = [f"# Runs go to an emptyDir: its checkpoints are LOST with the pod, and a retried pod (backoffLimit",
+                f"# {retries}) starts the run over; give --runs-claim PVC to keep them."]
     header = [f"# conveyor train {args.entry} on Kubernetes: `kubectl apply -f` this file. The Secret first:",
               f"# kubectl create secret generic {_names(args)[1]} --from-literal=secret=$(head -c 32 /dev/urandom "
-              f"| od -An -tx1 | tr -d ' \\n')"]
-    body = yaml.safe_dump_all(objects(args), sort_keys=False, default_flow_style=False)
+              f"| od -An -tx1 | tr -d ' \\n')", *runs]
+    body = yaml.safe_dump_all([service, job], sort_keys=False, default_flow_style=False)
     return "\n".join(header) + "\n" + body
 
 
@@ -73,6 +85,12 @@ def objects(args: argparse.Namespace) -> List[Dict[str, Any]]:
     for flag, value in (("--cpu", args.cpu), ("--memory", args.memory)):
         if not _QUANTITY.match(value):
             raise ConfigError(f"{flag} {value!r}: expected a Kubernetes quantity such as 500m, 2 or 4Gi")
+    retries = (3 if args.learners == 1 else 0) if args.backoff_limit is None else args.backoff_limit
+    if retries < 0:
+        raise ConfigError(f"--backoff-limit must be >= 0, got {retries}")
+    if retries > 0 and args.learners > 1:
+        raise ConfigError(f"--backoff-limit {retries} with --learners {args.learners}: a retried pod would resume the "
+                          f"run, which several learners cannot yet; leave --backoff-limit out (0)")
     exp_name = args.exp_name if args.exp_name is not None else default_exp_name(args.entry)
     check_exp_name(exp_name)
     name, secret_name = _names(args)
@@ -90,7 +108,7 @@ def objects(args: argparse.Namespace) -> List[Dict[str, Any]]:
                  "volumeMounts": [{"name": "secret", "mountPath": SECRET_DIR, "readOnly": True},
                                   {"name": "runs", "mountPath": f"{WORKDIR}/runs"}]}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": dict(labels)},
-           "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
+           "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": retries,
                     "template": {"metadata": {"labels": dict(labels)},
                                  "spec": {"subdomain": name, "restartPolicy": "Never", "containers": [container],
                                           "volumes": [{"name": "secret",

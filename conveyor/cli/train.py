@@ -2,7 +2,7 @@
 
     conveyor train cartpole/dqn [--set KEY=VALUE ...] [--config FILE] [--seed N] [--exp-name NAME] [--resume]
                                 [--device cpu|cuda] [--async] [--max-env-step N] [--max-train-iter N]
-                                [--ckpt-interval SECONDS] [--no-stop] [--resume-if-exists]
+                                [--ckpt-interval SECONDS] [--no-stop] [--resume-if-exists] [--dataset-dir DIR]
     conveyor train my_entry.py ...        # a file with a main_config and a main(), run like a zoo entry
 
 The config is the entry's ``main_config``, then the ``--config`` file's values on top, then each ``--set``;
@@ -43,6 +43,9 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--config", default=None, metavar="FILE",
                        help="a .yaml, .json or .py (main_config) file whose values go over the entry's config; "
                             "a run's config.json works too")
+    train.add_argument("--dataset-dir", default=None, metavar="DIR",
+                       help="an offline entry: the folder its dataset was written to (conveyor collect --dataset-dir; "
+                            "sets policy.other.dataset.dir; default $MINARI_DATASETS_PATH, else ~/.minari/datasets)")
     train.add_argument("--seed", type=int, default=None, help="seed (default: the entry's config)")
     train.add_argument("--exp-name", default=None, help="run name (default: the entry's config)")
     train.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -102,7 +105,8 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = run_directory(cfg if cfg is not None else entry.main_config, args.exp_name)
         if args.resume_if_exists:  # a run that stopped before its first checkpoint starts over from its config
             args.resume = args.resume or (run_dir / CONFIG_FILE).is_file()
-        if args.resume and args.device is not None and args.config is None and not args.overrides:
+        if args.resume and args.device is not None and args.config is None and not args.overrides \
+                and args.dataset_dir is None:
             cfg = _saved_on(run_dir, args.device)
         if distributed.requested(args):  # learner, collectors and evaluators as processes (cli/_distributed.py)
             ctx = distributed.train(args, cfg)
@@ -158,7 +162,10 @@ def _config(entry: ModuleType, args: argparse.Namespace) -> Optional[Any]:
     (the entry then uses its own, or on ``--resume`` the run's saved one)."""
     from conveyor.config import apply_overrides, load_config_file, merge_config
 
-    if args.config is None and not args.overrides and args.device is None:
+    from conveyor.run.nodes import is_offline
+    from conveyor.schema import ConfigError
+
+    if args.config is None and not args.overrides and args.device is None and args.dataset_dir is None:
         return None
     cfg = entry.main_config
     if args.config is not None:
@@ -166,7 +173,13 @@ def _config(entry: ModuleType, args: argparse.Namespace) -> Optional[Any]:
     overrides = list(args.overrides)
     if args.device is not None:
         overrides.append(f"policy.device={args.device}")
-    return apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides)
+    if args.dataset_dir is not None:
+        if not is_offline(cfg):
+            raise ConfigError(f"--dataset-dir: {args.entry} trains online and reads no dataset; it is for offline "
+                              f"entries such as cartpole/bc")
+        cfg.policy.other.dataset.dir = args.dataset_dir  # as written: a folder name is no literal to read
+    return cfg
 
 
 def _saved_on(run_dir: Path, device: str) -> Optional[Any]:

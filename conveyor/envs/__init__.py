@@ -8,7 +8,8 @@ Smoke-test a new env with :func:`check_env`. ``ALE/<Game>-v5`` ids get the Atari
 """
 from conveyor.envs._atari import ATARI_SCHEMA, AtariFactory, AtariGame
 from conveyor.envs._check import EnvCheckError, check_env
-from conveyor.envs._config import ENV_SCHEMA, EnvFactory, check_env_id, env_factory, env_spaces, make_env_manager
+from conveyor.envs._config import (ENV_SCHEMA, EnvFactory, check_env_config, check_env_id, env_factory, env_spaces,
+                                   is_mujoco_id, make_env_manager)
 from conveyor.envs._core import GAME_INFO, EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Restored, Timestep
 from conveyor.envs._envpool import EnvpoolEnvManager
 from conveyor.envs._subprocess import SubprocessEnvManager, default_num_workers
@@ -32,9 +33,11 @@ __all__ = [
     "SyncEnvManager",
     "Timestep",
     "check_env",
+    "check_env_config",
     "check_env_id",
     "default_num_workers",
     "env_factory",
     "env_spaces",
+    "is_mujoco_id",
     "make_env_manager",
 ]

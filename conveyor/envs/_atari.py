@@ -79,10 +79,12 @@ def is_atari_id(env_id: str) -> bool:
 
 
 def register_atari(env_id: str) -> None:
-    """Register ale-py's envs with Gymnasium (needs the ``atari`` extra: ale-py and OpenCV)."""
+    """Register ale-py's envs with Gymnasium (needs the ``atari`` extra: ale-py and OpenCV), its log kept to
+    warnings and errors: its banner ("A.L.E: Arcade Learning Environment ...") is not printed for every env."""
     require_extra("atari", "ale_py", "cv2", why=f"env.env_id {env_id!r}")
     import ale_py
 
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Warning)
     gym.register_envs(ale_py)
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -14,7 +16,8 @@ from conveyor.envs._subprocess import SubprocessEnvManager
 from conveyor.envs._sync import SyncEnvManager
 from conveyor.schema import ConfigError, Option, closest, non_negative, positive, validate
 
-__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_id", "env_factory", "env_spaces", "make_env_manager"]
+__all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_config", "check_env_id", "env_factory", "env_spaces",
+           "is_mujoco_id", "make_env_manager"]
 
 ENV_SCHEMA: dict[str, Option] = {
     "env_id": Option("CartPole-v1", "Gymnasium env id passed to gymnasium.make ('module:Id' imports module first)",
@@ -62,7 +65,37 @@ class EnvFactory:
         kwargs = dict(self.env_kwargs)
         if self.max_episode_steps is not None:
             kwargs["max_episode_steps"] = self.max_episode_steps
+        if is_mujoco_id(self.env_id):
+            _quiet_mujoco()
         return gym.make(self.env_id, **kwargs)
+
+
+def is_mujoco_id(env_id: str) -> bool:
+    """Whether ``env_id`` is a registered Gymnasium MuJoCo env (HalfCheetah-v5...)."""
+    try:
+        entry_point = gym.spec(env_id).entry_point
+    except gym.error.Error:
+        return False
+    return isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco")
+
+
+_MUJOCO_NOISE = "compiler attribute 'settotalmass' is deprecated"
+"""MuJoCo's warning about Gymnasium's own HalfCheetah model, once for every env built: nothing a user can act on."""
+
+
+def _quiet_mujoco() -> None:
+    """Drop :data:`_MUJOCO_NOISE` (also kept out of ``MUJOCO_LOG.TXT`` in the working folder); MuJoCo's other
+    warnings still go to stderr. A warning handler set before (the user's, or this one) is left in place."""
+    import mujoco
+
+    if mujoco.get_mju_user_warning() is not None:
+        return
+
+    def warn(text: str) -> None:
+        if _MUJOCO_NOISE not in text:
+            print(f"WARNING: {text}", file=sys.stderr, flush=True)
+
+    mujoco.set_mju_user_warning(warn)
 
 
 def check_env_id(env_id: str) -> None:
@@ -86,14 +119,38 @@ def check_env_id(env_id: str) -> None:
     try:
         gym.spec(name)
     except gym.error.Error as exc:
-        hint = _closest_env_id(name)
+        hint = _atari_id(name) if not is_atari_id(env_id) else None
+        hint = hint or _closest_env_id(name)
         fix = f"did you mean {hint!r}?" if hint else f"({exc}) register it with gymnasium.register first, or fix " \
                                                        f"the spelling"
         raise ConfigError(f"config key 'env.env_id' is {env_id!r}, which is not a registered Gymnasium env: "
                           f"{fix}") from None
-    entry_point = gym.spec(name).entry_point
-    if isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco"):
+    if is_mujoco_id(name):
         require_extra("mujoco", "mujoco", why=f"env.env_id {env_id!r}")
+
+
+def check_env_config(env_cfg: Mapping[str, Any]) -> None:
+    """Raise :class:`~conveyor.schema.ConfigError` if ``cfg.env`` (validated) names an env or a manager that cannot
+    be built here: :func:`check_env_id`, and for ``manager: envpool`` envpool installed and providing the id."""
+    check_env_id(env_cfg["env_id"])
+    if env_cfg.get("manager") == "envpool":
+        envpool_task_id(env_cfg["env_id"])
+
+
+def _atari_id(name: str) -> str | None:
+    """``ALE/<Game>-v5`` for an Atari game named without ``ALE/`` (``Pong-v5``, ``PongNoFrameskip-v4``, ``pong``),
+    when ale-py is installed."""
+    if importlib.util.find_spec("ale_py") is None:
+        return None
+    try:
+        register_atari(name)
+    except ConfigError:  # OpenCV missing: no Atari here
+        return None
+    game = name.rpartition("-v")[0] if "-v" in name else name
+    for variant in ("NoFrameskip", "Deterministic"):
+        game = game.replace(variant, "")
+    games = {spec_id.lower(): spec_id for spec_id in gym.registry if spec_id.startswith("ALE/")}
+    return games.get(f"ale/{game.lower()}-v5")
 
 
 def _closest_env_id(env_id: str) -> str | None:

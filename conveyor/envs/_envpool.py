@@ -23,6 +23,9 @@ __all__ = ["EnvpoolEnvManager", "envpool_task_id", "envpool_atari_kwargs"]
 _RESEED = 2
 """Last element of the key of :func:`seed_for_rebuild` for a pool reseeded on a resume (as the other managers)."""
 
+_INT32_MAX = 2**31 - 1
+"""envpool takes seeds below this; a run's seed (below 2**32) and a rebuilt pool's are folded into that range."""
+
 
 def envpool_task_id(env_id: str) -> str:
     """envpool's name for a Gymnasium id (``ALE/Breakout-v5`` -> ``Breakout-v5``); a one-line error if it has none."""
@@ -94,7 +97,7 @@ class EnvpoolEnvManager(EnvManager):
             self._pool.close()
             self._pool = None
         self._pool = envpool.make(self._task_id, env_type="gymnasium", num_envs=self._env_num,
-                                  batch_size=self._env_num, seed=seed, **self._make_kwargs)
+                                  batch_size=self._env_num, seed=seed % _INT32_MAX, **self._make_kwargs)
         self._pool_seed = seed
         self._fresh = True
 

@@ -6,13 +6,13 @@ Env crashes during an evaluation are bounded: a crashed episode is dropped and r
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
 from conveyor.engine import OnlineRLContext, declares, task
 
-__all__ = ["EVAL_EVENT", "EvaluationError", "InteractionEvaluator", "interaction_evaluator", "evaluate"]
+__all__ = ["EVAL_EVENT", "EVAL_PROGRESS_EVENT", "EvaluationError", "InteractionEvaluator", "interaction_evaluator", "evaluate"]
 
 log = logging.getLogger("conveyor.evaluator")
 
@@ -20,13 +20,17 @@ EVAL_EVENT = "evaluator.result"
 """Emitted with ``ctx.eval_output`` after each evaluation, also one that ends the iteration at the stop value
 (the middleware after the evaluator are then not entered, so they cannot read it from the context)."""
 
+EVAL_PROGRESS_EVENT = "evaluator.progress"
+"""Emitted in this process only, after each env step of an evaluation, with ``(episodes finished, episodes asked)``:
+what shows progress while a long evaluation runs (:func:`~conveyor.middleware.progress_bar`)."""
+
 
 class EvaluationError(RuntimeError):
     """An evaluation gave up: its envs crashed more often than ``max_crashes`` allows."""
 
 
 def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
-             max_crashes: Optional[int] = None) -> Dict[str, Any]:
+             max_crashes: Optional[int] = None, on_step: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
     """Run ``n_episode`` complete episodes of ``policy`` (an eval-mode view or a snapshot) on an env manager.
 
     Episodes are shared out evenly over the envs up front (env ``i`` runs ``n_episode // N`` episodes,
@@ -36,7 +40,7 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
     (lists), ``mean`` and ``std`` of the returns, ``crashes`` (env crashes seen), ``dropped``
     (episodes lost to them) and ``summary``, the score as the evaluation protocol reports it:
     ``"12.3 +- 4.5 over 10 episodes (seed 7)"`` (env ``i`` is seeded ``seed + i``; Atari episodes are
-    whole unclipped games).
+    whole unclipped games). ``on_step(episodes finished)`` is called after each env step, for progress.
     """
     limit = n_episode if max_crashes is None else max_crashes
     if not isinstance(limit, int) or limit < 0:
@@ -75,6 +79,8 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
             if hasattr(policy, "reset"):
                 policy.reset(ids.tolist())
         obs = ts.obs
+        if on_step is not None:
+            on_step(len(returns))
     mean, std = float(np.mean(returns)), float(np.std(returns))
     return {"returns": returns, "lengths": lengths, "mean": mean, "std": std, "crashes": crashes, "dropped": dropped,
             "summary": f"{mean:.1f} +- {std:.1f} over {len(returns)} episodes "
@@ -92,7 +98,8 @@ class InteractionEvaluator:
     evaluation sees one version of the weights, and the snapshot goes into ``ctx.eval_output`` for the
     checkpoint saver. Once the mean return reaches ``cfg.env.stop_value`` it sets ``task.finish`` and
     ends the iteration, so nothing trains after the evaluation that scored. Each result is also emitted
-    as :data:`EVAL_EVENT` (the checkpoint saver listens to it). Evaluation ``k`` seeds its
+    as :data:`EVAL_EVENT` (the checkpoint saver listens to it), and its progress after each env step as
+    :data:`EVAL_PROGRESS_EVENT` (the progress bar shows it). Evaluation ``k`` seeds its
     envs with ``seed + 100000 + 1000 k`` (never training seeds); the count survives a resume.
 
     Reads ctx: ``train_iter``, ``env_step`` (when the context has it), ``last_eval_iter``.
@@ -126,6 +133,9 @@ class InteractionEvaluator:
         self._evaluations = int(state["evaluations"])
         self._env_step = int(state["env_step"])
 
+    def _progress(self, episodes: int) -> None:
+        task.emit(EVAL_PROGRESS_EVENT, episodes, self._n_episode, only_local=True)
+
     def __call__(self, ctx: OnlineRLContext) -> None:
         env_step = getattr(ctx, "env_step", None)  # None in an offline pipeline (OfflineRLContext): no env steps
         due = ctx.last_eval_iter is None or ctx.train_iter - ctx.last_eval_iter >= self._freq
@@ -135,7 +145,8 @@ class InteractionEvaluator:
             return
         snapshot = self._policy.snapshot() if hasattr(self._policy, "snapshot") else self._policy
         seed = self._base_seed + 1000 * self._evaluations
-        result = evaluate(snapshot, self._env, self._n_episode, seed=seed, max_crashes=self._max_crashes)
+        result = evaluate(snapshot, self._env, self._n_episode, seed=seed, max_crashes=self._max_crashes,
+                          on_step=self._progress)
         if result["crashes"]:
             log.warning("evaluation at train iter %d: %d env crashes, %d episodes dropped and run again",
                         ctx.train_iter, result["crashes"], result["dropped"])

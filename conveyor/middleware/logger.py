@@ -18,9 +18,9 @@ import numpy as np
 
 from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, OfflineRLContext, OnlineRLContext, declares, task
 from conveyor.middleware.collector import EPISODE_EVENT
-from conveyor.middleware.evaluator import EVAL_EVENT
+from conveyor.middleware.evaluator import EVAL_EVENT, EVAL_PROGRESS_EVENT
 
-__all__ = ["online_logger", "offline_logger", "wandb_online_logger", "progress_bar", "ProgressLines"]
+__all__ = ["online_logger", "offline_logger", "wandb_online_logger", "progress_bar", "ProgressLines", "progress_display"]
 
 
 def eval_scalars(result: Dict[str, Any]) -> Dict[str, float]:
@@ -226,6 +226,14 @@ class ProgressLines:
         self._last, self._written = (now, self.n), True
 
 
+def progress_display(total: Optional[int], desc: str, unit: str) -> Any:
+    """A tqdm bar on stderr when stderr is a terminal, else :class:`ProgressLines` (a line every few seconds)."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=None)
+    return ProgressLines(total=total, desc=desc, unit=unit)
+
+
 @declares(backward_reads=("env_step",), factory=True)
 def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
                  make_bar: Optional[Callable[..., Any]] = None, *, stop_value: Optional[float] = None,
@@ -233,29 +241,37 @@ def progress_bar(total_env_step: Optional[int] = None, desc: str = "train",
     """Progress of env steps (or of the context's ``counter``, e.g. ``train_iter`` offline; out of
     ``total_env_step`` when there is a budget) with the latest eval return (against ``stop_value`` when given; and
     its env crashes and dropped episodes, when there were any) and steps/s: a tqdm bar on stderr when stderr is a
-    terminal, else a line every few seconds (:class:`ProgressLines`), so CI and Slurm logs show it too.
+    terminal, else a line every few seconds (:class:`ProgressLines`), so CI and Slurm logs show it too; during an
+    evaluation also its episodes (``evaluating=3/10 episodes``, from :data:`EVAL_PROGRESS_EVENT`). ``make_bar``
+    (called as tqdm is) replaces :func:`progress_display`.
 
     Reads ctx: ``env_step`` (or ``counter``).
     """
-    if make_bar is None:
-        if sys.stderr is not None and sys.stderr.isatty():
-            from tqdm import tqdm as make_bar
-        else:
-            make_bar = ProgressLines
-    bar = make_bar(total=total_env_step, desc=desc, unit="step" if counter == "env_step" else "iter",
-                   dynamic_ncols=True, disable=None)
+    shape = dict(total=total_env_step, desc=desc, unit="step" if counter == "env_step" else "iter")
+    bar = progress_display(**shape) if make_bar is None else make_bar(**shape, dynamic_ncols=True, disable=None)
     crashes = [0, 0]  # env crashes and dropped episodes over all evaluations
+    postfix: Dict[str, Any] = {}
+    evaluated = [-1]  # episodes of the evaluation in progress shown last
 
     def on_eval(result: Dict[str, Any]) -> None:
         crashes[0] += result.get("crashes", 0)
         crashes[1] += result.get("dropped", 0)
         shown = f"{result['mean']:.1f}"
-        postfix = {"eval_return": shown if stop_value is None else f"{shown}/{stop_value:g}"}
+        postfix.clear()
+        postfix["eval_return"] = shown if stop_value is None else f"{shown}/{stop_value:g}"
         if crashes[0]:
             postfix.update(eval_crashes=crashes[0], eval_dropped=crashes[1])
         bar.set_postfix(refresh=False, **postfix)
+        evaluated[0] = -1
+
+    def on_eval_step(episodes: int, asked: int) -> None:
+        if episodes != evaluated[0]:  # a bar redraws for each episode; lines come at most every few seconds
+            bar.set_postfix(**postfix, evaluating=f"{episodes}/{asked} episodes")
+            evaluated[0] = episodes
+        bar.update(0)
 
     task.on(EVAL_EVENT, on_eval)
+    task.on(EVAL_PROGRESS_EVENT, on_eval_step)
     task.on(FINISH_EVENT, lambda error: bar.refresh())
     task.once(CLOSE_EVENT, bar.close)
     shown = [0]

@@ -119,6 +119,9 @@ def offline_schema(max_train_iter: int) -> dict:
             "dataset": {
                 "id": Option(None, "Dataset to train on: a Minari dataset id (in the local Minari root), or the path "
                                    "of a Minari dataset directory, .npz or HDF5 transition file.", type=str),
+                "dir": Option(None, "Folder where the Minari dataset id is looked up (what `conveyor collect "
+                                    "--dataset-dir` wrote to; `conveyor train --dataset-dir` sets it); None: "
+                                    "$MINARI_DATASETS_PATH, else ~/.minari/datasets.", type=str),
                 "reward_scale": Option("none", "How training rewards are scaled: 'none', or 'returns_range' "
                                                "(times 1000 / (the best minus the worst episode return of the "
                                                "dataset): the IQL paper's scaling for locomotion datasets).",

@@ -116,9 +116,19 @@ def run_log(path: Path) -> Iterator[None]:
 def log_evaluations() -> None:
     """Inside ``task.start``: log each evaluation (the progress lines of the run's log file) and the run's end."""
     def on_eval(result: Dict[str, Any]) -> None:
-        log.info("evaluation at train_iter %s, env_step %s: mean return %s", result.get("train_iter"),
-                 result.get("env_step"), result.get("summary", result.get("mean")))
+        env_step = result.get("env_step")  # None offline: no env steps
+        log.info("evaluation at train_iter %s%s: mean return %s", result.get("train_iter"),
+                 "" if env_step is None else f", env_step {env_step}", result.get("summary", result.get("mean")))
 
     task.on(EVAL_EVENT, on_eval)
-    task.on(FINISH_EVENT, lambda error: log.info("run ended at %s%s", counters(task.ctx),
-                                                 "" if error is None else f" by {type(error).__name__}: {error}"))
+    task.on(FINISH_EVENT, lambda error: log.info("run ended at %s%s", counters(task.ctx), _ended_by(error)))
+
+
+def _ended_by(error: Optional[BaseException]) -> str:
+    """`` by <exception>: <why>`` for a run that raised (nothing for one that ended normally)."""
+    if error is None:
+        return ""
+    text = " ".join(str(error).split())
+    if not text and isinstance(error, KeyboardInterrupt):
+        text = "a second SIGINT or SIGTERM stopped it at once, without a final checkpoint (latest.pth.tar is kept)"
+    return f" by {type(error).__name__}: {text or 'no message'}"

@@ -23,7 +23,7 @@ from conveyor.middleware import (CkptSaver, load_checkpoint, offline_logger, onl
 from conveyor.policy import DataParallelError
 from conveyor.run import modes
 from conveyor.run.control import GlobalRNG, TrainingInterrupted, log_evaluations, stop_on_signals
-from conveyor.run.directory import LATEST, RunDirError
+from conveyor.run.directory import LATEST, RunDirError, mark_failed
 from conveyor.run.nodes import is_offline
 
 __all__ = ["CollectorSide", "Pipeline", "Run"]
@@ -147,17 +147,22 @@ class Run:
         """
         if self.policy is not None:
             raise RuntimeError("Run.train(): this Run has trained already; make a new Run (resume=True goes on)")
-        with self._resources:
-            modes.open_run(self)
-            self.pipeline(self)
-            if self._node is not None:
-                return self._run_node()
-            self._use_tail()
-            with stop_on_signals() as stop:
-                task.run()
-            if stop.signum is not None:
-                raise TrainingInterrupted(stop.signum, task.ctx, self.run_dir / "ckpt")
-            return task.ctx
+        try:
+            with self._resources:
+                modes.open_run(self)
+                self.pipeline(self)
+                if self._node is not None:
+                    return self._run_node()
+                self._use_tail()
+                with stop_on_signals() as stop:
+                    task.run()
+                if stop.signum is not None:
+                    raise TrainingInterrupted(stop.signum, task.ctx, self.run_dir / "ckpt")
+                return task.ctx
+        except BaseException as exc:
+            if self._owner and self.run_dir is not None:
+                mark_failed(self.run_dir, exc)  # before its first checkpoint: the same command starts it over
+            raise
 
     def _run_node(self) -> Any:
         """A distributed node's end of :meth:`train`: node 0 adds the tail; every node runs until the learner ends."""

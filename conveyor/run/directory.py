@@ -3,13 +3,16 @@
 A run lives in ``runs/<exp_name>/`` (``config.json``, ``log.txt``, ``ckpt/``, ``tb/``, and ``nodes.json`` for a
 distributed run). A new run refuses a name that already holds a run; ``resume=True`` reads the saved config,
 which a given config and seed must agree with (a refusal names the keys that differ), in the layout the run
-was trained in (one process, or distributed).
+was trained in (one process, or distributed). A run that failed before its first checkpoint (marked with
+``failed.txt`` by :func:`mark_failed`) holds nothing to resume: a new run, or a resume with any config, starts
+over in its directory (its ``log.txt`` is kept and appended to).
 """
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Type
 
@@ -20,7 +23,8 @@ from conveyor.middleware import CheckpointError
 from conveyor.schema import ConfigError
 
 __all__ = ["RUNS", "CONFIG_FILE", "LATEST", "LOG_FILE", "NODES_FILE", "RunDirError", "check_exp_name",
-           "experiment_dir", "run_directory", "prepare", "read_run_config", "check_layout", "config_differences"]
+           "experiment_dir", "run_directory", "prepare", "read_run_config", "check_layout", "config_differences",
+           "mark_failed", "FAILED_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,8 @@ CONFIG_FILE = "config.json"
 LATEST = "latest.pth.tar"
 LOG_FILE = "log.txt"
 """In every run directory: the run's log records and progress lines as plain text (appended on resume)."""
+FAILED_FILE = "failed.txt"
+"""In the run directory of a run that raised before its first checkpoint: the error, one line (:func:`mark_failed`)."""
 NODES_FILE = "nodes.json"
 """In the run directory of a distributed run: every node's id, roles, pid, host and address (the learner writes it)."""
 
@@ -83,10 +89,39 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
     if seed is not None:
         raw.seed = seed
     compiled = compile_config(raw, policy=policy)
+    if (run_dir / FAILED_FILE).is_file() and not (run_dir / "ckpt" / LATEST).is_file():
+        return _start_over(run_dir, policy, compiled)
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise RunDirError(f"{run_dir} already holds a run: continue it with --resume, or choose another --exp-name")
     _write_config(run_dir, policy, compiled)
     return compiled
+
+
+def mark_failed(run_dir: Path, error: BaseException) -> None:
+    """Mark ``run_dir`` as a run that failed before its first checkpoint (nothing to resume), so that the same
+    command starts it over; a run with a checkpoint, or no directory, is left as it is."""
+    if not run_dir.is_dir() or (run_dir / "ckpt" / LATEST).is_file():
+        return
+    try:
+        (run_dir / FAILED_FILE).write_text(f"{type(error).__name__}: {' '.join(str(error).split())[:500]}\n")
+    except OSError as exc:
+        log.warning("cannot mark %s as a failed start (%s): remove it before starting the run again", run_dir, exc)
+
+
+def _start_over(run_dir: Path, policy: Type[Any], cfg: EasyDict) -> EasyDict:
+    """Empty ``run_dir`` of a start that left no checkpoint (its ``log.txt`` kept) and save ``cfg`` in it."""
+    failed = run_dir / FAILED_FILE
+    why = f" ({failed.read_text().strip()})" if failed.is_file() else ""
+    log.warning("run '%s' stopped before its first checkpoint%s: it starts over", run_dir.name, why)
+    for path in run_dir.iterdir():
+        if path.name == LOG_FILE:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    _write_config(run_dir, policy, cfg)
+    return cfg
 
 
 def _write_config(run_dir: Path, policy: Type[Any], cfg: EasyDict) -> None:
@@ -177,6 +212,10 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
         raise RunDirError(f"cannot resume '{run_dir.name}' with {policy.__name__}: it is a {saved.get('policy')} "
                           f"run; resume it with its own entry, or choose another --exp-name")
     check_layout(run_dir, distributed=distributed)
+    if not latest.is_file():  # a failed or killed start: nothing to resume, so any config given goes
+        raw = EasyDict(saved["config"]) if given is None else given
+        return _start_over(run_dir, policy, compile_config(raw if seed is None else EasyDict(raw, seed=seed),
+                                                           policy=policy))
     cfg = compile_config(EasyDict(saved["config"]), policy=policy)
     if seed is not None and seed != cfg.seed:
         raise RunDirError(f"--seed {seed} differs from the seed {cfg.seed} of run '{run_dir.name}': leave --seed "
@@ -191,8 +230,4 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
                               f"({_leaves(differ)}): resume without a config, or start a new run")
         if "device" in given.get("policy", {}):  # a run may move between devices: its checkpoints load on any
             cfg.policy.device = given.policy.device
-    if not latest.is_file():
-        log.warning("run '%s' stopped before its first checkpoint (a failed or killed start): it starts over from "
-                    "its saved config", run_dir.name)
-        (run_dir / NODES_FILE).unlink(missing_ok=True)  # the nodes of that start; this one writes its own
     return cfg

@@ -188,12 +188,14 @@ def _node_links(run: Any, node: Node, learner: bool) -> None:
 
 
 def _load_dataset(run: Any, cfg: Mapping[str, Any]) -> Any:
-    source = cfg.get("policy", {}).get("other", {}).get("dataset", {}).get("id")
+    dataset = cfg.get("policy", {}).get("other", {}).get("dataset", {})
+    source, root = dataset.get("id"), dataset.get("dir")
     if source is None:
         raise ConfigError("config key 'policy.other.dataset.id' is not set: name the dataset to train on (a "
                           f"Minari dataset id or a file path); build one with: {run._build_dataset}")
     try:
-        return load_dataset(source)
+        return load_dataset(source, root=root)
     except FileNotFoundError:
-        raise DatasetMissing(f"dataset '{source}' is not in {dataset_root()} (nothing is downloaded); build it "
-                             f"with: {run._build_dataset}") from None
+        elsewhere = "" if root is not None else " (one written with --dataset-dir DIR: train with --dataset-dir DIR)"
+        raise DatasetMissing(f"dataset '{source}' is not in {dataset_root(root)}{elsewhere}; nothing is downloaded: "
+                             f"build it with: {run._build_dataset}") from None

@@ -10,6 +10,7 @@ import pytest
 
 from conveyor.envs import check_env_id, env_factory, make_env_manager
 from conveyor.schema import ConfigError
+from tests.cli_helpers import run_conveyor
 
 BREAKOUT = {"env_id": "ALE/Breakout-v5", "collector_env_num": 1, "evaluator_env_num": 1}
 
@@ -116,6 +117,30 @@ def test_mujoco_half_cheetah_steps_through_the_sync_manager(managers, tmp_path, 
         ts = envs.step(np.zeros((2, 6), np.float32))
     assert ts.truncated.all() and ts.next_obs.shape == (2, 17)
     assert [info["episode"]["l"] for info in ts.info] == [5, 5]
+
+
+def test_building_a_half_cheetah_prints_no_settotalmass_warning_and_writes_no_mujoco_log(tmp_path, monkeypatch,
+                                                                                       capfd):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        env_factory({"env_id": "HalfCheetah-v5"})().close()
+    err = capfd.readouterr().err
+    assert "settotalmass" not in err, err
+    assert not (tmp_path / "MUJOCO_LOG.TXT").exists()
+
+
+@pytest.mark.parametrize("env_id, hint", [("Pong-v5", "ALE/Pong-v5"), ("pong", "ALE/Pong-v5"),
+                                         ("breakout-v5", "ALE/Breakout-v5")])
+def test_an_atari_game_named_without_ale_gets_the_ale_id_as_its_hint(env_id, hint):
+    with pytest.raises(ConfigError, match=f"'{env_id}', which is not a registered Gymnasium env: did you mean "
+                                          f"'{hint}'\\?"):
+        check_env_id(env_id)
+
+
+def test_an_atari_command_prints_no_ale_banner(tmp_path):
+    done = run_conveyor(["conveyor", "describe", "atari/dqn"], tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "A.L.E" not in done.stderr + done.stdout and "Stella" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("env_id, module, extra", [("ALE/Breakout-v5", "ale_py", "atari"),

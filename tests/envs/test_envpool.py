@@ -105,6 +105,14 @@ def test_a_resume_starts_new_episodes_seeded_from_the_run_seed_and_env_step(mana
     resumed.step(np.zeros(1, int))
 
 
+def test_seeds_beyond_int32_build_a_pool(managers):
+    envs = make_env_manager(ATARI, "collector", seed=2**32 - 1)  # a valid run seed; a resume's reseed is as large
+    managers.track(envs)
+    first = envs.reset()
+    again = envs.reset(seed=2**32 - 1)
+    assert first.shape == (1, 4, 84, 84) and (first == again).all()
+
+
 def test_a_missing_envpool_is_a_one_line_error_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "envpool", None)
     with pytest.raises(ConfigError, match='pip install "conveyor\\[envpool\\]"'):

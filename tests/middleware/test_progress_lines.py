@@ -1,8 +1,13 @@
 """Progress where output is not a terminal (CI, Slurm): a line every few seconds instead of nothing."""
 import io
+from types import SimpleNamespace
+
+import gymnasium as gym
+import numpy as np
 
 from conveyor.engine import OnlineRLContext, task
-from conveyor.middleware import EVAL_EVENT, progress_bar
+from conveyor.envs import SyncEnvManager
+from conveyor.middleware import EVAL_EVENT, interaction_evaluator, logger, progress_bar
 from conveyor.middleware.logger import ProgressLines
 
 
@@ -67,3 +72,43 @@ def test_progress_bar_writes_lines_when_stderr_is_not_a_terminal(monkeypatch, ca
     assert capsys.readouterr().err.splitlines() == [
         "train: 20/40 step (50%), eval_return=7.0/475, 3 step/s, 0:00:06 elapsed",
         "train: 40/40 step (100%), eval_return=7.0/475, 3 step/s, 0:00:12 elapsed"]
+
+
+class SlowEpisodes(gym.Env):
+    """Episodes of 5 steps, each step taking a second of the test's clock: a slow env without sleeping."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, clock):
+        self.clock, self.t = clock, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        self.clock.now += 1
+        self.t += 1
+        return np.zeros(4, np.float32), 1.0, False, self.t >= 5, {}
+
+
+class Zeros:
+    def forward(self, obs):
+        return {"action": np.zeros(len(obs), dtype=np.int64)}
+
+
+def test_a_long_evaluation_writes_lines_with_its_episodes_when_stderr_is_not_a_terminal(monkeypatch, capsys, cfg,
+                                                                                       request):
+    clock = Clock()
+    monkeypatch.setattr(logger, "time", SimpleNamespace(monotonic=clock))
+    env = SyncEnvManager([lambda: SlowEpisodes(clock)] * 2, seed=0)  # 4 episodes: 10 steps of 2 s
+    request.addfinalizer(env.close)
+    with task.start(ctx=OnlineRLContext()):
+        task.use(interaction_evaluator(cfg, Zeros(), env)).use(progress_bar(100))
+        task.run(max_step=1)
+    assert capsys.readouterr().err.splitlines() == [
+        "train: 0/100 step (0%), evaluating=0/4 episodes, 0 step/s, 0:00:06 elapsed",
+        "train: 0/100 step (0%), evaluating=2/4 episodes, 0 step/s, 0:00:12 elapsed",
+        "train: 0/100 step (0%), evaluating=2/4 episodes, 0 step/s, 0:00:18 elapsed"]

@@ -3,6 +3,7 @@ resume of an offline run, and the one-line errors for a missing dataset and an e
 from __future__ import annotations
 
 import copy
+import json
 
 import gymnasium as gym
 import numpy as np
@@ -12,6 +13,9 @@ from conveyor.cli import main as cli
 from conveyor.data import DatasetWriter
 from conveyor.middleware import load_checkpoint
 from conveyor.zoo import load_entry
+
+from tests.cli_helpers import ROOT, TINY
+from tests.test_readme import readme_steps
 
 from .resume_bar import differences
 
@@ -71,6 +75,13 @@ def test_conveyor_train_runs_an_offline_entry_on_a_recorded_dataset(in_tmp, smal
     assert {"losses/bc", "charts/accuracy", "charts/train_epoch"} <= set(events.Tags()["scalars"])
 
 
+def test_the_log_of_an_offline_run_names_no_env_step(in_tmp, small_bc):
+    record_random_episodes(in_tmp / "datasets", "cartpole/expert-v0", "CartPole-v1", 4)
+    assert cli(["train", "cartpole/bc", "--exp-name", "bc", "--no-progress"]) == 0
+    log = (in_tmp / "runs" / "bc" / "log.txt").read_text()
+    assert "evaluation at train_iter 0: mean return" in log and "env_step" not in log, log
+
+
 def test_a_resumed_offline_run_ends_exactly_where_a_straight_run_ends(in_tmp, small_bc):
     record_random_episodes(in_tmp / "datasets", "cartpole/expert-v0", "CartPole-v1", 10)
     small_bc.main(exp_name="straight", max_train_iter=20, progress=False)
@@ -89,6 +100,42 @@ def test_a_missing_dataset_is_one_line_naming_the_commands_that_build_it(in_tmp,
     assert err.count("\n") == 1 and "cartpole/expert-v0" in err
     assert "conveyor train cartpole/dqn" in err and "conveyor collect cartpole/dqn" in err
     assert not (in_tmp / "runs").exists()  # nothing left behind: the same command works once the data is there
+
+
+def _first_example_of_offline_md():
+    """The commands of docs/offline.md's first example (under "Recording a dataset"), as argv lists."""
+    section = (ROOT / "docs" / "offline.md").read_text().split("## Recording a dataset", 1)[1]
+    start = section.index("```bash")
+    return [argv for kind, argv in readme_steps(section[:section.index("```\n", start + 7) + 4]) if kind == "command"]
+
+
+def _tiny(argv):
+    """A command of the docs with test-sized budgets: a few env steps, episodes and gradient steps."""
+    if argv[1] == "collect":
+        return [*argv[:argv.index("--episodes") + 1], "2", *argv[argv.index("--episodes") + 2:], "--no-progress"]
+    if argv[2] == "cartpole/bc":
+        return [*argv, "--max-train-iter", "4", "--set", "policy.model.hidden_sizes=[8]", "--set",
+                "policy.learn.batch_size=16", "--set", "env.evaluator_env_num=2", "--set", "env.n_evaluator_episode=2",
+                "--no-progress"]
+    return [*argv, *TINY]
+
+
+def test_the_first_example_of_offline_md_trains_bc_on_the_dataset_it_wrote(in_tmp, capsys):
+    commands = _first_example_of_offline_md()
+    assert [argv[1:3] for argv in commands] == [["train", "cartpole/dqn"], ["collect", "cartpole/dqn"],
+                                                ["collect", "cartpole/dqn"], ["train", "cartpole/bc"]]
+    for argv in commands:  # MINARI_DATASETS_PATH is an empty folder: only --dataset-dir finds the data
+        assert cli(_tiny(argv)[1:]) == 0, (argv, capsys.readouterr().err)
+    assert (in_tmp / "datasets" / "cartpole" / "expert-v0").is_dir()
+    run = in_tmp / "runs" / "cartpole_bc"
+    assert load_checkpoint(run / "ckpt" / "final.pth.tar")["ctx"]["train_iter"] == 4
+    assert json.loads((run / "config.json").read_text())["config"]["policy"]["other"]["dataset"]["dir"] == "datasets"
+
+
+def test_dataset_dir_for_an_online_entry_is_a_one_line_error(in_tmp, capsys):
+    assert cli(["train", "cartpole/dqn", "--dataset-dir", "datasets", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--dataset-dir: cartpole/dqn trains online" in err, err
 
 
 def test_an_env_step_budget_for_an_offline_entry_is_a_one_line_error(in_tmp, capsys):

@@ -60,6 +60,47 @@ def test_a_new_run_never_reuses_an_existing_run_directory(in_tmp, capsys):
     assert (in_tmp / "runs" / "taken" / "config.json").read_text() == "{}"
 
 
+def test_a_missing_envpool_stops_before_the_run_directory_is_made(in_tmp, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "envpool", None)  # as if envpool were not installed
+    assert cli(["train", "cartpole/dqn", "--set", "env.manager=envpool", "--exp-name", "pooled", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install "conveyor[envpool]"' in err, err
+    assert not (in_tmp / "runs" / "pooled").exists()
+
+
+def _fails_while_built(run):
+    """A pipeline whose build fails after its envs were made, as a launch that fails does."""
+    run.env("collector")
+    raise RuntimeError("the pipeline fails while it is built")
+
+
+TINY_RUN = ["--max-env-step", "64", "--no-progress"]
+
+
+def test_a_run_that_failed_at_its_start_is_started_over_by_the_same_command(in_tmp, capsys, caplog):
+    from conveyor.run import Run
+    with pytest.raises(RuntimeError, match="fails while it is built"):
+        Run(_fails_while_built, load_entry("cartpole/dqn").main_config, DQNPolicy, exp_name="again").train()
+    assert cli(["train", "cartpole/dqn", "--exp-name", "again", *TINY_RUN]) == 0, capsys.readouterr().err
+    run_dir = in_tmp / "runs" / "again"
+    assert load_checkpoint(run_dir / "ckpt" / "final.pth.tar")["ctx"]["env_step"] >= 64
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt", "config.json", "log.txt", "tb"]
+    assert (run_dir / "log.txt").read_text().count("run 'again' started") == 2  # the failed start's log is kept
+    assert "before its first checkpoint (RuntimeError: the pipeline fails while it is built): it starts over" \
+        in caplog.text
+
+
+def test_resuming_a_run_that_failed_at_its_start_takes_the_config_given(in_tmp, capsys):
+    from conveyor.run import Run
+    with pytest.raises(RuntimeError, match="fails while it is built"):
+        Run(_fails_while_built, load_entry("cartpole/dqn").main_config, DQNPolicy, exp_name="again").train()
+    assert cli(["train", "cartpole/dqn", "--exp-name", "again", "--resume", "--set", "env.manager=subprocess",
+                *TINY_RUN]) == 0, capsys.readouterr().err
+    saved = json.loads((in_tmp / "runs" / "again" / "config.json").read_text())
+    assert saved["config"]["env"]["manager"] == "subprocess"
+    assert load_checkpoint(in_tmp / "runs" / "again" / "ckpt" / "final.pth.tar")["ctx"]["env_step"] >= 64
+
+
 @pytest.mark.parametrize("name", ["", "../escape", "a/b", ".."])
 def test_exp_names_outside_runs_are_refused(in_tmp, capsys, name):
     assert cli(["train", "cartpole/dqn", "--exp-name", name, "--no-progress"]) == 2

@@ -93,6 +93,28 @@ def test_every_run_directory_holds_a_plain_text_log(in_tmp):
     assert any("run 'logged' resumed" in line for line in lines)
 
 
+def test_a_run_stopped_at_once_says_why_in_its_log(in_tmp):
+    from conveyor.engine import task
+    from conveyor.policy import DQNPolicy
+    from conveyor.run import Run
+
+    def interrupted(run):
+        dqn.pipeline(run)
+
+        def second_ctrl_c(ctx):  # what stop_on_signals raises on a second signal: a bare KeyboardInterrupt
+            if ctx.env_step >= 32:
+                raise KeyboardInterrupt
+
+        task.use(second_ctrl_c)
+
+    with pytest.raises(KeyboardInterrupt):
+        Run(interrupted, dqn.main_config, DQNPolicy, tiny(), exp_name="cut", max_env_step=640, progress=False).train()
+    last = (in_tmp / "runs" / "cut" / "log.txt").read_text().splitlines()[-1]
+    assert "run ended at env_step=" in last and last.endswith(
+        " by KeyboardInterrupt: a second SIGINT or SIGTERM stopped it at once, without a final checkpoint "
+        "(latest.pth.tar is kept)"), last
+
+
 def test_an_offline_entry_given_a_role_is_refused_in_one_line(in_tmp):
     from conveyor.engine import Role, task
     from conveyor.schema import ConfigError
