@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from conveyor.envs import AgentSpaces, MultiAgentEnv, SyncEnvManager, agent_spaces, make_env_manager, \
+from conveyor.envs import AgentSpaces, MultiAgentEnv, SyncEnvManager, agent_spaces, check_env, make_env_manager, \
     require_multi_agent, require_single_agent
 from conveyor.schema import ConfigError
 
@@ -162,3 +162,7 @@ def test_compile_config_refuses_a_multi_agent_env_for_a_single_agent_policy():
 
     with pytest.raises(ConfigError, match="DQNPolicy trains one agent, but env.env_id='mpe/simple_spread_v3'"):
         compile_config({"env": {"env_id": "mpe/simple_spread_v3"}, "policy": {}}, policy=DQNPolicy)
+
+
+def test_check_env_passes_a_team_env_with_an_agent_that_leaves():
+    check_env(lambda: MultiAgentEnv(Trio(steps=5, b_steps=2), "trio"), steps=12)

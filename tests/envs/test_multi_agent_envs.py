@@ -5,15 +5,19 @@ They need the ``marl`` extra (``pip install -e ".[marl]"``); where it is missing
 (``$CI`` set), where the test extra installs it and they fail, saying why."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gymnasium import spaces
 
-from conveyor.envs import make_env_manager
+from conveyor.envs import check_env, make_env_manager
 from conveyor.schema import ConfigError, Option
 
 MISSING = [name for name in ("pettingzoo", "mpe2", "vmas") if importlib.util.find_spec(name) is None]
@@ -175,3 +179,36 @@ def test_compile_config_gives_a_team_policy_its_model_sizes_and_refuses_a_single
     assert dict(compiled.policy.model) == {"obs_shape": 18, "action_shape": 5, "state_shape": 54, "agent_num": 3}
     with pytest.raises(ConfigError, match="_TeamPolicy trains a team of agents, but env.env_id='CartPole-v1'"):
         compile_config({"env": {"env_id": "CartPole-v1"}, "policy": {}}, policy=_TeamPolicy)
+
+
+@pytest.mark.parametrize("env_id", ["mpe/simple_tag_v3", "vmas/navigation"])
+def test_check_env_passes_a_teams_env(env_id):
+    check_env(env_id, steps=12)
+
+
+FORKED_VMAS = """
+import numpy as np, torch
+from conveyor.envs import make_env_manager
+x = torch.randn(256, 4096)
+x.min(dim=-1), x @ x.T  # parallel operators: this process now has OpenMP threads, which a fork does not copy
+cfg = {"env_id": "vmas/navigation", "manager": "subprocess", "start_method": "fork", "collector_env_num": 2}
+with make_env_manager(cfg, "collector", seed=0) as envs:
+    envs.reset()
+    envs.step(np.zeros((2, 4, 2), np.float32))
+print("stepped")
+"""
+
+
+def test_vmas_runs_in_workers_forked_from_a_process_that_ran_parallel_torch_operators():
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", FORKED_VMAS], start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(root)))
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        out = "no answer in 120 s (the workers hung)"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert out.strip().endswith("stepped"), out
