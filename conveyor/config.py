@@ -17,7 +17,8 @@ from typing import Any, Iterable, Mapping, Optional, Type
 import gymnasium as gym
 from easydict import EasyDict
 
-from conveyor.envs import ENV_SCHEMA, check_env_config, env_spaces
+from conveyor.envs import (ENV_SCHEMA, AgentSpaces, agent_spaces, check_env_config, env_spaces, require_multi_agent,
+                           require_single_agent)
 from conveyor.schema import ConfigError, Option, validate
 
 __all__ = ["TOP_SCHEMA", "compile_config", "space_shapes", "ConfigError", "apply_overrides", "load_config_file",
@@ -65,7 +66,9 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
     spaces: the policy's ``check_config`` checks the config against them and across keys, a
     ``policy.model`` ``obs_shape`` / ``action_shape`` left unset is read from them, and so are
     ``action_low`` / ``action_high`` of a Box action space where the policy's model schema declares them;
-    the values read are validated like the user's. The input is not modified.
+    the values read are validated like the user's. The input is not modified. A policy refuses an env of the
+    other kind (``Policy.multi_agent`` against a multi-agent ``env.env_id``); a team's policy gets its model
+    keys from :func:`~conveyor.envs.agent_spaces` (one agent's sizes, the state's, ``N_agent``).
     """
     schema: dict = dict(TOP_SCHEMA, env=ENV_SCHEMA)
     if policy is not None:
@@ -74,6 +77,9 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
         raise ConfigError("config has a 'policy' section but compile_config() was given no policy class: "
                           "pass policy=<the policy class>, e.g. compile_config(cfg, policy=DQNPolicy)")
     compiled = validate(copy.deepcopy(dict(cfg)), schema)
+    team = bool(getattr(policy, "multi_agent", False))
+    if policy is not None:
+        (require_multi_agent if team else require_single_agent)(compiled.env, policy.__name__)
     check_env_config(compiled.env)
     if not infer_shapes or policy is None:
         return compiled
@@ -81,7 +87,10 @@ def compile_config(cfg: Mapping[str, Any], policy: Optional[Type[Any]] = None, *
     check = getattr(policy, "check_config", None)
     if check is not None:
         check(compiled, observation_space, action_space)
-    _infer_model_keys(compiled.policy.model, observation_space, action_space)
+    if team:
+        _infer_team_model_keys(compiled.policy.model, agent_spaces(observation_space, action_space))
+    else:
+        _infer_model_keys(compiled.policy.model, observation_space, action_space)
     # What was read from the env is checked like what the user wrote.
     compiled.policy = validate(compiled.policy, schema["policy"], path="policy")
     return compiled
@@ -99,6 +108,17 @@ def _infer_model_keys(model: Any, observation_space: gym.Space, action_space: gy
         for key, values in bounds.items():
             if key in model and model[key] is None:
                 model[key] = _bound(values)
+
+
+def _infer_team_model_keys(model: Any, team: AgentSpaces) -> None:
+    """For a team's policy, fill the model keys left unset: ``obs_shape`` (one agent's observation size) and
+    ``action_shape`` (``n_actions`` or ``act_dim``), and where the model declares them ``state_shape`` and
+    ``agent_num``."""
+    found = {"obs_shape": team.obs_dim, "action_shape": team.action_dim, "state_shape": team.state_dim,
+             "agent_num": team.agent_num}
+    for key, value in found.items():
+        if model.get(key) is None and (key in model or key in ("obs_shape", "action_shape")):
+            model[key] = value
 
 
 def _bound(values: Any) -> Any:

@@ -8,7 +8,7 @@ import gymnasium as gym
 import numpy as np
 
 from conveyor.envs._config import EnvFactory, check_env_id
-from conveyor.envs._core import EnvFn
+from conveyor.envs._core import EnvFn, reward_shape_of
 from conveyor.envs._spaces import SpaceLayout
 from conveyor.envs._subprocess import SubprocessEnvManager
 from conveyor.envs._sync import SyncEnvManager
@@ -134,6 +134,7 @@ def _rollout(env: gym.Env, seed: int, actions: list[Any], problems: list[str], r
             found.setdefault(key, problem)
 
     space = env.observation_space
+    reward_shape = reward_shape_of(env)
     trajectory: list[tuple] = []
     try:
         result = env.reset(seed=seed)
@@ -158,7 +159,12 @@ def _rollout(env: gym.Env, seed: int, actions: list[Any], problems: list[str], r
             if not space.contains(obs):
                 note("step obs", f"step() returned an observation outside observation_space at step {t}: "
                                  f"{_mismatch(space, obs)}")
-            if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, (int, float, np.integer, np.floating)):
+            if reward_shape:
+                if not (isinstance(reward, np.ndarray) and reward.shape == reward_shape
+                        and np.issubdtype(reward.dtype, np.floating)):
+                    note("reward", f"step() returned reward {reward!r}, expected a float array of the env's "
+                                   f"reward_shape {reward_shape}")
+            elif isinstance(reward, (bool, np.bool_)) or not isinstance(reward, (int, float, np.integer, np.floating)):
                 note("reward", f"step() returned reward {reward!r} of type {type(reward).__name__}, expected a float")
             for flag, value in (("terminated", terminated), ("truncated", truncated)):
                 if not isinstance(value, (bool, np.bool_)):
@@ -182,7 +188,7 @@ def _compare_rollouts(first: list[tuple], second: list[tuple], problems: list[st
         problems.append("reset(seed=...) twice with the same seed gave different observations: call "
                         "super().reset(seed=seed) and draw randomness from self.np_random")
         return
-    if len(first) != len(second) or not all(_same(a[0], b[0]) and a[1:] == b[1:] for a, b in zip(first, second)):
+    if len(first) != len(second) or not all(_same(a, b) for a, b in zip(first, second)):
         problems.append("the same seed and actions gave different trajectories: draw all randomness from "
                         "self.np_random (seeded by super().reset(seed=seed))")
 

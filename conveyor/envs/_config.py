@@ -12,6 +12,7 @@ import gymnasium as gym
 from conveyor.envs._atari import ATARI_OPTION, AtariFactory, atari_options, is_atari_id, register_atari, require_extra
 from conveyor.envs._core import EnvManager
 from conveyor.envs._envpool import EnvpoolEnvManager, envpool_atari_kwargs, envpool_task_id
+from conveyor.envs._marl_config import check_multi_agent_id, is_multi_agent_id, make_multi_agent_env
 from conveyor.envs._subprocess import SubprocessEnvManager
 from conveyor.envs._sync import SyncEnvManager
 from conveyor.schema import ConfigError, Option, closest, non_negative, positive, validate
@@ -20,9 +21,11 @@ __all__ = ["ENV_SCHEMA", "EnvFactory", "check_env_config", "check_env_id", "env_
            "is_mujoco_id", "make_env_manager"]
 
 ENV_SCHEMA: dict[str, Option] = {
-    "env_id": Option("CartPole-v1", "Gymnasium env id passed to gymnasium.make ('module:Id' imports module first)",
+    "env_id": Option("CartPole-v1", "Gymnasium env id passed to gymnasium.make ('module:Id' imports module first), "
+                                    "or a multi-agent 'mpe/<scenario>' or 'vmas/<scenario>' (docs/multi-agent.md)",
                      type=str),
-    "env_kwargs": Option({}, "keyword arguments for gymnasium.make (e.g. render_mode)", type=dict, open=True),
+    "env_kwargs": Option({}, "keyword arguments for gymnasium.make (e.g. render_mode), or for the multi-agent "
+                             "scenario (e.g. max_cycles, N, continuous_actions)", type=dict, open=True),
     "collector_env_num": Option(8, "envs the collector steps in lock step", type=int, check=positive),
     "evaluator_env_num": Option(5, "envs the evaluator steps in lock step", type=int, check=positive),
     "n_evaluator_episode": Option(10, "episodes per evaluation, spread over the evaluator's envs", type=int,
@@ -55,13 +58,16 @@ Role = Literal["collector", "evaluator"]
 
 @dataclass(frozen=True)
 class EnvFactory:
-    """A picklable env factory: ``gymnasium.make(env_id, max_episode_steps=..., **env_kwargs)``."""
+    """A picklable env factory: ``gymnasium.make(env_id, max_episode_steps=..., **env_kwargs)``, or for a multi-agent
+    id its scenario as one :class:`~conveyor.envs.MultiAgentEnv`."""
 
     env_id: str
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
     max_episode_steps: int | None = None
 
     def __call__(self) -> gym.Env:
+        if is_multi_agent_id(self.env_id):
+            return make_multi_agent_env(self.env_id, self.env_kwargs, self.max_episode_steps)
         kwargs = dict(self.env_kwargs)
         if self.max_episode_steps is not None:
             kwargs["max_episode_steps"] = self.max_episode_steps
@@ -99,13 +105,17 @@ def _quiet_mujoco() -> None:
 
 
 def check_env_id(env_id: str) -> None:
-    """Raise :class:`~conveyor.schema.ConfigError` if ``env_id`` is not a registered Gymnasium id.
+    """Raise :class:`~conveyor.schema.ConfigError` if ``env_id`` is not a registered Gymnasium id nor a known
+    multi-agent id (``mpe/<scenario>``, ``vmas/<scenario>``, whose packages must be installed).
 
     The message names the closest registered id. An id of the form ``"module:Id"`` imports ``module``
     first (as ``gymnasium.make`` does), which registers its envs. Nothing is built.
     """
     if not isinstance(env_id, str) or not env_id:
         raise ConfigError(f"config key 'env.env_id' must be a Gymnasium env id such as 'CartPole-v1', got {env_id!r}")
+    if is_multi_agent_id(env_id):
+        check_multi_agent_id(env_id)
+        return
     name = env_id
     if is_atari_id(env_id):
         register_atari(env_id)
@@ -202,6 +212,9 @@ def make_env_manager(env_cfg: Mapping[str, Any], role: Role, seed: int | None = 
         raise ValueError(f"role must be 'collector' or 'evaluator', got {role!r}")
     env_num = cfg.collector_env_num if role == "collector" else cfg.evaluator_env_num
     if cfg.manager == "envpool":
+        if is_multi_agent_id(cfg.env_id):
+            raise ConfigError(f"env.manager 'envpool' has no multi-agent envs such as env.env_id={cfg.env_id!r}: set "
+                              f"env.manager to 'sync' or 'subprocess'")
         return _envpool_manager(cfg, role, env_num, seed)
     check_env_id(cfg.env_id)
     env_fns = [env_factory(cfg, role)] * env_num

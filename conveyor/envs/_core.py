@@ -16,7 +16,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from conveyor.envs._spaces import SpaceLayout
+from conveyor.envs._spaces import AgentSpaces, SpaceLayout, agent_spaces
 
 __all__ = ["GAME_INFO", "Timestep", "EnvManagerStats", "EnvCrashedError", "EnvManager", "EnvFn", "Restored"]
 
@@ -41,6 +41,10 @@ class Timestep:
     ``"reset_info"``; on a crash it holds ``"error"``. For envs that report games (:data:`GAME_INFO`, e.g.
     Atari ending training episodes on a life loss) ``"episode"`` comes only at game over, with the whole
     game's unclipped return and length.
+
+    ``reward`` is ``[env_num]``, or ``[env_num, *reward_shape]`` for envs that declare a ``reward_shape`` (see
+    :func:`reward_shape_of`): a team's :class:`~conveyor.envs.MultiAgentEnv` gives ``[env_num, N_agent]``, its
+    ``"episode"`` holds the team return ``"r"`` (the sum over agents) and ``"agent_r"``, the return of each agent.
     """
 
     obs: Any
@@ -82,6 +86,12 @@ class Restored:
     """Batched observations, as :meth:`EnvManager.reset` returns them."""
     reseeded: list[int]
     """Indices of envs that were reset with a seed derived from the saved seed and env step."""
+
+
+def reward_shape_of(env: gym.Env) -> tuple[int, ...]:
+    """The shape of one env's reward: ``()`` for Gymnasium envs, ``reward_shape`` where the unwrapped env declares
+    one (``(N_agent,)`` for :class:`~conveyor.envs.MultiAgentEnv`)."""
+    return tuple(getattr(env.unwrapped, "reward_shape", ()))
 
 
 def pickle_env(env: gym.Env) -> bytes | None:
@@ -198,6 +208,8 @@ class EnvManager(abc.ABC):
     env_id: str
     observation_space: gym.Space
     action_space: gym.Space
+    reward_shape: tuple[int, ...] = ()
+    """The shape of one env's reward (``Timestep.reward`` is ``[env_num, *reward_shape]``): ``(N_agent,)`` for teams."""
     stats: EnvManagerStats
     _obs_layout: SpaceLayout
     _act_layout: SpaceLayout
@@ -220,6 +232,12 @@ class EnvManager(abc.ABC):
     def env_num(self) -> int:
         """How many envs step in lock step (the leading dim of every batch)."""
         return self._env_num
+
+    @property
+    def agent_spaces(self) -> AgentSpaces:
+        """For a team's envs: ``N_agent``, one agent's observation and action space, the state size (raises
+        ValueError for single-agent envs)."""
+        return agent_spaces(self.observation_space, self.action_space)
 
     @property
     def closed(self) -> bool:

@@ -11,7 +11,8 @@ import gymnasium as gym
 import numpy as np
 
 from conveyor.envs._core import (GAME_INFO, EnvCrashedError, EnvFn, EnvManagerStats, FailureStreaks, _build_failed,
-                                 _error_text, _factory_name, _gave_up, pickle_env, seed_for_rebuild)
+                                 _error_text, _factory_name, _gave_up, pickle_env, reward_shape_of,
+                                 seed_for_rebuild)
 from conveyor.envs._spaces import SpaceLayout
 
 _RESEED = 2
@@ -52,10 +53,11 @@ class _EnvGroup:
                     f"must share their observation and action spaces")
         self.observation_space = first.observation_space
         self.action_space = first.action_space
+        self.reward_shape = reward_shape_of(first)
         self.obs_layout = SpaceLayout(self.observation_space, "observation")
         self.act_layout = SpaceLayout(self.action_space, "action")
         n = len(self.envs)
-        self._returns = [0.0] * n
+        self._returns = np.zeros((n, *self.reward_shape))
         self._lengths = [0] * n
         self._rebuilds = [0] * n
         self._streaks = FailureStreaks(n)
@@ -65,7 +67,7 @@ class _EnvGroup:
     def state_dict(self) -> dict[str, Any]:
         """Per env of the group: the pickled env (None where it does not pickle), return and length so far,
         rebuild count."""
-        return {"envs": [pickle_env(env) for env in self.envs], "returns": list(self._returns),
+        return {"envs": [pickle_env(env) for env in self.envs], "returns": self._returns.tolist(),
                 "lengths": list(self._lengths), "rebuilds": list(self._rebuilds)}
 
     def load_state_dict(self, state: dict[str, Any], t: int, seed: int | None, env_step: int,
@@ -82,7 +84,7 @@ class _EnvGroup:
                     env = pickle.loads(blob)
                 except Exception:
                     env = None
-            self._returns[j] = float(state["returns"][j])
+            self._returns[j] = state["returns"][j]
             self._lengths[j] = int(state["lengths"][j])
             self._rebuilds[j] = int(state["rebuilds"][j])
             if env is not None:
@@ -191,7 +193,9 @@ class _EnvGroup:
         info = dict(info)
         game = info.pop(GAME_INFO, None)
         if game is None:
-            info["episode"] = {"r": float(self._returns[j]), "l": self._lengths[j]}
+            info["episode"] = {"r": float(self._returns[j].sum()), "l": self._lengths[j]}
+            if self.reward_shape:
+                info["episode"]["agent_r"] = self._returns[j].tolist()
         elif game["over"]:
             info["episode"] = {"r": float(game["r"]), "l": int(game["l"])}
         if "episode" in info:

@@ -4,15 +4,19 @@ A nested space (``Dict``, ``Tuple``, nested arbitrarily) is handled as the list 
 (``Box``, ``Discrete``, ``MultiDiscrete``, ``MultiBinary``), so a manager preallocates one array per
 leaf (in-process or in shared memory) and writes each env's value in place. Batched values are
 handed to users nested again: dicts for ``Dict``, dicts keyed ``"0"``, ``"1"``, ... for ``Tuple``.
+
+A team's env (:class:`~conveyor.envs.MultiAgentEnv`) is one such nested space; :func:`agent_spaces` reads the
+agent axis and the per-agent sizes back from it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["SpaceLayout", "LEAF_SPACES"]
+__all__ = ["AgentSpaces", "SpaceLayout", "LEAF_SPACES", "agent_spaces"]
 
 LEAF_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
@@ -98,3 +102,43 @@ def _native(space: spaces.Space, leaves: Iterator[Any]) -> Any:
     if isinstance(space, spaces.Tuple):
         return tuple(_native(sub, leaves) for sub in space.spaces)
     return next(leaves)
+
+
+@dataclass(frozen=True)
+class AgentSpaces:
+    """The sizes a team's policy is built from: the agent axis, one agent's observation and action, the state."""
+
+    agent_num: int
+    """``N_agent``, the length of the agent axis."""
+    obs_dim: int
+    """One agent's observation size (``obs`` is ``[N_agent, obs_dim]``, shorter ones zero-padded)."""
+    state_dim: int
+    """The global state's size (``state`` is ``[state_dim]``)."""
+    action_space: spaces.Space
+    """One agent's actions: ``Discrete(n_actions)`` (the most any agent has; ``action_mask`` marks each agent's), or
+    ``Box(act_dim)`` with bounds that cover every agent's."""
+
+    @property
+    def discrete(self) -> bool:
+        """Whether actions are discrete (then ``action_mask`` is ``[N_agent, n_actions]``)."""
+        return isinstance(self.action_space, spaces.Discrete)
+
+    @property
+    def action_dim(self) -> int:
+        """``n_actions`` for discrete actions, ``act_dim`` for continuous ones."""
+        return int(self.action_space.n) if self.discrete else int(self.action_space.shape[0])
+
+
+def agent_spaces(observation_space: spaces.Space, action_space: spaces.Space) -> AgentSpaces:
+    """The :class:`AgentSpaces` of a team's env from its (manager's) spaces, e.g.
+    ``agent_spaces(manager.observation_space, manager.action_space)`` or ``agent_spaces(*env_spaces(cfg.env))``."""
+    keys = {"obs", "state", "agent_mask"}
+    if not isinstance(observation_space, spaces.Dict) or not keys <= set(observation_space.spaces):
+        raise ValueError(f"observation space {observation_space} has no agent axis (keys {sorted(keys)}): it is not a "
+                         f"team's env; set env.env_id to a multi-agent id such as 'mpe/simple_spread_v3'")
+    agent_num, obs_dim = observation_space["obs"].shape
+    if isinstance(action_space, spaces.MultiDiscrete):
+        one: spaces.Space = spaces.Discrete(int(action_space.nvec.max()))
+    else:
+        one = spaces.Box(action_space.low.min(axis=0), action_space.high.max(axis=0), dtype=action_space.dtype)
+    return AgentSpaces(int(agent_num), int(obs_dim), int(observation_space["state"].shape[0]), one)

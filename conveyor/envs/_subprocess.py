@@ -44,7 +44,8 @@ def default_num_workers(env_num: int) -> int:
 class _Shared:
     """Numpy views of the shared-memory block: batch arrays for all envs, laid out the same in every process."""
 
-    def __init__(self, buf: memoryview | None, obs_layout: SpaceLayout, act_layout: SpaceLayout, n: int) -> None:
+    def __init__(self, buf: memoryview | None, obs_layout: SpaceLayout, act_layout: SpaceLayout, n: int,
+                 reward_shape: tuple[int, ...]) -> None:
         self.nbytes = 0
 
         def take(shape: tuple, dtype: np.dtype) -> np.ndarray | None:
@@ -54,7 +55,7 @@ class _Shared:
 
         self.obs = [take((n, *s), d) for s, d in zip(obs_layout.shapes, obs_layout.dtypes)]
         self.next_obs = [take((n, *s), d) for s, d in zip(obs_layout.shapes, obs_layout.dtypes)]
-        self.reward = take((n,), np.dtype(np.float32))
+        self.reward = take((n, *reward_shape), np.dtype(np.float32))
         self.terminated = take((n,), np.dtype(np.bool_))
         self.truncated = take((n,), np.dtype(np.bool_))
         self.crashed = take((n,), np.dtype(np.bool_))
@@ -68,11 +69,12 @@ def _worker(conn: Connection, fns_blob: bytes, first_index: int, max_retry: int,
     try:
         stats = EnvManagerStats()
         group = _EnvGroup(cloudpickle.loads(fns_blob), first_index, max_retry, env_id, stats)
-        conn.send_bytes(pickle.dumps(("ready", group.observation_space, group.action_space, group.env_id)))
+        conn.send_bytes(pickle.dumps(("ready", group.observation_space, group.action_space, group.reward_shape,
+                                      group.env_id)))
         command, arg = pickle.loads(conn.recv_bytes())
         if command == "attach":
             shm = attach_shared_block(arg[0])
-            _serve(conn, group, stats, _Shared(shm.buf, group.obs_layout, group.act_layout, arg[1]))
+            _serve(conn, group, stats, _Shared(shm.buf, group.obs_layout, group.act_layout, arg[1], group.reward_shape))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # the parent went away or is shutting down
     except EnvCrashedError as exc:
@@ -190,18 +192,19 @@ class SubprocessEnvManager(EnvManager):
                 self._start(w)
             for w in range(num_workers):
                 try:
-                    obs_space, act_space, found_id = self._handshake(w)
+                    obs_space, act_space, reward_shape, found_id = self._handshake(w)
                 except ChildLost as lost:
                     raise RuntimeError(f"{lost} while building envs {self._env_range(w)}") from None
                 if w == 0:
                     self.observation_space, self.action_space, self.env_id = obs_space, act_space, found_id
+                    self.reward_shape = reward_shape
                 else:
-                    self._check_spaces(w, obs_space, act_space)
+                    self._check_spaces(w, obs_space, act_space, reward_shape)
             self._obs_layout = SpaceLayout(self.observation_space, "observation")
             self._act_layout = SpaceLayout(self.action_space, "action")
-            size = _Shared(None, self._obs_layout, self._act_layout, n).nbytes
+            size = _Shared(None, self._obs_layout, self._act_layout, n, self.reward_shape).nbytes
             self._res.shm = create_shared_block(size)
-            self._shared = _Shared(self._res.shm.buf, self._obs_layout, self._act_layout, n)
+            self._shared = _Shared(self._res.shm.buf, self._obs_layout, self._act_layout, n, self.reward_shape)
             for w in range(num_workers):
                 self._attach(w)
         except BaseException:
@@ -228,13 +231,13 @@ class SubprocessEnvManager(EnvManager):
         assert child is not None
         return child
 
-    def _handshake(self, w: int) -> tuple[Any, Any, str]:
-        """Wait until worker ``w`` has built its envs; return their spaces and env id."""
-        _, obs_space, act_space, env_id = self._reply(w, None)
-        return obs_space, act_space, env_id
+    def _handshake(self, w: int) -> tuple[Any, Any, tuple[int, ...], str]:
+        """Wait until worker ``w`` has built its envs; return their spaces, reward shape and env id."""
+        _, obs_space, act_space, reward_shape, env_id = self._reply(w, None)
+        return obs_space, act_space, reward_shape, env_id
 
-    def _check_spaces(self, w: int, obs_space: Any, act_space: Any) -> None:
-        if (obs_space, act_space) != (self.observation_space, self.action_space):
+    def _check_spaces(self, w: int, obs_space: Any, act_space: Any, reward_shape: tuple[int, ...]) -> None:
+        if (obs_space, act_space, reward_shape) != (self.observation_space, self.action_space, self.reward_shape):
             raise ValueError(f"env {self._bounds[w][0]} has spaces ({obs_space}, {act_space}) but env 0 has "
                              f"({self.observation_space}, {self.action_space}): all envs of a manager must share "
                              f"their observation and action spaces")
@@ -355,7 +358,7 @@ class SubprocessEnvManager(EnvManager):
             self.stats.worker_restarts += 1
             try:
                 self._start(w)
-                self._check_spaces(w, *self._handshake(w)[:2])
+                self._check_spaces(w, *self._handshake(w)[:3])
                 self._attach(w)
                 if not self._send(w, pickle.dumps(("reset", (self._seed, self._respawns[w])))):
                     raise self._lost(w)

@@ -26,6 +26,7 @@ class SyncEnvManager(EnvManager):
         self.env_id = self._group.env_id
         self.observation_space = self._group.observation_space
         self.action_space = self._group.action_space
+        self.reward_shape = self._group.reward_shape
         self._obs_layout = self._group.obs_layout
         self._act_layout = self._group.act_layout
 
@@ -43,7 +44,7 @@ class SyncEnvManager(EnvManager):
         layout = self._obs_layout
         obs = layout.empty(n)
         next_obs = layout.empty(n)
-        reward = np.empty(n, np.float32)
+        reward = np.empty((n, *self.reward_shape), np.float32)
         terminated = np.empty(n, np.bool_)
         truncated = np.empty(n, np.bool_)
         crashed = np.empty(n, np.bool_)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 import copy
 import threading
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -100,6 +100,10 @@ class Policy(abc.ABC):
     ``None``, so ``torch.manual_seed`` makes a run reproducible). The published acting copies of the model
     are its :class:`~conveyor.policy.weights.VersionedWeights`.
     """
+
+    multi_agent: ClassVar[bool] = False
+    """Whether the policy acts for a team (envs with an agent axis, docs/multi-agent.md): compile_config refuses an
+    env of the other kind with a one-line error."""
 
     def __init__(self, cfg: Mapping[str, Any], model: nn.Module | None = None, *,
                  device: str | torch.device | None = None, seed: int | None = None) -> None:
