@@ -31,6 +31,7 @@ from conveyor.policy.normaliser import ObsNormaliser, RewardNormaliser, RunningM
 from conveyor.policy.ppo import PPOPolicy
 from conveyor.policy.marl_model import AgentNet, TeamActorCritic, team_inputs
 from conveyor.policy.mappo import IPPOPolicy, MAPPOPolicy
+from conveyor.policy.qmix import QMixer, QMIXPolicy, VDNMixer
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
 from conveyor.policy.td3 import TD3Policy
@@ -69,6 +70,9 @@ __all__ = [
     "PPOPolicy",
     "MAPPOPolicy",
     "IPPOPolicy",
+    "QMIXPolicy",
+    "QMixer",
+    "VDNMixer",
     "AgentNet",
     "TeamActorCritic",
     "team_inputs",
