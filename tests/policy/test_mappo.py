@@ -5,11 +5,14 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
+from easydict import EasyDict
 
+from conveyor import OnlineRLContext
+from conveyor.middleware import StepCollector, gae_estimator, multistep_trainer
 from conveyor.policy import AgentNet, IPPOPolicy, MAPPOPolicy
 from conveyor.policy.marl_model import MaskedCategoricalDist, masked_logits
 from conveyor.schema import ConfigError
-from policy_testing import through_bytes
+from policy_testing import TeamMatching, through_bytes
 
 N_AGENTS, OBS, STATE, ACTIONS, HIDDEN = 3, 4, 6, 5, 8
 
@@ -221,3 +224,26 @@ def test_bad_config_values_get_a_one_line_error_naming_the_key(model, message):
     with pytest.raises(ConfigError, match=message) as info:
         make(**model)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("rnn", [None, "gru"])
+def test_mappo_learns_through_the_collector_the_gae_estimator_and_the_trainer(rnn):
+    env = TeamMatching()
+    policy = MAPPOPolicy({"model": {"n_agents": env.agents, "obs_shape": env.actions, "action_shape": env.actions,
+                                    "state_shape": env.agents * env.actions, "hidden_sizes": [32], "rnn": rnn,
+                                    "rnn_hidden_size": 16},
+                          "learn": {"batch_size": 32, "learning_rate": 0.01, "sequence_length": 4},
+                          "collect": {"n_sample": 64}}, seed=0)
+    cfg = EasyDict(seed=0, policy=policy.cfg)
+    ctx = OnlineRLContext()
+    collect = StepCollector(cfg, policy.collect_mode, env)
+    estimate, train = gae_estimator(cfg, policy.collect_mode), multistep_trainer(cfg, policy.learn_mode)
+    rewards = []
+    for _ in range(8):
+        collect(ctx)
+        traj = ctx.trajectories
+        rewards.append(traj.reward.sum().item() / traj.obs.agent_mask.sum().item())
+        estimate(ctx)
+        assert ctx.train_data.adv.shape[-1] == env.agents
+        train(ctx)
+    assert rewards[0] < 0.7 and np.mean(rewards[-2:]) > 0.9  # at first 1/3 or 1/2 of the allowed actions are right

@@ -5,10 +5,13 @@ import numpy as np
 import pytest
 import torch
 import treetensor.torch as ttorch
+from easydict import EasyDict
 
+from conveyor import OnlineRLContext
+from conveyor.middleware import StepCollector
 from conveyor.policy import QMixer, QMIXPolicy, VDNMixer
 from conveyor.schema import ConfigError
-from policy_testing import through_bytes
+from policy_testing import TeamMatching, through_bytes
 
 N_AGENTS, OBS, STATE, ACTIONS, T, B = 3, 4, 6, 5, 4, 6
 
@@ -189,3 +192,37 @@ def test_bad_config_values_get_a_one_line_error_naming_the_key(model, learn, mes
     with pytest.raises(ConfigError, match=message) as info:
         make(learn=learn, **model)
     assert "\n" not in str(info.value)
+
+
+def greedy_reward(policy, steps=8):
+    """The share of present agents' steps on which ``policy``'s greedy team chose right, on a fresh env."""
+    env = TeamMatching()
+    obs, earned, present = env.reset(seed=1), 0.0, 0
+    for _ in range(steps):
+        present += int(obs["agent_mask"].sum())
+        ts = env.step(policy.eval_mode.forward(obs)["action"])
+        earned += float(ts.reward.sum())
+        obs = ts.obs
+    return earned / present
+
+
+def test_qmix_learns_from_the_collectors_team_trajectories():
+    env = TeamMatching()
+    policy = QMIXPolicy({"model": {"n_agents": env.agents, "obs_shape": env.actions, "action_shape": env.actions,
+                                   "state_shape": env.agents * env.actions, "hidden_sizes": [32],
+                                   "rnn_hidden_size": 16, "mixing_embed_dim": 8, "hypernet_hidden": 16},
+                         "learn": {"learning_rate": 5e-3, "target_update_freq": 20},
+                         "collect": {"n_sample": env.env_num * env.length}, "discount_factor": 0.5}, seed=0)
+    cfg = EasyDict(seed=0, policy=policy.cfg)
+    ctx = OnlineRLContext()
+    ctx.collect_kwargs = {"eps": 0.3}
+    collect = StepCollector(cfg, policy.collect_mode, env)
+    before = greedy_reward(policy)
+    for _ in range(40):
+        collect(ctx)  # [T, N] chunks of whole episodes (T = the episode length): sequences from an episode start
+        batch = ctx.trajectories
+        batch.mask = batch.valid
+        for _ in range(2):
+            policy.learn_mode.forward(batch)
+        policy.publish()
+    assert before < 0.7 and greedy_reward(policy) > 0.9
