@@ -163,6 +163,12 @@ class MAPPOPolicy(Policy):
         """Restore a checkpoint, refusing one saved for another team (number of agents, spaces) in one line."""
         load_team_state(self, state_dict, super().load_state_dict)
 
+    def join_data_parallel(self, group: Any) -> None:
+        """Refused: advantages are normalised and value statistics kept per learner here, so data-parallel learners
+        would drift apart."""
+        raise ValueError(f"{type(self).__name__} does not learn data-parallel yet (advantage normalisation and the "
+                         "value normaliser are per learner): run one learner (no --learners)")
+
     # --- value normalisation ---------------------------------------------------------------------
     def _value_scale(self) -> tuple[float, float]:
         """``(mean, std)`` of the returns learned from: the critic's unit (``(0, 1)`` without value_norm)."""

@@ -20,7 +20,10 @@ padded sequence and a sequence's last step bootstrap alike) and ``h'`` the targe
 ``obs``, ``state``, ``action_mask``, ``agent_mask``, ``action`` ``[T, B, A]``, ``reward`` (per agent ``[T, B, A]``,
 made the team's by ``learn.team_reward``, or the team's ``[T, B]``), ``terminated`` (or ``done``) ``[T, B]``, the
 same four inputs of the next step under ``next_obs``, ``next_state``, ``next_action_mask``, ``next_agent_mask``,
-``mask`` ``[T, B]`` and optionally ``episode_start`` ``[T, B]``.
+``mask`` ``[T, B]`` (else ``valid``) and optionally ``episode_start`` ``[T, B]`` (else the step after each episode's
+end). A collector's time-major chunk ``[T, N]`` whose observations are the team's mapping is such a batch as it is;
+a sequence's first step starts from a zero state, so chunks should begin at episode starts (a fixed episode length
+``L``: ``n_sample = env_num * L``), as pymarl learns from whole episodes.
 """
 from __future__ import annotations
 
@@ -100,6 +103,21 @@ def _masked_eps_greedy(q: torch.Tensor, action_mask: torch.Tensor | None, eps: f
         allowed = (action_mask | ~action_mask.any(-1, keepdim=True)).cpu().numpy()
         draws = np.where(allowed, draws, -1.0)
     return np.where(explore, draws.argmax(-1), greedy)
+
+
+def _episode_start(batch: ttorch.Tensor) -> torch.Tensor | None:
+    """Where the agents' state starts afresh ``[T, B]``: the batch's ``episode_start``, else each step after one that
+    ended an episode (``terminated`` / ``truncated``, or ``done``) or did not count (``valid`` False)."""
+    if "episode_start" in batch:
+        return batch.episode_start
+    ended = batch.done.bool() if "done" in batch else batch.terminated.bool()
+    if "truncated" in batch:
+        ended = ended | batch.truncated.bool()
+    if "valid" in batch:
+        ended = ended | ~batch.valid.bool()
+    start = torch.zeros_like(ended)
+    start[1:] = ended[:-1]
+    return start
 
 
 class QMIXPolicy(Policy):
@@ -216,12 +234,12 @@ class QMIXPolicy(Policy):
     def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:
         """One QMIX / VDN gradient step on a batch of sequences ``[T, B]``."""
         team, nxt = team_inputs(batch), team_inputs(batch, "next_")
-        start = batch.episode_start if "episode_start" in batch else None
+        start = _episode_start(batch)
         action = batch.action.long()
         alive = torch.ones(action.shape, device=action.device) if team.agent_mask is None else team.agent_mask.float()
         next_alive = torch.ones_like(alive) if nxt.agent_mask is None else nxt.agent_mask.float()
         terminated = (batch.terminated if "terminated" in batch else batch.done).float()
-        mask = batch.mask.float() if "mask" in batch else None
+        mask = batch.mask.float() if "mask" in batch else batch.valid.float() if "valid" in batch else None
 
         q_all, hidden = self.model.agents.unroll(team.obs, None, start)
         q = q_all.gather(-1, action.unsqueeze(-1)).squeeze(-1)

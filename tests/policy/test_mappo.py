@@ -247,3 +247,8 @@ def test_mappo_learns_through_the_collector_the_gae_estimator_and_the_trainer(rn
         assert ctx.train_data.adv.shape[-1] == env.agents
         train(ctx)
     assert rewards[0] < 0.7 and np.mean(rewards[-2:]) > 0.9  # at first 1/3 or 1/2 of the allowed actions are right
+
+
+def test_data_parallel_learning_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="does not learn data-parallel yet.*run one learner"):
+        make().learn_mode.join_data_parallel(object())

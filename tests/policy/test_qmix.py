@@ -118,6 +118,19 @@ def test_the_td_target_takes_the_next_action_from_the_online_net_and_its_value_f
     assert result["charts/target_mean"] == pytest.approx(target[batch.mask].mean().item(), rel=1e-5)
 
 
+def test_the_agents_state_restarts_after_each_episode_end_of_a_sequence():
+    batch = sequences()
+    batch.terminated[1, 3] = True
+    explicit = sequences(terminated=batch.terminated)
+    explicit.episode_start = torch.zeros(T, B, dtype=torch.bool)
+    explicit.episode_start[2, 3] = explicit.episode_start[3, 1] = True
+    results = []
+    for given in (batch, explicit, sequences(terminated=batch.terminated, episode_start=torch.zeros(T, B).bool())):
+        torch.manual_seed(0)
+        results.append(make().learn_mode.forward(given).metrics)
+    assert results[0] == results[1] != results[2]
+
+
 def test_padded_steps_and_absent_agents_add_nothing_to_the_loss():
     results = []
     for garbage in (0.0, 1e4):
@@ -220,9 +233,7 @@ def test_qmix_learns_from_the_collectors_team_trajectories():
     before = greedy_reward(policy)
     for _ in range(40):
         collect(ctx)  # [T, N] chunks of whole episodes (T = the episode length): sequences from an episode start
-        batch = ctx.trajectories
-        batch.mask = batch.valid
         for _ in range(2):
-            policy.learn_mode.forward(batch)
+            policy.learn_mode.forward(ctx.trajectories)  # as collected: real steps by valid
         policy.publish()
     assert before < 0.7 and greedy_reward(policy) > 0.9
