@@ -19,7 +19,7 @@ _CONSUMED = ("next_obs", "next_hidden", "valid")
 
 
 def generalized_advantage(reward: np.ndarray, value: np.ndarray, next_value: np.ndarray, done: np.ndarray,
-                          gamma: float, gae_lambda: float) -> np.ndarray:
+                          gamma: float, gae_lambda: float, mask: Optional[np.ndarray] = None) -> np.ndarray:
     """GAE(lambda) advantages of time-major arrays ``[T, ...]`` (vectorised over the trailing dims).
 
     ``next_value[t]`` is the value of transition ``t``'s next state (0 where the episode terminated);
@@ -28,13 +28,28 @@ def generalized_advantage(reward: np.ndarray, value: np.ndarray, next_value: np.
 
         delta[t] = reward[t] + gamma * next_value[t] - value[t]
         adv[t]   = delta[t] + gamma * lambda * (1 - done[t]) * adv[t + 1]
+
+    A team's arrays have an agent axis after the env's: ``reward``, ``value``, ``next_value`` ``[T, N, A]`` with
+    ``done`` per env ``[T, N]`` (broadcast over the agents). ``mask`` (``[T, N, A]``, bool: the agent mask) marks
+    the steps that count: elsewhere (an agent that has left) the advantage is 0 and nothing carries through, and
+    an agent present at ``t`` but not at ``t + 1`` of the same episode left after step ``t``: its ``next_value``
+    there is taken as 0, as at a termination. For the chunk's last step, set ``next_value`` to 0 where the agent
+    is absent from the next observation.
     """
+    done = done.reshape(done.shape + (1,) * (np.ndim(reward) - np.ndim(done)))
+    if mask is not None:
+        mask = np.asarray(mask, bool)
+        left = np.zeros_like(mask)
+        left[:-1] = mask[:-1] & ~mask[1:] & ~done[:-1]
+        next_value = next_value * ~left
     delta = reward + gamma * next_value - value
     carry = gamma * gae_lambda * (1.0 - done.astype(np.float32))
     adv = np.empty_like(delta)
     last = np.zeros_like(delta[0])
     for t in range(len(delta) - 1, -1, -1):
         last = delta[t] + carry[t] * last
+        if mask is not None:
+            last = last * mask[t]
         adv[t] = last
     return adv
 
@@ -52,6 +67,11 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
     the trajectory was cut short (a truncated episode, whose ``next_obs`` is the true final observation, and
     the end of the chunk, whose episodes go on in the next call), and zero where the episode terminated. Rows with ``valid == False``
     (crashed env steps) take no part and are dropped. ``return = adv + value``.
+
+    A team's trajectories (MAPPO, IPPO) carry an agent axis after ``[T, N]`` in ``reward`` and ``value``
+    (``terminated`` and ``truncated`` stay per env) and an ``agent_mask`` (a key of the trajectory or of its
+    observation mapping): advantages follow it as :func:`generalized_advantage` says, and the policy's ``value``
+    of an observation is 0 for the agents absent from it.
 
     Recurrent policies store ``hidden`` (their state before each step) and ``next_hidden`` (after it):
     bootstrapping then calls ``policy.value(next_obs, hidden=next_hidden)``, and the output is a batch of
@@ -81,7 +101,7 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
         if traj.reward.ndim == 1:  # whole episodes end to end (EpisodeCollector): one env's time axis
             traj = traj.unsqueeze(1)
         reward = traj.reward.numpy()
-        steps, n = reward.shape
+        steps, n = reward.shape[:2]  # a team's rewards have an agent axis after these: [T, N, A]
         terminated, truncated = traj.terminated.numpy(), traj.truncated.numpy()
         valid = traj.valid.numpy() if "valid" in traj else np.ones_like(terminated)
         done = terminated | truncated | ~valid
@@ -91,7 +111,7 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
         if "value" in traj:
             value = traj.value.numpy()
         else:
-            value = policy.value(flatten_batch(traj.obs, 2)).reshape(steps, n)
+            value = policy.value(flatten_batch(traj.obs, 2)).reshape(reward.shape)
         recurrent = "hidden" in traj
 
         # The value of each transition's next state: the next row's own value inside an episode, the critic's
@@ -106,7 +126,7 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
             state = {"hidden": traj.next_hidden[rows]} if recurrent else {}
             next_value[bootstrap] = policy.value(traj.next_obs[rows], **state)
         next_value[terminated] = 0.0
-        adv = generalized_advantage(reward, value, next_value, done, gamma, gae_lambda)
+        adv = generalized_advantage(reward, value, next_value, done, gamma, gae_lambda, _agent_mask(traj))
         adv[~valid] = 0.0
 
         data: Dict[str, Any] = {key: traj[key] for key in traj.keys() if key not in _CONSUMED}
@@ -137,6 +157,14 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
             ctx.train_data = flat
 
     return _estimate
+
+
+def _agent_mask(traj: ttorch.Tensor) -> Optional[np.ndarray]:
+    """A team's agent mask ``[T, N, A]`` (a key of the trajectory, or of its observation mapping), else None."""
+    for tree in (traj, traj.obs):
+        if isinstance(tree, ttorch.Tensor) and "agent_mask" in tree:
+            return tree.agent_mask.numpy()
+    return None
 
 
 def _sequences(batch: ttorch.Tensor, steps: int, length: int) -> ttorch.Tensor:

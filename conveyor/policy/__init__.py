@@ -29,6 +29,9 @@ from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, F
                                    ObsShape, QNetwork, build_encoder)
 from conveyor.policy.normaliser import ObsNormaliser, RewardNormaliser, RunningMeanStd
 from conveyor.policy.ppo import PPOPolicy
+from conveyor.policy.marl_model import AgentNet, TeamActorCritic, team_inputs
+from conveyor.policy.mappo import IPPOPolicy, MAPPOPolicy
+from conveyor.policy.qmix import QMixer, QMIXPolicy, VDNMixer
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
 from conveyor.policy.sac import SACModel, SACPolicy, TanhActorCriticPolicy
 from conveyor.policy.td3 import TD3Policy
@@ -65,6 +68,14 @@ __all__ = [
     "ImpalaCNN",
     "QNetwork",
     "PPOPolicy",
+    "MAPPOPolicy",
+    "IPPOPolicy",
+    "QMIXPolicy",
+    "QMixer",
+    "VDNMixer",
+    "AgentNet",
+    "TeamActorCritic",
+    "team_inputs",
     "IMPALAPolicy",
     "vtrace",
     "VTrace",

@@ -379,6 +379,16 @@ class Policy(abc.ABC):
             optimizer.step()
         return grad_norm
 
+    def _gradient_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | LazyOptimizer,
+                       parameters: Sequence[torch.Tensor], metrics: dict[str, Any]) -> LearnResult:
+        """One counted gradient step (:meth:`_apply_gradients`, then ``train_iter`` + 1) and its result: ``metrics``,
+        with ``charts/grad_norm`` where the gradient was clipped."""
+        grad_norm = self._apply_gradients(loss, optimizer, parameters)
+        self.train_iter += 1
+        if grad_norm is not None:
+            metrics["charts/grad_norm"] = grad_norm.item()
+        return LearnResult(metrics)
+
     def _average_gradients(self, parameters: Sequence[torch.Tensor]) -> None:
         """Average ``parameters``' gradients over the learners' group after a backward pass (nothing outside a
         group). A policy that steps an optimizer without :meth:`_apply_gradients` calls it before its step."""

@@ -128,9 +128,5 @@ class BCPolicy(Policy):
         else:
             target = self.action_scaler.from_env(batch.action).reshape(-1, self.action_dim).clamp(-1.0, 1.0)
             loss = F.mse_loss(torch.tanh(out).reshape(-1, self.action_dim), target)
-        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
-        self.train_iter += 1
         metrics["losses/bc"] = loss.item()
-        if grad_norm is not None:
-            metrics["charts/grad_norm"] = grad_norm.item()
-        return LearnResult(metrics)
+        return self._gradient_step(loss, self.optimizer, self._parameters, metrics)

@@ -182,11 +182,7 @@ class DQNPolicy(Policy):
 
     def _update_target(self) -> None:
         """Soft update every step when ``target_theta`` is set, else a hard copy every ``target_update_freq``."""
-        theta = self.cfg.learn.target_theta
-        if theta is not None:
-            self._target_sync.soft(theta)
-        elif self.train_iter % self.cfg.learn.target_update_freq == 0:
-            self._target_sync.hard()
+        self._target_sync.after_step(self.train_iter, self.cfg.learn.target_theta, self.cfg.learn.target_update_freq)
 
 
 def _eps_greedy(q: torch.Tensor, eps: float, rng: np.random.Generator) -> np.ndarray:

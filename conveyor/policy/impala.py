@@ -171,11 +171,7 @@ class IMPALAPolicy(PPOPolicy):
                                         "charts/rho_clip_frac"), metrics))
         out.update(self._policy_lag(traj))
         out["charts/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
-        self.train_iter += 1
-        if grad_norm is not None:
-            out["charts/grad_norm"] = grad_norm.item()
-        return LearnResult(out)
+        return self._gradient_step(loss, self.optimizer, self._parameters, out)
 
     def _policy_lag(self, traj: ttorch.Tensor) -> dict[str, float]:
         """How many versions the newest published one is past those that acted the batch (rows a version chose)."""

@@ -222,6 +222,14 @@ class TargetSync:
             raise ValueError("TargetSync: target and source networks differ in shape; make the target with "
                              "make_target(source)")
 
+    def after_step(self, train_iter: int, theta: float | None, every: int) -> None:
+        """The update after gradient step ``train_iter``: soft by ``theta`` when it is set (``learn.target_theta``),
+        else a copy every ``every`` steps (``learn.target_update_freq``)."""
+        if theta is not None:
+            self.soft(theta)
+        elif train_iter % every == 0:
+            self.hard()
+
     @torch.no_grad()
     def soft(self, tau: float) -> None:
         """``target = (1 - tau) * target + tau * source`` for parameters; buffers (e.g. norm statistics) are copied."""

@@ -35,7 +35,16 @@ from conveyor.policy.views import ActorCriticCollectMode, ActorCriticLearnMode
 from conveyor.policy.weights import Acting
 from conveyor.schema import ConfigError, Option
 
-__all__ = ["PPOPolicy"]
+__all__ = ["PPOPolicy", "clipped_surrogate"]
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_ratio: float,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """PPO's clipped policy loss ``mean(max(-adv * ratio, -adv * clip(ratio, 1 - eps, 1 + eps)))`` over the entries
+    where ``mask`` is 1 (all when None)."""
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    return masked_mean(torch.max(pg_loss1, pg_loss2), mask)
 
 
 class PPOPolicy(Policy):
@@ -389,9 +398,7 @@ class PPOPolicy(Policy):
                 adv_std = masked_mean((adv - adv_mean).pow(2), mask).sqrt()
             adv = (adv - adv_mean) / (adv_std + 1e-8)
 
-        pg_loss1 = -adv * ratio
-        pg_loss2 = -adv * ratio.clamp(1.0 - learn.clip_ratio, 1.0 + learn.clip_ratio)
-        pg_loss = masked_mean(torch.max(pg_loss1, pg_loss2), mask)
+        pg_loss = clipped_surrogate(ratio, adv, learn.clip_ratio, mask)
 
         v_loss_unclipped = (new_value - batch["return"]).pow(2)
         if learn.value_clip is not None:
@@ -416,8 +423,4 @@ class PPOPolicy(Policy):
         out["charts/lr"] = float(lr)
         if learn.target_kl is not None and out["charts/approx_kl"] > 1.5 * learn.target_kl:
             return LearnResult(out, early_stop=True)  # moved far enough from the collecting policy: no step here
-        grad_norm = self._apply_gradients(loss, self.optimizer, self._parameters)
-        self.train_iter += 1
-        if grad_norm is not None:
-            out["charts/grad_norm"] = grad_norm.item()
-        return LearnResult(out)
+        return self._gradient_step(loss, self.optimizer, self._parameters, out)

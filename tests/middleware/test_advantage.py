@@ -156,3 +156,35 @@ def test_a_policy_view_without_a_critic_is_refused_up_front():
 
     with pytest.raises(TypeError, match="value"):
         gae_estimator(config(), NoCritic())
+
+
+# A team (MAPPO): env axis N = 1, agents A = 2, gamma = lambda = 0.5. Agent 1 leaves after step 0 (its value 9 at
+# step 1 is a dead agent's, never to be read) and is back in the episode that starts at step 2; the episode ends
+# (terminated) after step 1; step 2 is cut by the chunk end, bootstrapping from 4 (agent 0) and 8 (agent 1).
+TEAM_VALUE = [[[0.5, 1.0]], [[1.0, 9.0]], [[2.0, 3.0]]]
+TEAM_REWARD = [[[1.0, 4.0]], [[2.0, 5.0]], [[3.0, 6.0]]]
+TEAM_ALIVE = [[[True, True]], [[True, False]], [[True, True]]]
+# By hand: agent 0: delta = (1 + .5 * 1 - .5, 2 + 0 - 1, 3 + .5 * 4 - 2) = (1, 1, 3); adv = (1 + .25 * 1, 1, 3).
+# Agent 1: it left after step 0, so no bootstrap there: delta0 = 4 + 0 - 1 = 3; step 1 counts for nothing;
+# delta2 = 6 + .5 * 8 - 3 = 7.
+TEAM_ADV = [[[1.25, 3.0]], [[1.0, 0.0]], [[3.0, 7.0]]]
+
+
+def test_masked_gae_matches_a_hand_computed_team_case_with_a_dead_agent_and_an_env_done():
+    value = np.array(TEAM_VALUE, np.float32)
+    next_value = np.array([[[1.0, 9.0]], [[0.0, 0.0]], [[4.0, 8.0]]], np.float32)  # value[t + 1] as a caller reads it
+    done = np.array([[False], [True], [False]])  # per env [T, N]: broadcast over the agents
+    adv = generalized_advantage(np.array(TEAM_REWARD, np.float32), value, next_value, done, GAMMA, LAMBDA,
+                                mask=np.array(TEAM_ALIVE))
+    np.testing.assert_allclose(adv, TEAM_ADV)
+    assert adv.dtype == np.float32
+
+
+def test_gae_estimator_follows_the_agent_axis_and_the_agent_mask():
+    traj = trajectory(obs=TEAM_VALUE, value=TEAM_VALUE, reward=TEAM_REWARD,
+                      next_obs=[[[1.0, 9.0]], [[100.0, 100.0]], [[4.0, 8.0]]],
+                      terminated=[[False], [True], [False]], truncated=[[False], [False], [False]])
+    traj.agent_mask = torch.tensor(TEAM_ALIVE)
+    data = run(traj).train_data
+    np.testing.assert_allclose(data.adv.numpy(), np.array(TEAM_ADV).reshape(3, 2))
+    np.testing.assert_allclose(data["return"].numpy(), (np.array(TEAM_ADV) + np.array(TEAM_VALUE)).reshape(3, 2))

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 import treetensor.torch as ttorch
 from torch import nn
@@ -73,3 +75,38 @@ def offline_batch(seed: int, n: int = 32, obs_dim: int = 3, action_shape: int = 
         "obs": torch.randn(n, obs_dim, generator=g), "next_obs": torch.randn(n, obs_dim, generator=g),
         "action": action, "reward": torch.randn(n, generator=g), "terminated": torch.rand(n, generator=g) < 0.2,
         "truncated": torch.zeros(n, dtype=torch.bool), "index": torch.arange(n)})
+
+
+class TeamMatching:
+    """A test double of a team env manager: ``env_num`` envs of two agents; each agent sees a one-hot target and
+    earns 1 for choosing it; one other action is masked; agent 1 leaves after step 1; episodes last 4 steps.
+    Observations are the mapping a team env manager hands out (``obs``, ``state``, ``action_mask``, ``agent_mask``)."""
+
+    env_num, agents, actions, length = 4, 2, 3, 4
+    action_space = SimpleNamespace(seed=lambda seed: None)  # seeded by the collector; random actions are not used
+
+    def reset(self, seed=None):
+        self.rng = np.random.default_rng(seed)
+        self.t = np.zeros(self.env_num, int)
+        self.target = self.rng.integers(0, self.actions, (self.env_num, self.agents))
+        return self._obs()
+
+    def _obs(self):
+        obs = np.eye(self.actions, dtype=np.float32)[self.target]
+        action_mask = np.ones((self.env_num, self.agents, self.actions), bool)
+        action_mask[..., 0] = self.target == 0  # action 0 is allowed only where it is the target
+        return {"obs": obs, "state": obs.reshape(self.env_num, -1), "action_mask": action_mask,
+                "agent_mask": np.stack([np.ones(self.env_num, bool), self.t < 2], -1)}
+
+    def step(self, action):
+        assert not (action == 0)[self.target != 0].any()  # a masked action never reaches the env
+        alive = self._obs()["agent_mask"]
+        reward = ((action == self.target) & alive).astype(np.float32)
+        self.t += 1
+        self.target = self.rng.integers(0, self.actions, (self.env_num, self.agents))
+        terminated = self.t >= self.length
+        next_obs = self._obs()
+        self.t[terminated] = 0
+        none = np.zeros(self.env_num, bool)
+        return SimpleNamespace(obs=self._obs(), next_obs=next_obs, reward=reward, terminated=terminated,
+                               truncated=none, crashed=none, info=[{}] * self.env_num)
