@@ -113,9 +113,9 @@ def _infer_model_keys(model: Any, observation_space: gym.Space, action_space: gy
 def _infer_team_model_keys(model: Any, team: AgentSpaces) -> None:
     """For a team's policy, fill the model keys left unset: ``obs_shape`` (one agent's observation size) and
     ``action_shape`` (``n_actions`` or ``act_dim``), and where the model declares them ``state_shape`` and
-    ``agent_num``."""
+    ``n_agents``."""
     found = {"obs_shape": team.obs_dim, "action_shape": team.action_dim, "state_shape": team.state_dim,
-             "agent_num": team.agent_num}
+             "n_agents": team.agent_num}
     for key, value in found.items():
         if model.get(key) is None and (key in model or key in ("obs_shape", "action_shape")):
             model[key] = value

@@ -88,6 +88,8 @@ class MAPPOPolicy(Policy):
       normaliser.
     """
 
+    multi_agent = True  # compile_config takes team env ids (mpe/..., vmas/...) for it, and only those
+
     @classmethod
     def config_schema(cls) -> dict:
         """Base options, PPO's learning options (MAPPO paper's defaults for MPE) and the team's model options."""

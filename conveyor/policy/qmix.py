@@ -132,6 +132,8 @@ class QMIXPolicy(Policy):
       one every ``learn.target_update_freq`` steps, or softly by ``learn.target_theta``.
     """
 
+    multi_agent = True  # compile_config takes team env ids (mpe/..., vmas/...) for it, and only those
+
     @classmethod
     def config_schema(cls) -> dict:
         """Base options, DQN's target-network and exploration options, the team's model options (pymarl's QMIX

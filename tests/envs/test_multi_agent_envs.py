@@ -169,14 +169,14 @@ class _TeamPolicy:
     @classmethod
     def config_schema(cls) -> dict:
         return {"model": {key: Option(None, key, type=int) for key in ("obs_shape", "action_shape", "state_shape",
-                                                                        "agent_num")}}
+                                                                        "n_agents")}}
 
 
 def test_compile_config_gives_a_team_policy_its_model_sizes_and_refuses_a_single_agent_env():
     from conveyor.config import compile_config
 
     compiled = compile_config({"env": SPREAD, "policy": {}}, policy=_TeamPolicy)
-    assert dict(compiled.policy.model) == {"obs_shape": 18, "action_shape": 5, "state_shape": 54, "agent_num": 3}
+    assert dict(compiled.policy.model) == {"obs_shape": 18, "action_shape": 5, "state_shape": 54, "n_agents": 3}
     with pytest.raises(ConfigError, match="_TeamPolicy trains a team of agents, but env.env_id='CartPole-v1'"):
         compile_config({"env": {"env_id": "CartPole-v1"}, "policy": {}}, policy=_TeamPolicy)
 
