@@ -82,8 +82,10 @@ def runs(request, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES, key=_start_order))
 def test_benchmark_runs_and_ends_with_its_json_line(name, runs):
+    """The cases run as their runs start, so a test waits for its own run (bounded by ``_run``'s timeout, under
+    the test's), not for the ones started before it."""
     out = runs[name].result()
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

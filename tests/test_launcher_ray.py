@@ -60,7 +60,8 @@ def cluster(tmp_path_factory):
     shared = Cluster(pytest.importorskip("ray", reason="the ray extra is not installed"),
                      tmp_path_factory.mktemp("ray-workdir"))
     yield shared
-    shared.stop()
+    if not any(driver.is_alive() for driver in DRIVERS):
+        shared.stop()
 
 
 @pytest.fixture
@@ -75,6 +76,10 @@ def ray_cluster(cluster, tmp_path, monkeypatch):
     link.symlink_to(tmp_path / "runs")
     monkeypatch.chdir(cluster.workdir)
     yield cluster
+    for driver in DRIVERS:
+        driver.join(WAIT)
+    if any(driver.is_alive() for driver in DRIVERS):  # a hung run: left to its cluster, which the next tests find busy
+        raise AssertionError(f"a driver of the test still runs {WAIT} s after it ended")
     try:
         wait_until(cluster.idle, 30, "every actor of the test to end")
     except AssertionError:
@@ -103,10 +108,16 @@ def actor_process(pid):
     return pid
 
 
+DRIVERS = []
+"""The driver threads the module's tests started: the cluster is never shut down under one still in Ray's calls
+(that aborts the process, and with it the test worker)."""
+
+
 def in_background(*argv):
     """``train(*argv)`` in a thread; its exit code lands in the returned list."""
     codes = []
     driver = threading.Thread(target=lambda: codes.append(train(*argv)), daemon=True)
+    DRIVERS.append(driver)
     driver.start()
     return driver, codes
 
@@ -286,6 +297,7 @@ def test_a_layout_the_cluster_cannot_place_is_a_one_line_error(ray_cluster, monk
 
 
 def test_several_learners_with_auto_recover_are_refused_before_ray_starts(cluster, capsys):
+    assert not any(driver.is_alive() for driver in DRIVERS), "a hung driver of an earlier test still runs in Ray"
     cluster.stop()  # the shared one, if it runs
     assert_usage_error(train("--learners", "2", "--auto-recover", *TINY), capsys,
                        "--learners > 1 with --auto-recover")
