@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from conveyor.data import SequenceBuffer
-from conveyor.middleware import data_pusher
+from easydict import EasyDict
+
 from conveyor.engine import OnlineRLContext
+from conveyor.middleware import OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler
+from conveyor.policy import QMIXPolicy
 from conveyor.zoo import load_entry
+
+from tests.policy.policy_testing import TeamMatching, greedy_reward
 
 from .resume_bar import differences, straight_and_split, train
 
@@ -169,18 +174,27 @@ def test_stopping_and_resuming_mpe_qmix_ends_exactly_where_a_straight_run_ends(t
     # run's has two equal ones, so their bytes differ; their states must not
     assert len(envs[0]) == len(envs[1]) == 2
     assert [d for x, y in zip(*envs) for d in same_state(pickle.loads(x), pickle.loads(y))] == []
+@pytest.mark.slow
+def test_qmix_learns_from_sequences_sampled_from_the_buffer():
+    """The learner's half of off_policy.q_mixing (collector, eps schedule, pusher, sequence buffer, learner) on the
+    team test double: greedy agents go from chance to right on nearly every step."""
+    env = TeamMatching()
+    policy = QMIXPolicy({"model": {"n_agents": env.agents, "obs_shape": env.actions, "action_shape": env.actions,
+                                   "state_shape": env.agents * env.actions, "hidden_sizes": [32],
+                                   "rnn_hidden_size": 16, "mixing_embed_dim": 8, "hypernet_hidden": 16},
+                         "learn": {"learning_rate": 5e-3, "target_theta": 0.05, "batch_size": 16,
+                                   "update_per_collect": 2},
+                         "collect": {"n_sample": env.env_num * env.length}, "discount_factor": 0.5,
+                         "other": {"eps": {"kind": "linear", "start": 1.0, "end": 0.1, "decay": 400}}}, seed=0)
+    cfg = EasyDict(seed=0, policy=policy.cfg)
+    buffer = SequenceBuffer(200, env.length, seed=0)
+    chain = [eps_greedy_handler(cfg), StepCollector(cfg, policy.collect_mode, env), data_pusher(cfg, buffer),
+             OffPolicyLearner(cfg, policy.learn_mode, buffer)]
+    ctx = OnlineRLContext()
+    before = greedy_reward(policy)
+    for _ in range(60):
+        for middleware in chain:
+            middleware(ctx)
+    assert len(buffer) == 200 and ctx.train_iter > 80
+    assert before < 0.7 and greedy_reward(policy) > 0.9
 
-
-def random_team_return(seed, episodes=10):
-    """The mean team return of uniformly random actions on the entry's env (the baseline to beat)."""
-    from conveyor.envs import make_env_manager
-    cfg = load_entry("mpe/qmix").main_config
-    env = make_env_manager({**cfg.env, "collector_env_num": episodes}, "collector")
-    returns, rng = [], np.random.default_rng(seed)
-    ts = env.reset(seed=seed)
-    while len(returns) < episodes:
-        action = rng.integers(0, 5, (episodes, AGENTS))
-        ts = env.step(action)
-        returns += [float(info["episode"]["r"]) for info in ts.info if info and "episode" in info]
-    env.close()
-    return float(np.mean(returns))
