@@ -1,7 +1,8 @@
 """Data: the batch layout every layer shares, replay buffers and offline datasets.
 
 ``DequeBuffer`` keeps transitions in preallocated numpy rings and samples them as ttorch batches
-(uniformly, or by priority); the batch helpers build and reshape those batches once per batch.
+(uniformly, or by priority); ``SequenceBuffer`` keeps padded sequences
+of steps in one for recurrent learners; the batch helpers build and reshape those batches once per batch.
 """
 from conveyor.data.batch import (
     Nested,
@@ -16,6 +17,7 @@ from conveyor.data.batch import (
     tree_of_tensors,
 )
 from conveyor.data.buffer import DequeBuffer
+from conveyor.data.sequence import SequenceBuffer
 from conveyor.data.offline import (DatasetError, DatasetWriter, OfflineDataset, check_spaces, concat_datasets,
                                    dataset_metadata, dataset_root, load_dataset, save_dataset)
 
@@ -24,6 +26,7 @@ __all__ = [
     "DatasetWriter",
     "DequeBuffer",
     "OfflineDataset",
+    "SequenceBuffer",
     "check_spaces",
     "concat_datasets",
     "dataset_metadata",

@@ -28,12 +28,20 @@ def _valid_rows(batch: Any) -> Any:
 def data_pusher(cfg: Any, buffer: Buffer):
     """Pushes what the collector gathered into a replay buffer, then clears it from the context.
 
+    A buffer of sequences (``buffer.sequences``, :class:`~conveyor.data.SequenceBuffer`) takes the time-major
+    ``[T, N]`` chunk as it is and cuts it itself; any other gets its valid rows, flattened.
+
     Reads ctx: ``trajectories`` (any leading dims, e.g. ``[T, N]``) or ``episodes``.
     Writes ctx: ``trajectories = None``, ``episodes = None``.
     """
 
+    sequences = bool(getattr(buffer, "sequences", False))
+
     def _push(ctx: OnlineRLContext) -> None:
-        if ctx.trajectories is not None:
+        if ctx.trajectories is not None and sequences:
+            buffer.extend(ctx.trajectories)
+            ctx.trajectories = None
+        elif ctx.trajectories is not None:
             rows = _valid_rows(ctx.trajectories)
             if len(rows.reward):  # the n-step enhancer may have no finished transition yet
                 buffer.extend(rows)

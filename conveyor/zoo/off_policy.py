@@ -1,6 +1,8 @@
 """The off-policy family's pipelines: a replay buffer between the collectors and the learner.
 
 - :func:`q_learning`: epsilon-greedy DQN (cartpole/dqn, atari/dqn).
+- :func:`q_mixing`: QMIX and VDN for a team (mpe/qmix): sequences ``[L, B]`` from episode starts in a
+  :class:`~conveyor.data.SequenceBuffer`, ``L`` the collector's chunk length ``n_sample / collector_env_num``.
 - :func:`actor_critic`: SAC and TD3 (pendulum/sac, pendulum/td3, lunarlander_continuous/sac, mujoco/sac,
   mujoco/td3), with random actions for the first ``collect.random_collect_size`` steps; :func:`recording`
   adds a recorder of every whole episode collected (``conveyor collect --d4rl``).
@@ -8,8 +10,10 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Optional
 
+from conveyor.data import SequenceBuffer
 from conveyor.engine import task
 from conveyor.middleware import (OffPolicyLearner, StepCollector, data_pusher, episode_recorder, eps_greedy_handler,
                                  interaction_evaluator, nstep_reward_enhancer)
@@ -17,7 +21,7 @@ from conveyor.run import Run
 from conveyor.run.core import Pipeline
 from conveyor.schema import ConfigError
 
-__all__ = ["actor_critic", "q_learning", "recording"]
+__all__ = ["actor_critic", "q_learning", "q_mixing", "recording"]
 
 
 def q_learning(run: Run) -> None:
@@ -29,6 +33,19 @@ def q_learning(run: Run) -> None:
     task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
     if cfg.policy.nstep > 1:
         task.use(nstep_reward_enhancer(cfg), role=task.role.COLLECTOR)
+    task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
+    task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
+
+
+def q_mixing(run: Run) -> None:
+    """Evaluate the team greedily, act epsilon-greedily, collect chunks of whole episodes, cut them into sequences in
+    a replay buffer, learn from batches of sequences."""
+    cfg, policy = run.cfg, run.policy
+    length = math.ceil(cfg.policy.collect.n_sample / cfg.env.collector_env_num)  # the collector's chunk: [L, N]
+    buffer = run.save_state("buffer", SequenceBuffer(cfg.policy.other.replay_buffer.size, length, seed=cfg.seed))
+    task.use(interaction_evaluator(cfg, policy.eval_mode, run.env("evaluator")), role=task.role.EVALUATOR)
+    task.use(eps_greedy_handler(cfg), role=task.role.COLLECTOR)
+    task.use(StepCollector(cfg, policy.collect_mode, run.env("collector")), role=task.role.COLLECTOR)
     task.use(data_pusher(cfg, buffer), role=task.role.LEARNER)
     task.use(OffPolicyLearner(cfg, policy.learn_mode, buffer), role=task.role.LEARNER)
 

@@ -11,7 +11,7 @@ from conveyor import OnlineRLContext
 from conveyor.middleware import StepCollector
 from conveyor.policy import QMixer, QMIXPolicy, VDNMixer
 from conveyor.schema import ConfigError
-from policy_testing import TeamMatching, through_bytes
+from policy_testing import TeamMatching, greedy_reward, through_bytes
 
 N_AGENTS, OBS, STATE, ACTIONS, T, B = 3, 4, 6, 5, 4, 6
 
@@ -205,18 +205,6 @@ def test_bad_config_values_get_a_one_line_error_naming_the_key(model, learn, mes
     with pytest.raises(ConfigError, match=message) as info:
         make(learn=learn, **model)
     assert "\n" not in str(info.value)
-
-
-def greedy_reward(policy, steps=8):
-    """The share of present agents' steps on which ``policy``'s greedy team chose right, on a fresh env."""
-    env = TeamMatching()
-    obs, earned, present = env.reset(seed=1), 0.0, 0
-    for _ in range(steps):
-        present += int(obs["agent_mask"].sum())
-        ts = env.step(policy.eval_mode.forward(obs)["action"])
-        earned += float(ts.reward.sum())
-        obs = ts.obs
-    return earned / present
 
 
 def test_qmix_learns_from_the_collectors_team_trajectories():
