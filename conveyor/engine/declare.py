@@ -110,7 +110,7 @@ class PipelineTable(Sequence[Row]):
         self.rows: List[Row] = list(rows)
         self.problems: List[str] = list(problems)
         self.layouts: List[Tuple[int, str, str]] = list(layouts or [])
-        """``(position, field, shape)``: what middleware say of the shapes of fields they write (``field_layouts()``)."""
+        """``(position, field, shape)``: the shapes of fields that middleware say they write (``field_layouts()``)."""
 
     def __getitem__(self, index: Any) -> Any:
         return self.rows[index]

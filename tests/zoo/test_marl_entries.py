@@ -81,9 +81,9 @@ def test_each_entry_trains_in_async_mode(in_tmp, name):
     assert ctx.env_step >= 60 and ctx.train_iter > 0
 
 
-@pytest.mark.parametrize("name", ENTRIES)
-def test_each_entry_trains_with_a_collector_and_an_evaluator_process(in_tmp, name):
-    run = train_distributed(load_entry(name), collectors=1, evaluators=1, cfg=tiny(name), exp_name="dist",
+@pytest.mark.parametrize("name, evaluators", [("mpe/mappo", 1), ("mpe/ippo", 0), ("vmas/mappo", 0)])  # 1: results cross
+def test_each_entry_trains_with_collector_processes_and_logs_agent_returns(in_tmp, name, evaluators):
+    run = train_distributed(load_entry(name), collectors=1, evaluators=evaluators, cfg=tiny(name), exp_name="dist",
                             max_env_step=60, progress=False)
     assert run.env_step >= 60 and run.train_iter > 0 and run.last_eval_value is not None
     assert all(node["collected"] > 0 for node in run.nodes if node["role"] == "collector")
@@ -150,29 +150,17 @@ def test_a_resume_with_another_number_of_agents_is_refused_in_one_line(in_tmp, c
                        "resume without a config, or start a new run")
 
 
-class RandomTeam:
-    """Each agent picks one of its allowed actions uniformly at random."""
-
-    def __init__(self, seed):
-        self.rng = np.random.default_rng(seed)
-
-    def forward(self, obs):
-        mask = obs["action_mask"]
-        scores = self.rng.random(mask.shape) * mask
-        return {"action": scores.argmax(-1)}
-
-
 @pytest.mark.slow
-def test_mpe_mappo_beats_the_random_team_on_simple_spread(in_tmp):
+def test_mpe_mappo_improves_the_team_return_of_its_untrained_policy_on_simple_spread(in_tmp):
     entry = load_entry("mpe/mappo")
     cfg = copy.deepcopy(entry.main_config)
     cfg.policy.collect.n_sample = 400
     cfg.policy.learn.update(batch_size=200, epoch_per_collect=10, learning_rate=1e-3)
     cfg.policy.eval.evaluator.eval_freq = 10 ** 6  # only the first evaluation: the test evaluates at the end
-    entry.main(cfg, exp_name="learn", max_env_step=12_000, progress=False)
-    policy = MAPPOPolicy(compile_config(cfg, MAPPOPolicy).policy)
-    restore(in_tmp / "runs" / "learn" / "ckpt" / "final.pth.tar", policy)
+    entry.main(cfg, exp_name="learn", max_env_step=10_000, progress=False)
+    compiled = compile_config(cfg, MAPPOPolicy)
+    untrained, trained = MAPPOPolicy(compiled.policy, seed=0), MAPPOPolicy(compiled.policy, seed=0)
+    restore(in_tmp / "runs" / "learn" / "ckpt" / "final.pth.tar", trained)
     with make_env_manager(cfg.env, "evaluator", seed=7) as env:
-        random = evaluate(RandomTeam(0), env, 32, seed=7)["mean"]
-        trained = evaluate(policy.eval_mode, env, 32, seed=7)["mean"]
-    assert trained > random + 30, (random, trained)
+        before, after = (evaluate(policy.eval_mode, env, 32, seed=7)["mean"] for policy in (untrained, trained))
+    assert after > before + 40, (before, after)  # about -186 before, -100 to -125 after 10k env steps
