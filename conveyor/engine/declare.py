@@ -105,9 +105,12 @@ class PipelineTable(Sequence[Row]):
     """What ``task.describe()`` returns: the rows in order and the ordering problems found; ``str()`` is the
     table (reads marked ``?`` are optional, ``after:`` lists what the part after ``yield`` reads or writes)."""
 
-    def __init__(self, rows: Sequence[Row], problems: Sequence[str]) -> None:
+    def __init__(self, rows: Sequence[Row], problems: Sequence[str],
+                 layouts: Optional[Sequence[Tuple[int, str, str]]] = None) -> None:
         self.rows: List[Row] = list(rows)
         self.problems: List[str] = list(problems)
+        self.layouts: List[Tuple[int, str, str]] = list(layouts or [])
+        """``(position, field, shape)``: the shapes of fields that middleware say they write (``field_layouts()``)."""
 
     def __getitem__(self, index: Any) -> Any:
         return self.rows[index]
@@ -128,6 +131,7 @@ class PipelineTable(Sequence[Row]):
         text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
         if not self.rows:
             text.append("(no middleware)")
+        text += [f"#{position} {field}: {shape}" for position, field, shape in self.layouts]
         text += [f"problem: {p}" for p in self.problems]
         return "\n".join(text)
 

@@ -1,6 +1,7 @@
 """Looking at a pipeline without (fully) running it: its table, and what one iteration left.
 
-``task.describe()`` builds the table from the ``task.use`` calls; ``task.inspecting()`` stops runs early
+``task.describe()`` builds the table from the ``task.use`` calls (and the shapes of the fields that middleware with
+a ``field_layouts()`` method write); ``task.inspecting()`` stops runs early
 (``conveyor describe``, ``conveyor.testing.check_pipeline``); ``task.iterate()`` yields :func:`scalars`.
 """
 from __future__ import annotations
@@ -33,12 +34,15 @@ class Described(BaseException):
 
 def describe(uses: List[Tuple[Any, Any, bool]], ctx: Any) -> PipelineTable:
     """The table of ``(record or left-out fn, role, runs here)`` uses, checked against ``ctx`` (None: no context)."""
-    rows = []
+    rows, layouts = [], []
     for k, (fn, role, active) in enumerate(uses, 1):
         name = fn.name if isinstance(fn, Middleware) else middleware_name(fn)
         rows.append(Row(k, name, fields_of(fn), None if role is None else role.value, active))
+        shapes = getattr(fn.fn if isinstance(fn, Middleware) else fn, "field_layouts", None)
+        if active and callable(shapes):
+            layouts += [(k, field, shape) for field, shape in shapes().items()]
     return PipelineTable(rows, order_problems(rows, () if ctx is None else ctx.kept_fields,
-                                              None if ctx is None else type(ctx)))
+                                              None if ctx is None else type(ctx)), layouts)
 
 
 _SCALARS = (int, float, bool, str)

@@ -29,7 +29,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 _TEMP_SUFFIX = ".tmp"
 _EVAL_KEYS = ("returns", "lengths", "mean", "std", "env_step", "train_iter", "weight_version", "crashes", "dropped",
-              "seed")
+              "seed", "agent_returns", "agent_mean")
 FD_RETRY_S = 5.0
 """How long :func:`save_checkpoint` retries a write that found no free file descriptor."""
 
@@ -158,8 +158,8 @@ class CkptSaver:
       it ran (``error.at_iteration_start``: an exchanger's wait for another node that timed out). If the run
       stopped because an evaluation reached the stop value, the policy in them is the evaluated snapshot.
     - ``eval_best.pth.tar``: ``{"policy": snapshot.state_dict(), "eval": {...}, "meta": {...}}`` of each
-      evaluation that beats the best so far; the best score is part of the saver's state, so it
-      survives a resume.
+      evaluation whose mean return (a team's: summed over agents) beats the best so far; the best score is
+      part of the saver's state, so it survives a resume.
 
     Built inside ``task.start``, the saver registers ``policy`` (and ``buffer`` if given) with
     ``task.register_state`` under those names, unless something is registered under them already; register

@@ -6,7 +6,7 @@ treetensor batch ``[T, N]`` (docs/design.md): nothing is built per transition.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -17,11 +17,37 @@ from conveyor.middleware.protocols import CollectPolicy
 __all__ = ["StepCollector", "EpisodeCollector", "eps_greedy_handler", "EPISODE_EVENT"]
 
 EPISODE_EVENT = "collector.episode"
-"""Emitted by collectors for every finished training episode with ``(env_index, return, length)``."""
+"""Emitted by collectors for every finished training episode with ``(env_index, return, length)``; a team's
+episode (its info's ``episode`` holds ``agent_r``) adds a fourth argument, the list of each agent's return, and
+``return`` is the team's (the sum over agents)."""
 
 
 def _random_actions(space: Any, n: int) -> np.ndarray:
     return np.stack([np.asarray(space.sample()) for _ in range(n)])
+
+
+def team_trajectory_layout(env: Any, steps: int) -> Optional[str]:
+    """The shape of each key of ``trajectories`` collected from a team's ``env`` (an env manager) in ``steps`` steps,
+    with the agent axis; None for one agent's envs."""
+    try:
+        team = env.agent_spaces
+    except (AttributeError, ValueError, TypeError):  # one agent's envs (or a stand-in whose spaces are unknown)
+        return None
+    lead = f"[T={steps}, N_env={env.env_num}"
+    agents = f"{lead}, N_agent={team.agent_num}"
+    act = "" if team.discrete else f", {team.action_space.shape[0]}"
+    mask = f"; obs.action_mask {agents}, {team.action_space.n}]" if team.discrete else ""
+    return (f"obs.obs {agents}, {team.obs_dim}]; obs.state {lead}, {team.state_dim}]; obs.agent_mask {agents}]{mask}; "
+            f"action {agents}{act}]; reward and the policy's outputs {agents}]; terminated, truncated {lead}]")
+
+
+def emit_episode(env_index: int, episode: Mapping[str, Any]) -> None:
+    """Emit :data:`EPISODE_EVENT` for one finished episode (its info's ``episode``: ``r``, ``l``, a team's
+    ``agent_r``)."""
+    args = [env_index, float(episode["r"]), int(episode["l"])]
+    if "agent_r" in episode:
+        args.append([float(r) for r in np.asarray(episode["agent_r"]).reshape(-1)])
+    task.emit(EPISODE_EVENT, *args)
 
 
 @declares(reads=("collect_kwargs", "env_step", "env_episode"), optional=("collect_kwargs",),
@@ -52,6 +78,12 @@ class StepCollector:
 
     def __repr__(self) -> str:
         return f"StepCollector(envs={self._env.env_num}, steps_per_call={self._steps})"
+
+    def field_layouts(self) -> Dict[str, str]:
+        """For a team's envs, the shape of each key of ``trajectories`` with its agent axis, as ``conveyor describe``
+        shows it (nothing for one agent's: ``[T, N]`` as the class says)."""
+        layout = team_trajectory_layout(self._env, self._steps)
+        return {} if layout is None else {"trajectories": layout}
 
     def state_dict(self) -> Dict[str, Any]:
         """The env manager's state (envs, current observations, episode bookkeeping; None before the first call)
@@ -104,7 +136,7 @@ class StepCollector:
                     episode = None if ts.crashed[i] else ts.info[i].get("episode")
                     if episode is not None:
                         episodes += 1
-                        task.emit(EPISODE_EVENT, i, float(episode["r"]), int(episode["l"]))
+                        emit_episode(i, episode)
         self._obs = obs
         data = {key: stack_nested(values) for key, values in rows.items()}
         valid = np.ones((self._steps, n), dtype=bool)
@@ -189,7 +221,7 @@ class EpisodeCollector:
                     self._running[i] = []
                     episode = ts.info[i].get("episode")
                     if episode is not None:
-                        task.emit(EPISODE_EVENT, i, float(episode["r"]), int(episode["l"]))
+                        emit_episode(i, episode)
             if ended.any():
                 policy.reset(np.flatnonzero(ended).tolist())
             obs = ts.obs

@@ -41,6 +41,8 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
     (episodes lost to them) and ``summary``, the score as the evaluation protocol reports it:
     ``"12.3 +- 4.5 over 10 episodes (seed 7)"`` (env ``i`` is seeded ``seed + i``; Atari episodes are
     whole unclipped games). ``on_step(episodes finished)`` is called after each env step, for progress.
+    On a team's envs (episodes whose info holds ``agent_r``) the returns are the team's (summed over agents) and
+    ``agent_returns`` (per episode, a list over agents) and ``agent_mean`` (per agent) are added.
     """
     limit = n_episode if max_crashes is None else max_crashes
     if not isinstance(limit, int) or limit < 0:
@@ -53,6 +55,7 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
         policy.reset()
     returns: List[float] = []
     lengths: List[int] = []
+    agent_returns: List[List[float]] = []
     crashes = dropped = 0
     while quota.sum() > 0:
         action = policy.forward(obs)["action"]
@@ -75,6 +78,8 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
                 if quota[i] > 0 and episode is not None:
                     returns.append(float(episode["r"]))
                     lengths.append(int(episode["l"]))
+                    if "agent_r" in episode:
+                        agent_returns.append([float(r) for r in np.asarray(episode["agent_r"]).reshape(-1)])
                     quota[i] -= 1
             if hasattr(policy, "reset"):
                 policy.reset(ids.tolist())
@@ -82,9 +87,14 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
         if on_step is not None:
             on_step(len(returns))
     mean, std = float(np.mean(returns)), float(np.std(returns))
-    return {"returns": returns, "lengths": lengths, "mean": mean, "std": std, "crashes": crashes, "dropped": dropped,
-            "summary": f"{mean:.1f} +- {std:.1f} over {len(returns)} episodes "
-                       f"({'unseeded' if seed is None else f'seed {seed}'})"}
+    result = {"returns": returns, "lengths": lengths, "mean": mean, "std": std, "crashes": crashes,
+              "dropped": dropped, "summary": f"{mean:.1f} +- {std:.1f} over {len(returns)} episodes "
+                                            f"({'unseeded' if seed is None else f'seed {seed}'})"}
+    if agent_returns:
+        result["agent_returns"] = agent_returns
+        result["agent_mean"] = np.mean(agent_returns, axis=0).tolist()
+        result["summary"] = f"team {result['summary']}; per agent {', '.join(f'{r:.1f}' for r in result['agent_mean'])}"
+    return result
 
 
 @declares(reads=("train_iter", "env_step", "last_eval_iter"), optional=("env_step",),
@@ -103,9 +113,9 @@ class InteractionEvaluator:
     envs with ``seed + 100000 + 1000 k`` (never training seeds); the count survives a resume.
 
     Reads ctx: ``train_iter``, ``env_step`` (when the context has it), ``last_eval_iter``.
-    Writes ctx: ``eval_value`` (mean return), ``eval_output`` (``returns, lengths, mean, std, summary, env_step,
-    train_iter, weight_version, crashes, dropped, snapshot, seed, stop_value_reached``), ``last_eval_iter``,
-    ``last_eval_value``.
+    Writes ctx: ``eval_value`` (mean return: a team's), ``eval_output`` (``returns, lengths, mean, std, summary,
+    env_step, train_iter, weight_version, crashes, dropped, snapshot, seed, stop_value_reached``, and for a team
+    ``agent_returns, agent_mean``: see :func:`evaluate`), ``last_eval_iter``, ``last_eval_value``.
     """
 
     def __init__(self, cfg: Any, policy: Any, env: Any, *, max_crashes: Optional[int] = None) -> None:

@@ -23,11 +23,26 @@ from conveyor.middleware.evaluator import EVAL_EVENT, EVAL_PROGRESS_EVENT
 __all__ = ["online_logger", "offline_logger", "wandb_online_logger", "progress_bar", "ProgressLines", "progress_display"]
 
 
+MAX_AGENTS_LOGGED = 1024
+"""At most this many agents' returns are logged (the scalars of a result from another node are bounded)."""
+
+
+def agent_scalars(prefix: str, returns: Any) -> Dict[str, float]:
+    """``{prefix}/<i>`` for agent ``i``'s return in ``returns`` (a list over agents); nothing unless it is a list of
+    at most :data:`MAX_AGENTS_LOGGED` finite numbers (an evaluation may come from another node)."""
+    if not isinstance(returns, (list, tuple)) or len(returns) > MAX_AGENTS_LOGGED or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and np.isfinite(r) for r in returns):
+        return {}
+    return {f"{prefix}/{i}": float(r) for i, r in enumerate(returns)}
+
+
 def eval_scalars(result: Dict[str, Any]) -> Dict[str, float]:
-    """The scalars of one evaluation (an ``EVAL_EVENT`` result): mean and std of the return, and the env
-    crashes and episodes dropped for them."""
+    """The scalars of one evaluation (an ``EVAL_EVENT`` result): mean and std of the return (a team's: summed over
+    agents), the env crashes and episodes dropped for them, and for a team each agent's mean return
+    (``eval/agent_return/<i>``)."""
     return {"eval/return": float(result["mean"]), "eval/return_std": float(result["std"]),
-            "eval/crashes": float(result.get("crashes", 0)), "eval/dropped": float(result.get("dropped", 0))}
+            "eval/crashes": float(result.get("crashes", 0)), "eval/dropped": float(result.get("dropped", 0)),
+            **agent_scalars("eval/agent_return", result.get("agent_mean"))}
 
 
 class _Scalars:
@@ -41,13 +56,16 @@ class _Scalars:
         self._freq = train_show_freq
         self._outputs: List[Dict[str, Any]] = []
         self._returns: List[float] = []
+        self._agent_returns: List[List[float]] = []  # a team's training episodes: each agent's return
         self._last_shown: Optional[int] = None
         self._clock = (time.perf_counter(), 0)
         self._counter = counter
         task.on(EPISODE_EVENT, self._on_episode)
 
-    def _on_episode(self, env_index: int, ret: float, length: int) -> None:
+    def _on_episode(self, env_index: int, ret: float, length: int, agent_returns: Optional[List[float]] = None) -> None:
         self._returns.append(ret)
+        if agent_returns is not None:
+            self._agent_returns.append(agent_returns)
 
     def __call__(self, ctx: OnlineRLContext) -> Dict[str, float]:
         scalars: Dict[str, float] = {}
@@ -73,6 +91,9 @@ class _Scalars:
         if self._returns:
             scalars["charts/episode_return"] = float(np.mean(self._returns))
             self._returns = []
+        if self._agent_returns:
+            scalars.update(agent_scalars("charts/agent_episode_return", np.mean(self._agent_returns, axis=0).tolist()))
+            self._agent_returns = []
         now, count = time.perf_counter(), getattr(ctx, self._counter)
         then, then_count = self._clock
         if now > then and count > then_count:
@@ -89,9 +110,10 @@ def online_logger(logdir: str, train_show_freq: int = 100, record_train_iter: bo
     (and also by train iteration with ``record_train_iter``).
 
     Logged: after each evaluation (``EVAL_EVENT``), at the env step it was taken at, ``eval/return``,
-    ``eval/return_std``, ``eval/crashes`` and ``eval/dropped``; every ``train_show_freq`` train iterations
-    the mean of the policy's metrics (``losses/...``, ``charts/...``), ``charts/episode_return`` of
-    training episodes, ``charts/env_steps_per_s`` and ``time/<middleware>_ms`` from ``task.stats()``.
+    ``eval/return_std``, ``eval/crashes`` and ``eval/dropped`` (and a team's ``eval/agent_return/<i>``); every
+    ``train_show_freq`` train iterations the mean of the policy's metrics (``losses/...``, ``charts/...``),
+    ``charts/episode_return`` of training episodes (the team's return, and ``charts/agent_episode_return/<i>``
+    for a team), ``charts/env_steps_per_s`` and ``time/<middleware>_ms`` from ``task.stats()``.
 
     Reads ctx: ``train_output``, ``env_step``, ``train_iter``.
     """

@@ -152,3 +152,13 @@ def test_progress_bar_follows_env_steps_eval_return_and_eval_crashes():
         task.run(max_step=1)
         assert not bars[0].closed  # lives as long as the pipeline
     assert bars[0].n == 30 and bars[0].closed
+
+
+def test_a_teams_evaluation_logs_each_agents_return_and_a_malformed_list_from_a_peer_logs_none():
+    from conveyor.middleware.logger import MAX_AGENTS_LOGGED, eval_scalars
+    result = {"mean": -30.0, "std": 1.0, "agent_mean": [-10.0, -11.0, -9.0]}
+    assert {k: v for k, v in eval_scalars(result).items() if k.startswith("eval/agent")} == {
+        "eval/agent_return/0": -10.0, "eval/agent_return/1": -11.0, "eval/agent_return/2": -9.0}
+    for hostile in ("-1", [float("nan")], [True], [{"a": 1}], [0.0] * (MAX_AGENTS_LOGGED + 1)):
+        scalars = eval_scalars({**result, "agent_mean": hostile})
+        assert scalars["eval/return"] == -30.0 and not any(k.startswith("eval/agent") for k in scalars)

@@ -1,0 +1,1 @@
+"""Zoo entries for VMAS: vectorized multi-agent scenarios; navigation by default."""
