@@ -126,7 +126,7 @@ TINY = ["--set", "env.collector_env_num=2", "--set", "env.evaluator_env_num=2", 
 def evaluations(run_dir):
     """(env_step, team return) of every evaluation in a run's log."""
     text = (run_dir / "log.txt").read_text()
-    return [(int(s), float(r)) for s, r in re.findall(r"env_step (\d+): mean return ([-0-9.]+)", text)]
+    return [(int(s), float(r)) for s, r in re.findall(r"env_step (\d+): mean return team ([-0-9.]+)", text)]
 
 
 @pytest.mark.parametrize("layout", [
