@@ -11,7 +11,8 @@ from conveyor.envs._atari import ATARI_SCHEMA, AtariFactory, AtariGame
 from conveyor.envs._check import EnvCheckError, check_env
 from conveyor.envs._config import (ENV_SCHEMA, EnvFactory, check_env_config, check_env_id, env_factory, env_spaces,
                                    is_mujoco_id, make_env_manager)
-from conveyor.envs._core import GAME_INFO, EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Restored, Timestep
+from conveyor.envs._core import (GAME_INFO, EnvCrashedError, EnvFn, EnvManager, EnvManagerStats, Restored, Timestep,
+                                 agent_returns)
 from conveyor.envs._envpool import EnvpoolEnvManager
 from conveyor.envs._marl_config import is_multi_agent_id, require_multi_agent, require_single_agent
 from conveyor.envs._multi_agent import MultiAgentEnv
@@ -40,6 +41,7 @@ __all__ = [
     "SyncEnvManager",
     "Timestep",
     "VmasParallelEnv",
+    "agent_returns",
     "agent_spaces",
     "check_env",
     "check_env_config",

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import cloudpickle
 
@@ -59,6 +59,13 @@ class Timestep:
     def done(self) -> np.ndarray:
         """Where an episode ended this step (terminated or truncated)."""
         return self.terminated | self.truncated
+
+
+def agent_returns(episode: Mapping[str, Any]) -> Optional[List[float]]:
+    """Each agent's return from a team episode's ``info["episode"]`` (its ``agent_r``); None for one agent's."""
+    if "agent_r" not in episode:
+        return None
+    return [float(r) for r in np.asarray(episode["agent_r"]).reshape(-1)]
 
 
 @dataclass

@@ -12,6 +12,7 @@ import numpy as np
 
 from conveyor.data.batch import stack_nested, to_tensor
 from conveyor.engine import OnlineRLContext, declares, task
+from conveyor.envs import agent_returns
 from conveyor.middleware.protocols import CollectPolicy
 
 __all__ = ["StepCollector", "EpisodeCollector", "eps_greedy_handler", "EPISODE_EVENT"]
@@ -44,10 +45,8 @@ def team_trajectory_layout(env: Any, steps: int) -> Optional[str]:
 def emit_episode(env_index: int, episode: Mapping[str, Any]) -> None:
     """Emit :data:`EPISODE_EVENT` for one finished episode (its info's ``episode``: ``r``, ``l``, a team's
     ``agent_r``)."""
-    args = [env_index, float(episode["r"]), int(episode["l"])]
-    if "agent_r" in episode:
-        args.append([float(r) for r in np.asarray(episode["agent_r"]).reshape(-1)])
-    task.emit(EPISODE_EVENT, *args)
+    agents = agent_returns(episode)
+    task.emit(EPISODE_EVENT, env_index, float(episode["r"]), int(episode["l"]), *([] if agents is None else [agents]))
 
 
 @declares(reads=("collect_kwargs", "env_step", "env_episode"), optional=("collect_kwargs",),

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from conveyor.engine import OnlineRLContext, declares, task
+from conveyor.envs import agent_returns as agent_returns_of
 
 __all__ = ["EVAL_EVENT", "EVAL_PROGRESS_EVENT", "EvaluationError", "InteractionEvaluator", "interaction_evaluator", "evaluate"]
 
@@ -78,8 +79,9 @@ def evaluate(policy: Any, env: Any, n_episode: int, seed: Optional[int] = None,
                 if quota[i] > 0 and episode is not None:
                     returns.append(float(episode["r"]))
                     lengths.append(int(episode["l"]))
-                    if "agent_r" in episode:
-                        agent_returns.append([float(r) for r in np.asarray(episode["agent_r"]).reshape(-1)])
+                    agents = agent_returns_of(episode)
+                    if agents is not None:
+                        agent_returns.append(agents)
                     quota[i] -= 1
             if hasattr(policy, "reset"):
                 policy.reset(ids.tolist())
