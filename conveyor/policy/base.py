@@ -15,9 +15,9 @@ and learning:
 
 The views convert their input to tensors once (``to_tensor``) and run acting under ``torch.no_grad``,
 then call the subclass's hooks: :meth:`Policy._forward_learn`, :meth:`Policy._forward_collect`,
-:meth:`Policy._forward_eval`, :meth:`Policy._value` and, for per-env state, :meth:`Policy._reset`.
-Hooks are ordinary overridden methods; nothing is looked up by name. Whatever a subclass adds to the
-checkpoint (a target network, an optimizer, an observation normaliser) it hands to
+:meth:`Policy._forward_eval` (by default :meth:`Policy._greedy`'s tensors), :meth:`Policy._value` and, for per-env
+state, :meth:`Policy._reset`. Hooks are ordinary overridden methods; nothing is looked up by name. Whatever a
+subclass adds to the checkpoint (a target network, an optimizer, an observation normaliser) it hands to
 :meth:`Policy.register_state` once, in its constructor. Optimizers are :class:`LazyOptimizer` objects, made on
 first use: a process that only acts never makes one (making a torch optimizer imports ``torch._dynamo``,
 about 1.5 s of CPU), not even to checkpoint.
@@ -43,7 +43,7 @@ from easydict import EasyDict
 from torch import nn
 
 from conveyor import schema
-from conveyor.data.batch import to_tensor
+from conveyor.data.batch import to_host, to_tensor
 from conveyor.policy.data_parallel import DataParallel
 from conveyor.policy.encoders import ImageEncoder
 from conveyor.policy.learning import FiniteSteps, LazyOptimizer, LearnResult
@@ -246,10 +246,15 @@ class Policy(abc.ABC):
         """Exploring actions for a batch of observation tensors, as numpy (runs under ``no_grad``), computed
         with ``acting.model`` (the published weights), never ``self.model``."""
 
-    @abc.abstractmethod
     def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
-        """Greedy / deterministic actions for a batch of observation tensors, as numpy (under ``no_grad``),
-        computed with ``acting.model``."""
+        """Greedy / deterministic actions for a batch of observation tensors, as numpy (under ``no_grad``): those of
+        :meth:`_greedy`. A policy whose evaluation is not greedy (DQN's ``eval.eps``) overrides it."""
+        return {"action": to_host(self._greedy(acting, obs))[0]}
+
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
+        """Greedy / deterministic actions as a tensor, by ``acting.model`` in torch operations alone, so that
+        ``conveyor export`` can trace them; a recurrent policy reads and writes its state in ``acting.memory``."""
+        raise NotImplementedError(f"{type(self).__name__} defines no _greedy: override it (or _forward_eval) to act")
 
     def _value(self, acting: Acting, obs: Any, **state: Any) -> np.ndarray:
         """State values ``[B]`` (numpy float32) of a batch of observation tensors (under ``no_grad``) by

@@ -109,12 +109,10 @@ class BCPolicy(Policy):
         action = (probs.cumsum(-1) < u).sum(-1).clip(max=probs.shape[-1] - 1)  # inverse CDF, one draw per env
         return {"action": action}
 
-    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
         """Discrete: the most likely action; continuous: ``tanh(f(s))`` in the env's bounds (float32)."""
         out = acting.model(obs)
-        if self.discrete:
-            return {"action": out.argmax(-1).cpu().numpy()}
-        return {"action": self.action_scaler.to_env(torch.tanh(out)).cpu().numpy()}
+        return out.argmax(-1) if self.discrete else self.action_scaler.to_env(torch.tanh(out))
 
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:

@@ -132,11 +132,14 @@ class DQNPolicy(Policy):
         return {"action": _eps_greedy(acting.model(obs), eps, self.rng)}
 
     def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
-        """Greedy actions, or eps-greedy with ``eval.eps`` (drawn from :attr:`eval_rng`)."""
-        q = acting.model(obs)
+        """Greedy actions (:meth:`_greedy`), or eps-greedy with ``eval.eps`` (drawn from :attr:`eval_rng`)."""
         if self.eval_rng is None:
-            return {"action": q.argmax(-1).cpu().numpy()}
-        return {"action": _eps_greedy(q, self.cfg.eval.eps, self.eval_rng)}
+            return super()._forward_eval(acting, obs)
+        return {"action": _eps_greedy(acting.model(obs), self.cfg.eval.eps, self.eval_rng)}
+
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
+        """The action of the highest Q-value."""
+        return acting.model(obs).argmax(-1)
 
     # --- learning --------------------------------------------------------------------------------
     def _forward_learn(self, batch: ttorch.Tensor) -> LearnResult:

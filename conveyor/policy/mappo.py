@@ -233,14 +233,14 @@ class MAPPOPolicy(Policy):
             kept["raw_action"] = raw_action
         return dict(zip(kept, to_host(*kept.values())))
 
-    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
         """The most likely allowed action of every agent, or the Gaussian's mean."""
         team = team_inputs(obs)
         hidden = self._initial_state(acting.memory.get("hidden"), team.obs) if self.recurrent else None
         params, hidden = acting.model.act(team.obs, hidden)
         if self.recurrent:
             acting.memory["hidden"] = hidden
-        return {"action": to_host(self.action_dist.mode(self._params(params, team.action_mask)))[0]}
+        return self.action_dist.mode(self._params(params, team.action_mask))
 
     def _value(self, acting: Acting, obs: Any, hidden: torch.Tensor | None = None) -> np.ndarray:
         """The critic's values ``[B, A]`` of ``obs`` (after the recurrent state ``hidden``), in reward units."""

@@ -289,7 +289,7 @@ class PPOPolicy(Policy):
         out.update(zip(kept, to_host(*kept.values())))  # one trip back from the device per step
         return out
 
-    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
         """Deterministic actions: the most likely discrete action, or the Gaussian's mean (clipped / squashed)."""
         if acting.extras is not None:
             obs = acting.extras(obs)
@@ -298,7 +298,7 @@ class PPOPolicy(Policy):
             params, _, acting.memory["hidden"] = acting.model(obs, hidden)
         else:
             params = acting.model.actor(obs)  # the critic is not needed to act
-        return {"action": to_host(self.action_dist.mode(params))[0]}
+        return self.action_dist.mode(params)
 
     def _scale_reward(self, acting: Acting, reward: np.ndarray,
                       done: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

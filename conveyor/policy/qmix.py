@@ -220,10 +220,10 @@ class QMIXPolicy(Policy):
         q, team = self._q(acting, obs)
         return {"action": _masked_eps_greedy(q, team.action_mask, eps, self.rng)}
 
-    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
         """Greedy allowed actions ``[N, A]``."""
         q, team = self._q(acting, obs)
-        return {"action": masked_logits(q, team.action_mask).argmax(-1).cpu().numpy()}
+        return masked_logits(q, team.action_mask).argmax(-1)
 
     # --- learning --------------------------------------------------------------------------------
     def _team_reward(self, reward: torch.Tensor, alive: torch.Tensor, steps: torch.Size) -> torch.Tensor:

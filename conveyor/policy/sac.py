@@ -99,9 +99,9 @@ class TanhActorCriticPolicy(QActorCriticPolicy):
         action = torch.tanh(mean + log_std.exp() * noise)
         return {"action": self.action_scaler.to_env(action).cpu().numpy()}
 
-    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
-        """The deterministic actions ``tanh(mu)`` in the env's bounds, as float32 numpy."""
-        return {"action": self.action_scaler.to_env(acting.model.actor.mode(obs)).cpu().numpy()}
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
+        """The deterministic actions ``tanh(mu)`` in the env's bounds (float32)."""
+        return self.action_scaler.to_env(acting.model.actor.mode(obs))
 
 
 class SACPolicy(TanhActorCriticPolicy):

@@ -94,9 +94,9 @@ class TD3Policy(QActorCriticPolicy):
         action = (action + torch.from_numpy(noise).to(action.device)).clamp(-1.0, 1.0)
         return {"action": self.action_scaler.to_env(action).cpu().numpy()}
 
-    def _forward_eval(self, acting: Acting, obs: Any) -> dict[str, Any]:
-        """The deterministic actions ``mu(s)`` in the env's bounds, as float32 numpy."""
-        return {"action": self.action_scaler.to_env(acting.model.actor(obs)).cpu().numpy()}
+    def _greedy(self, acting: Acting, obs: Any) -> torch.Tensor:
+        """The deterministic actions ``mu(s)`` in the env's bounds (float32)."""
+        return self.action_scaler.to_env(acting.model.actor(obs))
 
     # --- learning --------------------------------------------------------------------------------
     def target_action(self, next_obs: Any) -> torch.Tensor:
