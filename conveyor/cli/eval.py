@@ -11,17 +11,14 @@ A run directory is evaluated from its best checkpoint (``ckpt/eval_best.pth.tar`
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
+from conveyor.cli._checkpoint import CHECKPOINTS, load_policy, locate
 from conveyor.cli._common import message, number, os_message, usage_error
 
 __all__ = ["register", "run", "CHECKPOINTS", "VIDEO_SUFFIXES"]
-
-CHECKPOINTS = ("eval_best.pth.tar", "final.pth.tar", "latest.pth.tar")
-"""The checkpoints of a run directory, in the order ``conveyor eval`` looks for them."""
 
 VIDEO_SUFFIXES = (".gif", ".mp4")
 """What ``--record`` writes: an animated GIF, or an MP4 (needs imageio-ffmpeg)."""
@@ -58,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         from conveyor.cli import _video
         _video.offscreen_gl()  # before mujoco is imported (by the config's env check)
     try:
-        ckpt, run_dir = _locate(Path(args.target))
-        cfg, policy = _load_policy(ckpt, run_dir)
+        ckpt, run_dir = locate(Path(args.target))
+        cfg, policy = load_policy(ckpt, run_dir)
         if args.record is not None:
             _video.check_renderer(cfg.env.env_id)
         result = _evaluate(cfg, policy, args.episodes, args.seed, args.progress)
@@ -78,50 +75,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
         return 1
     return 0
-
-
-def _locate(target: Path) -> Tuple[Path, Path]:
-    """The checkpoint to evaluate and the run directory holding its ``config.json``."""
-    if target.is_dir():
-        for name in CHECKPOINTS:
-            if (target / "ckpt" / name).is_file():
-                return target / "ckpt" / name, target
-        raise FileNotFoundError(f"no checkpoint in {target / 'ckpt'} (looked for {', '.join(CHECKPOINTS)}): train "
-                                f"this run first, or give a run directory that holds one")
-    if not target.is_file():
-        raise FileNotFoundError(f"no run directory or checkpoint file at {target}")
-    run_dir = target.parent.parent if target.parent.name == "ckpt" else target.parent
-    if target.suffix.lower() in (".json", ".yaml", ".yml", ".txt", ".py"):
-        what = "a run's config" if target.name == "config.json" else f"a {target.suffix} file"
-        raise FileNotFoundError(f"{target} is {what}, not a checkpoint: pass the run directory ({run_dir}) or a "
-                                f".pth.tar checkpoint ({run_dir / 'ckpt' / CHECKPOINTS[0]})")
-    return target, run_dir
-
-
-def _load_policy(ckpt: Path, run_dir: Path) -> Tuple[Any, Any]:
-    """The run's compiled config and its policy with the checkpoint's weights (on CPU without CUDA)."""
-    import torch
-
-    import conveyor.policy as policies
-    from conveyor.config import compile_config
-    from conveyor.middleware import restore
-    from conveyor.schema import ConfigError
-    from conveyor.run.directory import read_run_config
-
-    saved = read_run_config(run_dir)
-    policy_cls = getattr(policies, str(saved.get("policy")), None)
-    if not isinstance(policy_cls, type):
-        raise ConfigError(f"{run_dir / 'config.json'} names the policy {saved.get('policy')!r}, which "
-                          f"conveyor.policy does not have")
-    cfg = compile_config(saved["config"], policy=policy_cls)
-    device = policies.configured_device(cfg.policy)
-    policy = policy_cls(cfg.policy, device=device if device.type == "cpu" or torch.cuda.is_available() else "cpu")
-    try:
-        restore(ckpt, policy)
-    except (pickle.UnpicklingError, EOFError, KeyError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"cannot load {ckpt} into a {policy_cls.__name__}: {' '.join(str(exc).split())[:200]}") \
-            from None
-    return cfg, policy
 
 
 def _evaluate(cfg: Any, policy: Any, episodes: int, seed: int, progress: bool) -> Dict[str, Any]:
