@@ -23,6 +23,7 @@ from conveyor.policy.continuous import (
 )
 from conveyor.policy.cql import CQLPolicy, DiscreteCQLPolicy, continuous_cql_penalty, discrete_cql_penalty
 from conveyor.policy.dqn import DQNPolicy
+from conveyor.policy.export import GreedyModule
 from conveyor.policy.impala import IMPALAPolicy
 from conveyor.policy.iql import IQLModel, IQLPolicy, expectile_loss
 from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, FlattenMLP, ImpalaCNN, NatureCNN,
@@ -58,6 +59,7 @@ __all__ = [
     "soft_update",
     "TargetSync",
     "DQNPolicy",
+    "GreedyModule",
     "ObsShape",
     "MLP",
     "FlattenMLP",
