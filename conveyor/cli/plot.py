@@ -17,14 +17,17 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from conveyor.cli._common import message, os_message, usage_error
 
-__all__ = ["register", "run", "read_curve", "experiments", "draw", "Curve", "IMAGE_SUFFIXES"]
+__all__ = ["register", "run", "read_curve", "experiments", "draw", "Curve", "IMAGE_SUFFIXES", "image_path_problem",
+           "agg_figure", "seed_stem"]
 
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
 """The files ``--out`` can write (matplotlib picks the format by suffix)."""
+
+_SEED_SUFFIX = re.compile(r"[_-](?:seed|s)[_-]?\d+$", re.IGNORECASE)
 
 
 def register(commands: "argparse._SubParsersAction") -> None:
@@ -58,8 +61,8 @@ class Curve:
 
 def run(args: argparse.Namespace) -> int:
     """Read, group and plot; returns the exit code."""
-    if Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
-        return usage_error(f"--out {args.out}: the file must end in {', '.join(IMAGE_SUFFIXES)}")
+    if (problem := image_path_problem(args.out)) is not None:
+        return usage_error(problem)
     from conveyor.run import RunDirError
     try:
         curves = [read_curve(Path(d), args.metric, args.x) for d in dict.fromkeys(args.runs)]
@@ -72,6 +75,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {len(groups)} experiment{'s' * (len(groups) != 1)} from {len(curves)} "
           f"run{'s' * (len(curves) != 1)} ({args.metric} against {args.x})")
     return 0
+
+
+def image_path_problem(out: str) -> Optional[str]:
+    """What is wrong with an ``--out`` whose suffix names no image format written here (``None``: nothing)."""
+    if Path(out).suffix.lower() not in IMAGE_SUFFIXES:
+        return f"--out {out}: the file must end in {', '.join(IMAGE_SUFFIXES)}"
+    return None
+
+
+def seed_stem(name: str) -> str:
+    """A run name without its trailing seed tag: ``_s<N>``, ``-s<N>``, ``_seed<N>``, ``_seed_<N>`` (any case;
+    ``dqn_s3`` and ``curve_seed0`` give ``dqn`` and ``curve``); a bare number is kept (``lr1e-3`` stays)."""
+    return _SEED_SUFFIX.sub("", name) or name
 
 
 def read_curve(run_dir: Path, metric: str, x: str) -> Curve:
@@ -151,22 +167,28 @@ def _names(runs: Sequence[Curve]) -> str:
     and their count (``dqn (5 runs)``)."""
     if len(runs) <= 3:
         return ", ".join(run.run_dir.name for run in runs)
-    stems = {re.sub(r"[_-]?(seed|s)?\d+$", "", run.run_dir.name) or run.run_dir.name for run in runs}
+    stems = {seed_stem(run.run_dir.name) for run in runs}
     return f"{stems.pop() if len(stems) == 1 else runs[0].run_dir.name + ', ...'} ({len(runs)} runs)"
+
+
+def agg_figure(size: Tuple[float, float]) -> Any:
+    """A matplotlib figure of ``size`` inches drawn by Agg, off-screen: no display, whatever the backend."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError("drawing figures needs matplotlib: pip install matplotlib") from None
+    figure = Figure(figsize=size)
+    FigureCanvasAgg(figure)
+    return figure
 
 
 def draw(groups: Dict[str, List[Curve]], out: str, *, metric: str = "eval/return", x: str = "env_step",
          band: str = "minmax") -> Any:
     """One mean line and band per experiment (:func:`experiments`) on one axes, and the stop value of a return,
     written to ``out`` (Agg, no display needed); returns the matplotlib figure."""
-    try:
-        import numpy as np
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError("conveyor plot draws with matplotlib: pip install matplotlib") from None
-    figure = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(figure)
+    import numpy as np
+    figure = agg_figure((7, 4.5))
     axes = figure.add_subplot()
     for label, runs in groups.items():
         grid = np.unique(np.concatenate([run.x for run in runs]))
