@@ -14,7 +14,7 @@ from typing import List, NoReturn, Optional
 
 __all__ = ["main", "parser"]
 
-COMMANDS = ("train", "listing", "eval", "plot", "collect", "describe", "task", "slurm_script", "k8s_manifest")
+COMMANDS = ("train", "tune", "listing", "eval", "plot", "collect", "describe", "task", "slurm_script", "k8s_manifest")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
 
 
