@@ -178,11 +178,13 @@ class _Trials:
             if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
                 raise _Interrupted(code)
             if code != 0 or ctx is None:
-                raise _Failed(f"its training exited with {code}")
+                raise _Failed(f"its training exited with {code}")  # and said why
             if PRUNED_AT in trial.user_attrs:
                 raise optuna.TrialPruned()
             if ctx.last_eval_value is None:
-                raise _Failed("its run ended before its first evaluation: give it a larger --max-env-step")
+                print(f"conveyor: trial {trial.number} failed: its run ended before its first evaluation; give it a "
+                      f"larger --max-env-step", file=sys.stderr)
+                raise _Failed("no evaluation")
             returns.append(float(ctx.last_eval_value))
         trial.set_user_attr(_RETURNS, returns)
         return sum(returns) / len(returns)
@@ -216,7 +218,7 @@ def _outcome(trial: Any) -> str:
         return f"value {number(trial.value)}"
     if trial.state == optuna.trial.TrialState.PRUNED:
         return f"pruned at env step {trial.user_attrs.get(PRUNED_AT, '-')}"
-    return trial.state.name.lower()
+    return "failed" if trial.state == optuna.trial.TrialState.FAIL else trial.state.name.lower()
 
 
 def _shown(value: Any) -> str:
