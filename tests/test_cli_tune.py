@@ -116,6 +116,8 @@ def test_a_distributed_trial_reports_its_learner_s_evaluations_to_the_study(tmp_
     (["--trials", "2"], "nothing to search"),
     (["--param", LR, "--evaluators", "1"], "--evaluators 1 needs --collectors N"),
     (["--param", LR, "--study", "a/b"], "--study 'a/b': use one folder name"),
+    (["--param", LR, "--storage", "notaurl"], "--storage notaurl: cannot open the study's database"),
+    (["--param", LR, "--storage", "sqlite:///no/such/folder/study.db"], "unable to open database file"),
 ])
 def test_bad_input_is_one_line_before_any_trial(argv, fragment, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
