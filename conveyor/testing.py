@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator, Tuple, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Tuple, Union
 
 from conveyor.engine import Inspection, PipelineTable, task
 from conveyor.envs import EnvCheckError, check_env
@@ -59,17 +59,19 @@ def _scratch_dir() -> Iterator[Path]:
             os.chdir(home)
 
 
-def inspect_main(target: Target, iterations: int = 0, seed: int = 0) -> Tuple[str, Inspection]:
+def inspect_main(target: Target, iterations: int = 0, seed: int = 0,
+                 cfg: Optional[Mapping[str, Any]] = None) -> Tuple[str, Inspection]:
     """Call the ``main`` of ``target`` (see :func:`load_main`) in a temporary folder under
     ``task.inspecting(iterations)``: ``iterations=0`` builds its pipeline and stops before the first iteration.
-    ``main`` gets ``seed``, ``exp_name`` and ``progress=False`` where its signature takes them."""
+    ``main`` gets ``cfg`` (if given: a config in place of its own), ``seed``, ``exp_name`` and ``progress=False``
+    where its signature takes them."""
     label, main = load_main(target)
     accepted = inspect.signature(main).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     kwargs = {key: value for key, value in (("seed", seed), ("exp_name", "check"), ("progress", False))
               if takes_any or key in accepted}
     with _scratch_dir(), task.inspecting(iterations) as found:
-        main(**kwargs)
+        main(*(() if cfg is None else (cfg,)), **kwargs)
     return label, found
 
 

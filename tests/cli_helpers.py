@@ -25,15 +25,36 @@ def assert_usage_error(code, capsys, *fragments):
     return err
 
 
-def run_conveyor(argv: List[str], cwd: Path, *, timeout: float, env: Optional[Mapping[str, str]] = None,
-                 unset: tuple = ()) -> subprocess.CompletedProcess:
-    """``argv`` (``["conveyor", ...]``) in its own session with this checkout first on PYTHONPATH, ``env`` added and
-    the variables in ``unset`` removed; its whole process group is stopped afterwards, also on failure."""
+def _environ(env: Optional[Mapping[str, str]] = None, unset: tuple = ()) -> dict:
+    """This process's environment with this checkout first on PYTHONPATH, ``env`` added, ``unset`` removed."""
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                **(env or {})}
     for name in unset:
         environ.pop(name, None)
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor", *argv[1:]], cwd=cwd, env=environ, text=True,
+    return environ
+
+
+def start_in_session(argv: List[str], cwd: Path, request) -> subprocess.Popen:
+    """``argv`` started in its own session (stdout and stderr piped, as text) with this checkout first on PYTHONPATH;
+    its whole process group is killed when the test ends (``request``'s finalizer), whatever happened."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=_environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+    def stop():
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    request.addfinalizer(stop)
+    return proc
+
+
+def run_conveyor(argv: List[str], cwd: Path, *, timeout: float, env: Optional[Mapping[str, str]] = None,
+                 unset: tuple = ()) -> subprocess.CompletedProcess:
+    """``argv`` (``["conveyor", ...]``) in its own session with this checkout first on PYTHONPATH, ``env`` added and
+    the variables in ``unset`` removed; its whole process group is stopped afterwards, also on failure."""
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", *argv[1:]], cwd=cwd, env=_environ(env, unset), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -14,8 +14,8 @@ from typing import List, NoReturn, Optional
 
 __all__ = ["main", "parser"]
 
-COMMANDS = ("train", "listing", "eval", "export", "plot", "report", "collect", "describe", "task", "slurm_script",
-            "k8s_manifest")
+COMMANDS = ("train", "tune", "listing", "eval", "export", "plot", "report", "collect", "describe", "task",
+            "slurm_script", "k8s_manifest")
 """The modules of this package that define a subcommand, in the order ``--help`` lists them."""
 
 

@@ -19,12 +19,12 @@ import signal
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from conveyor.cli import _distributed as distributed
 from conveyor.cli._common import message, number, os_message, usage_error
 
-__all__ = ["register", "run", "stop_reason", "CKPT_INTERVAL"]
+__all__ = ["register", "run", "trained", "stop_reason", "CKPT_INTERVAL"]
 
 CKPT_INTERVAL = 300.0
 """Seconds between the wall-clock ``latest.pth.tar`` writes of ``conveyor train`` unless ``--ckpt-interval`` says."""
@@ -71,25 +71,32 @@ def register(commands: "argparse._SubParsersAction") -> None:
     train.add_argument("--no-stop", dest="no_stop", action="store_true",
                        help="train past env.stop_value: only a budget (--max-env-step, --max-train-iter) ends the run")
     distributed.add_arguments(train)
-    train.set_defaults(run=run)
+    train.set_defaults(run=run, evaluation_hook=None)  # no flag: conveyor tune sets it (conveyor.run.Run's option)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train the entry; returns the exit code."""
+    return trained(args)[0]
+
+
+def trained(args: argparse.Namespace) -> Tuple[int, Any]:
+    """Train the entry as :func:`run` does (its lines, its exit code); returns the exit code and the run's final
+    context (a :class:`~conveyor.run.DistributedRun` for ``--collectors``; an interrupted run's as it stopped;
+    ``None`` where it failed). ``args.evaluation_hook``, if set, is the :class:`~conveyor.run.Run`'s."""
     for flag, value in (("--max-env-step", args.max_env_step), ("--max-train-iter", args.max_train_iter)):
         if value is not None and value <= 0:
-            return usage_error(f"{flag} must be > 0, got {value}")
+            return usage_error(f"{flag} must be > 0, got {value}"), None
     if args.ckpt_interval is not None and not args.ckpt_interval > 0:
-        return usage_error(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
+        return usage_error(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}"), None
     with distributed.started_ahead(args):  # a distributed run's zygote imports torch while this process does
         return _train(args)
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace) -> Tuple[int, Any]:
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
-            return usage_error("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+            return usage_error("--device cuda: torch sees no CUDA device on this machine; use --device cpu"), None
     from conveyor.engine.parallel.runner import RemoteTraceback, WorkerError
     from conveyor.envs import EnvCrashedError
     from conveyor.middleware import EvaluationError
@@ -115,28 +122,28 @@ def _train(args: argparse.Namespace) -> int:
     except TrainingInterrupted as stop:
         print(f"conveyor: interrupted by {signal.Signals(stop.signum).name}{_stopped_at(stop.ctx)}; final and latest "
               f"checkpoints written, continue with --resume; run directory {run_dir}", file=sys.stderr)
-        return 128 + stop.signum
+        return 128 + stop.signum, stop.ctx
     except KeyboardInterrupt:
         print("conveyor: stopped at once by a second interrupt; the last latest.pth.tar is kept", file=sys.stderr)
-        return 130
+        return 130, None
     except (UnknownEntryError, ConfigError, RunDirError, FileNotFoundError) as exc:
-        return usage_error(message(exc))
+        return usage_error(message(exc)), None
     except OSError as exc:  # disk errors: the path and the cause
-        return usage_error(os_message(exc))
+        return usage_error(os_message(exc)), None
     except (EnvCrashedError, EvaluationError, DataParallelError) as exc:  # the last: a learner of several failed
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
-        return 1
+        return 1, None
     except WorkerError as exc:  # a node died; the others ended their runs without it (docs/distributed.md)
         if isinstance(exc.__cause__, RemoteTraceback):  # a node's exception that does not unpickle here: a bug
             raise
         print(f"conveyor: error: {message(exc)}; run directory {run_dir}", file=sys.stderr)
-        return 1
+        return 1, None
     used = _used_config(run_dir, cfg, entry)
     max_train_iter = args.max_train_iter or used.get("policy", {}).get("learn", {}).get("max_train_iter")
     stop_value = None if args.no_stop else used.get("env", {}).get("stop_value")  # --no-stop: not what ended it
     print(f"{stop_reason(ctx, stop_value, args.max_env_step, max_train_iter)}; "
           f"run directory {run_dir}")
-    return 0
+    return 0, ctx
 
 
 def stop_reason(ctx: Any, stop_value: Optional[float], max_env_step: Optional[int] = None,
@@ -209,12 +216,14 @@ def _keywords(entry: ModuleType, args: argparse.Namespace) -> dict:
     defaults = {"seed": None, "exp_name": None, "max_env_step": None, "max_train_iter": None, "resume": False,
                 "async_mode": False, "progress": True, "ckpt_interval": None, "no_stop": False}
     given = {name: getattr(args, name) for name, _ in _KEYWORDS if getattr(args, name) != defaults[name]}
+    if args.evaluation_hook is not None:
+        given["evaluation_hook"] = args.evaluation_hook
     parameters = inspect.signature(entry.main).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     if takes_any or "ckpt_interval" in parameters:
         given.setdefault("ckpt_interval", CKPT_INTERVAL)
     if not takes_any:
-        for name, flag in _KEYWORDS:
+        for name, flag in (*_KEYWORDS, ("evaluation_hook", "conveyor tune --pruner")):
             if name in given and name not in parameters:
                 raise ConfigError(f"{flag}: {args.entry} has a main() without the keyword argument {name}=; an "
                                   f"entry's main is main(cfg=None, *, seed=None, exp_name=None, max_env_step=None, "

@@ -18,17 +18,21 @@ from easydict import EasyDict
 from conveyor.data import DequeBuffer
 from conveyor.engine import Role, task
 from conveyor.envs import make_env_manager
-from conveyor.middleware import (CkptSaver, load_checkpoint, offline_logger, online_logger, progress_bar,
-                                 termination_checker)
+from conveyor.middleware import (EVAL_EVENT, CkptSaver, load_checkpoint, offline_logger, online_logger,
+                                 progress_bar, termination_checker)
 from conveyor.policy import DataParallelError
 from conveyor.run import modes
 from conveyor.run.control import GlobalRNG, TrainingInterrupted, log_evaluations, stop_on_signals
 from conveyor.run.directory import LATEST, RunDirError, mark_failed
 from conveyor.run.nodes import is_offline
 
-__all__ = ["CollectorSide", "Pipeline", "Run"]
+__all__ = ["CollectorSide", "EvaluationHook", "Pipeline", "Run"]
 
 log = logging.getLogger("conveyor.run")
+
+EvaluationHook = Callable[[Dict[str, Any]], bool]
+"""``hook(result) -> stop``: sees each evaluation's result (an ``EVAL_EVENT``'s) in the process that owns the run;
+True ends the run after the iteration, with its final checkpoint (``conveyor tune``'s pruner)."""
 
 Pipeline = Callable[["Run"], None]
 """An entry's pipeline: ``pipeline(run)`` adds its middleware (``task.use(..., role=...)``) and returns nothing."""
@@ -45,7 +49,9 @@ class Run:
     config. The other arguments are the entry's options: ``seed``, ``exp_name``, ``resume``, the budgets
     ``max_env_step`` and ``max_train_iter``, ``async_mode``, ``progress`` (the bar), ``ckpt_freq`` (gradient
     steps between ``latest`` checkpoints) and ``ckpt_interval`` (seconds), ``no_stop`` (train past
-    ``env.stop_value``: only the budget ends the run), and for an offline entry (its config names
+    ``env.stop_value``: only the budget ends the run), ``evaluation_hook`` (an :data:`EvaluationHook`: called with
+    each evaluation's result where the run is owned, one process or node 0; its True ends the run after the
+    iteration, with its final checkpoint), and for an offline entry (its config names
     ``policy.other.dataset``) ``build_dataset``, the commands that record its dataset, quoted when it is missing.
 
     :meth:`train` compiles the config (a new run saves it in ``runs/<exp_name>/``; ``resume=True`` reads it
@@ -60,13 +66,14 @@ class Run:
                  max_env_step: Optional[int] = None, max_train_iter: Optional[int] = None, resume: bool = False,
                  async_mode: bool = False, progress: bool = True, ckpt_freq: int = 1000,
                  ckpt_interval: Optional[float] = None, no_stop: bool = False,
-                 build_dataset: Optional[str] = None) -> None:
+                 evaluation_hook: Optional[EvaluationHook] = None, build_dataset: Optional[str] = None) -> None:
         if not callable(pipeline):
             raise TypeError(f"Run({pipeline!r}, ...): the first argument is the entry's pipeline function; {_HOW}")
         self.pipeline, self._main_config, self._policy_cls, self._given = pipeline, main_config, policy_cls, cfg
         self._seed, self._exp_name, self._resume, self._async = seed, exp_name, resume, async_mode
         self._max_env_step, self._max_train_iter, self._progress = max_env_step, max_train_iter, progress
         self._ckpt_freq, self._ckpt_interval, self._no_stop = ckpt_freq, ckpt_interval, no_stop
+        self._evaluation_hook = evaluation_hook
         self._build_dataset = build_dataset or "conveyor collect ... --dataset-id <id> (docs/offline.md)"
         self._offline = is_offline(cfg if cfg is not None else main_config)
         self._states: Dict[str, Any] = {}
@@ -206,10 +213,17 @@ class Run:
             if self._progress:
                 task.use(progress_bar(self._max_env_step, stop_value=self._stop_value))
         log_evaluations()
+        if self._evaluation_hook is not None:
+            task.on(EVAL_EVENT, self._evaluated)
         latest = self.run_dir / "ckpt" / LATEST
         if self._resume and latest.is_file():  # without one, prepare() has started the run over
             _resume(latest, meta["policy"])
         return saver
+
+    def _evaluated(self, result: Dict[str, Any]) -> None:
+        """Hand an evaluation's result to the ``evaluation_hook``; its True ends the run after this iteration."""
+        if self._evaluation_hook(result):
+            task.finish = True
 
 
 def _resume(path: Path, policy_name: str) -> None:

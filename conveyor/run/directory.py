@@ -1,17 +1,19 @@
 """The run directory: where a run lives, the config it saves, and the checks that refuse a wrong start or resume.
 
-A run lives in ``runs/<exp_name>/`` (``config.json``, ``log.txt``, ``ckpt/``, ``tb/``, and ``nodes.json`` for a
-distributed run). A new run refuses a name that already holds a run; ``resume=True`` reads the saved config,
-which a given config and seed must agree with (a refusal names the keys that differ), in the layout the run
-was trained in (one process, or distributed). A run that failed before its first checkpoint (marked with
-``failed.txt`` by :func:`mark_failed`) holds nothing to resume: a new run, or a resume with any config, starts
-over in its directory (its ``log.txt`` is kept and appended to).
+A run lives in ``runs/<exp_name>/`` (``$CONVEYOR_RUNS/<exp_name>/`` where that is set: :func:`runs_root`), with
+``config.json``, ``log.txt``, ``ckpt/``, ``tb/``, and ``nodes.json`` for a distributed run. A new run refuses a
+name that already holds a run; ``resume=True`` reads the saved config, which a given config and seed must agree
+with (a refusal names the keys that differ), in the layout the run was trained in (one process, or distributed).
+A run that failed before its first checkpoint (marked with ``failed.txt`` by :func:`mark_failed`) holds nothing to
+resume: a new run, or a resume with any config, starts over in its directory (its ``log.txt`` is kept and
+appended to).
 """
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Type
@@ -22,13 +24,16 @@ from conveyor.config import TOP_SCHEMA, compile_config
 from conveyor.middleware import CheckpointError
 from conveyor.schema import ConfigError
 
-__all__ = ["RUNS", "CONFIG_FILE", "LATEST", "LOG_FILE", "NODES_FILE", "RunDirError", "check_exp_name",
-           "experiment_dir", "run_directory", "prepare", "read_run_config", "check_layout", "config_differences",
-           "mark_failed", "FAILED_FILE"]
+__all__ = ["RUNS", "RUNS_ENV", "runs_root", "CONFIG_FILE", "LATEST", "LOG_FILE", "NODES_FILE", "RunDirError",
+           "check_exp_name", "experiment_dir", "run_directory", "prepare", "read_run_config", "check_layout",
+           "config_differences", "mark_failed", "FAILED_FILE"]
 
 log = logging.getLogger(__name__)
 
 RUNS = Path("runs")
+RUNS_ENV = "CONVEYOR_RUNS"
+"""The environment variable naming the folder runs go in instead of ``runs/`` (``conveyor tune`` puts each trial's
+run under ``runs/<study>/`` with it; the processes a run starts inherit it)."""
 CONFIG_FILE = "config.json"
 LATEST = "latest.pth.tar"
 LOG_FILE = "log.txt"
@@ -48,13 +53,19 @@ def check_exp_name(name: Any) -> str:
     if not isinstance(name, str) or not name.strip() or name in (".", "..") or "/" in name or "\\" in name \
             or "\0" in name:
         raise ConfigError(f"exp_name {name!r} is not a run name: use one folder name such as 'cartpole_dqn_2' "
-                          f"(no '/', not empty, not '.' or '..'); runs go under {RUNS}/")
+                          f"(no '/', not empty, not '.' or '..'); runs go under {runs_root()}/")
     return name
 
 
+def runs_root() -> Path:
+    """The folder runs go in: ``$CONVEYOR_RUNS`` where it is set, else ``runs`` (both relative to the working
+    directory unless absolute)."""
+    return Path(os.environ.get(RUNS_ENV) or RUNS)
+
+
 def experiment_dir(cfg: Mapping[str, Any]) -> Path:
-    """``runs/<exp_name>``: where an entry's config, logs and checkpoints go."""
-    return RUNS / check_exp_name(cfg["exp_name"])
+    """``runs/<exp_name>`` (under :func:`runs_root`): where an entry's config, logs and checkpoints go."""
+    return runs_root() / check_exp_name(cfg["exp_name"])
 
 
 def run_directory(cfg: Mapping[str, Any], exp_name: Optional[str] = None) -> Path:

@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from easydict import EasyDict
@@ -158,6 +158,7 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
                       seed: Optional[int] = None, exp_name: Optional[str] = None, max_env_step: Optional[int] = None,
                       max_train_iter: Optional[int] = None, resume: bool = False, progress: bool = True,
                       ckpt_interval: Optional[float] = None, no_stop: bool = False,
+                      evaluation_hook: Optional[Callable[[Dict[str, Any]], bool]] = None,
                       protocol: str = "ipc", address: Optional[str] = None,
                       ports: Union[int, Sequence[int], None] = None,
                       node_ids: Optional[Sequence[int]] = None, attach_to: Optional[Sequence[str]] = None,
@@ -177,7 +178,8 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     a learner resumes from the run's latest checkpoint (it writes one as it starts) while the others wait
     for it (at most :data:`EXCHANGE_TIMEOUT_S`) and rejoin it. ``restarts_before``: how many times the nodes
     here were restarted before this call, by whatever started it again (``--launcher ray``: Ray restarting the
-    node's actor); a learner among them above 0 resumes as a restarted one does.
+    node's actor); a learner among them above 0 resumes as a restarted one does. ``evaluation_hook`` (it must
+    pickle) goes to node 0's ``main()`` alone: the :class:`~conveyor.run.Run` option, where the run is owned.
     """
     from conveyor.engine import Parallel
 
@@ -202,7 +204,8 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,
-               "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop, "started_here": ids}
+               "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop, "started_here": ids,
+               "evaluation_hook": evaluation_hook}
     topology = "star" if learners == 1 else "mesh"  # collectors send to every learner's rank, not node 0's alone
     results = Parallel.runner(len(ids), topology=topology, protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
@@ -245,13 +248,15 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
         from conveyor.run.learners import learner_local_rank
         node.local_rank = learner_local_rank(node_id, options["started_here"], layout.learners, os.environ)
     restarted_learner = role is Role.LEARNER and task.router.restarts > 0  # auto_recover: go on where it died
+    hook = options["evaluation_hook"] if node_id == 0 else None
     for taken in layout.roles(node_id):
         task.add_role(taken)  # kept through main()'s `with task.start()`, cleared when it exits
     try:
         ctx = entry.main(options["cfg"], seed=seed, exp_name=options["exp_name"], max_env_step=options["max_env_step"],
                          max_train_iter=options["max_train_iter"], resume=options["resume"] or restarted_learner,
                          progress=options["progress"] and node_id == 0,
-                         ckpt_interval=options["ckpt_interval"], **({"no_stop": True} if options["no_stop"] else {}))
+                         ckpt_interval=options["ckpt_interval"], **({"no_stop": True} if options["no_stop"] else {}),
+                         **({"evaluation_hook": hook} if hook is not None else {}))
     finally:
         _node = None
     if not node.ran:

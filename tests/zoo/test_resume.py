@@ -17,6 +17,7 @@ from conveyor.middleware import ckpt as ckpt_module
 from conveyor.middleware import evaluate, load_checkpoint
 from conveyor.policy import DQNPolicy
 from conveyor.zoo import load_entry
+from tests.cli_helpers import start_in_session
 from tests.launcher_helpers import group_gone
 
 from .resume_bar import differences, straight_and_split
@@ -189,17 +190,7 @@ sys.exit(main(["train", "cartpole/dqn", "--exp-name", "sig", "--no-progress", "-
 def spawn(request):
     """Start a child in its own session; its whole group is killed after the test, whatever happened."""
     def start(*args, cwd):
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=cwd, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-        def stop():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
-        request.addfinalizer(stop)
-        return proc
+        return start_in_session([sys.executable, "-c", CHILD, *args], cwd, request)
     return start
 
 

@@ -1,5 +1,5 @@
-"""What every run gets from conveyor.run: --no-stop, a refused --resume that names the keys that differ, and a
-plain-text log in the run directory."""
+"""What every run gets from conveyor.run: --no-stop, an evaluation hook, a refused --resume that names the keys that
+differ, a plain-text log in the run directory, and $CONVEYOR_RUNS."""
 import copy
 import json
 import os
@@ -42,6 +42,35 @@ def test_a_run_ends_at_its_stop_value_and_with_no_stop_only_at_its_budget(in_tmp
 def test_the_cli_trains_past_the_stop_value_with_no_stop(in_tmp, capsys):
     assert cli(["train", "cartpole/dqn", *TINY, "--set", "env.stop_value=1", "--no-stop", "--exp-name", "x"]) == 0
     assert capsys.readouterr().out.startswith("budget reached: env step 64 of --max-env-step 64")
+
+
+class StopAtSecond:
+    """An evaluation hook: keeps each result's env step and mean, and stops the run at the second."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, result):
+        self.seen.append((result["env_step"], result["mean"]))
+        return len(self.seen) == 2
+
+
+def test_an_evaluation_hook_sees_each_evaluation_and_its_true_ends_the_run_with_its_final_checkpoint(in_tmp):
+    from conveyor.middleware import load_checkpoint
+
+    hook = StopAtSecond()
+    ctx = dqn.main(tiny(), exp_name="hooked", max_env_step=100_000, progress=False, evaluation_hook=hook)
+    assert len(hook.seen) == 2 and hook.seen[0][0] == 0 and ctx.env_step < 1000
+    assert ctx.last_eval_value == hook.seen[-1][1]
+    final = load_checkpoint(in_tmp / "runs" / "hooked" / "ckpt" / "final.pth.tar")
+    assert final["ctx"]["env_step"] == ctx.env_step
+
+
+def test_runs_go_under_conveyor_runs_where_it_is_set(in_tmp, monkeypatch, capsys):
+    monkeypatch.setenv("CONVEYOR_RUNS", "studies/one")
+    assert cli(["train", "cartpole/dqn", *TINY, "--exp-name", "x"]) == 0, capsys.readouterr().err
+    assert (in_tmp / "studies" / "one" / "x" / "config.json").is_file() and not (in_tmp / "runs").exists()
+    assert capsys.readouterr().out.rstrip().endswith("run directory studies/one/x")
 
 
 def test_a_refused_resume_names_the_keys_that_differ(in_tmp, capsys):
