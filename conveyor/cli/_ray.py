@@ -279,7 +279,8 @@ def _gathered(ray: Any, restarts: _Restarts) -> Any:
     learner's first, is raised then). An actor that dies runs its node again once Ray has restarted it, while its
     restarts last and the run goes on: a collector's or an evaluator's while the learner runs, the learner's while
     no node has ended (as ``Parallel.runner`` restarts no worker once one has returned); ``WorkerError`` naming the
-    nodes whose actor died for good, with the others' results, once the others have ended."""
+    nodes whose actor died for good, with the others' results, once the others have ended. Without
+    ``--auto-recover`` a loss ends the run: the others are stopped as on Ctrl-C and given ``_GRACE_S``."""
     from conveyor.engine.parallel.runner import WorkerError
 
     calls = restarts.calls
@@ -287,9 +288,15 @@ def _gathered(ray: Any, restarts: _Restarts) -> Any:
     errors: Dict[int, BaseException] = {}
     lost: List[str] = []
     pending = set(range(len(calls)))
+    stopped: Optional[float] = None  # when the others were stopped after a loss that ends the run
     while pending:
         running = {calls[node_id]: node_id for node_id in pending}
-        ready, _ = ray.wait(list(running), num_returns=1)
+        timeout = None if stopped is None else max(0.0, stopped + _GRACE_S - time.monotonic())
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
+        if not ready:
+            lost += [f"node {node_id} (still running {_GRACE_S:g} s after it was stopped)"
+                     for node_id in sorted(pending)]
+            break
         node_id = running[ready[0]]
         pending.discard(node_id)
         try:
@@ -300,6 +307,12 @@ def _gathered(ray: Any, restarts: _Restarts) -> Any:
                 pending.add(node_id)
             else:
                 lost.append(restarts.why(node_id, exc))
+                if restarts.bound is None and pending and stopped is None:
+                    stopped = time.monotonic()  # the loss ends the run: the others stop as on Ctrl-C
+                    _stop(ray, [], [restarts.places[other] for other in sorted(pending)])
+        except ray.exceptions.TaskCancelledError:  # Ray's reading of the Ctrl-C that ends a node stopped above
+            if stopped is None:
+                raise
         except ray.exceptions.RayTaskError as exc:  # an instance of the node's exception's class too
             if node_id and restarts.counts[node_id] and 0 not in pending:
                 log.warning("node %d, restarted by Ray, found the run ended: %s", node_id, exc)
