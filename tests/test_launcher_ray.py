@@ -122,25 +122,6 @@ def in_background(*argv):
     return driver, codes
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(2 * WAIT)
-def test_ray_actors_train_to_the_final_checkpoint_and_a_killed_collector_process_restarts_in_its_actor(
-        ray_cluster, tmp_path, capsys):
-    run_dir = tmp_path / "runs" / "cartpole_dqn"
-    driver, codes = in_background("--max-env-step", "5000", "--auto-recover")
-    wait_until(lambda: len(rows(run_dir)) == 3 or codes, WAIT, "every node in nodes.json")
-    first = rows(run_dir)[1]["pid"]
-    os.kill(first, signal.SIGKILL)
-    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, WAIT, "the restarted collector to rejoin")
-    assert rows(run_dir)[1]["pid"] != first, "the run ended before the collector rejoined"
-    driver.join(WAIT)
-    assert codes == [0], capsys.readouterr().err
-    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
-    roles = [row["roles"] for row in rows(run_dir).values()]
-    assert roles == [["evaluator", "learner"], ["collector"], ["collector"]]
-    assert "budget reached" in capsys.readouterr().out
-
-
 def trained(run_dir):
     """Whether the learner has evaluated after training on collected steps (its log's evaluation lines)."""
     try:
@@ -148,31 +129,6 @@ def trained(run_dir):
     except OSError:
         return False
     return any(int(train_iter) > 0 for train_iter in re.findall(r"evaluation at train_iter (\d+),", text))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(2 * WAIT)
-def test_with_auto_recover_ray_restarts_a_killed_collector_actor_and_its_node_rejoins(ray_cluster, tmp_path, capsys,
-                                                                                       caplog, monkeypatch):
-    import conveyor.cli._ray as launcher
-
-    runs = []  # what the driver returns: every node's summary
-    real = launcher.train_on_ray
-    monkeypatch.setattr(launcher, "train_on_ray", lambda *a: runs.append(real(*a)) or runs[-1])
-    run_dir = tmp_path / "runs" / "cartpole_dqn"
-    driver, codes = in_background("--max-env-step", "12000", "--no-stop", "--auto-recover", "--max-retries", "1")
-    wait_until(lambda: (len(rows(run_dir)) == 3 and trained(run_dir)) or codes, WAIT, "the learner's first evaluation")
-    first = rows(run_dir)[1]["pid"]
-    os.kill(actor_process(first), signal.SIGKILL)  # the actor process dies, its node with it
-    wait_until(lambda: rows(run_dir)[1]["pid"] != first or codes, WAIT,
-               "the collector of the restarted actor to rejoin")
-    driver.join(WAIT)
-    assert codes == [0], capsys.readouterr().err
-    assert "the Ray actor of node 1 died; Ray restarts it (restart 1 of 1)" in caplog.text
-    restarted = next(node for node in runs[0].nodes if node["node_id"] == 1)
-    assert restarted["restarts"] == 1 and restarted["pid"] == rows(run_dir)[1]["pid"] != first
-    assert restarted["collected"] > 0
-    assert runs[0].env_step >= 12000 and (run_dir / "ckpt" / "final.pth.tar").is_file()
 
 
 def checkpointed(run_dir):
@@ -185,41 +141,59 @@ def checkpointed(run_dir):
     return saved if saved["train_iter"] > 0 else None
 
 
+def evaluated_after_resume(run_dir):
+    """(train_iter, env_step) of each evaluation the learner logged after it resumed."""
+    log = (run_dir / "log.txt").read_text()
+    resumed = log.split("run 'cartpole_dqn' resumed")[1] if "run 'cartpole_dqn' resumed" in log else ""
+    return [(int(i), int(e)) for i, e in re.findall(r"evaluation at train_iter (\d+), env_step (\d+)", resumed)]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(2 * WAIT)
-def test_with_auto_recover_ray_restarts_a_killed_learner_actor_which_resumes_from_the_latest_checkpoint(
+@pytest.mark.timeout(3 * WAIT)
+def test_with_auto_recover_a_killed_node_process_and_killed_collector_and_learner_actors_all_come_back(
         ray_cluster, tmp_path, capsys, caplog, monkeypatch):
+    """One run, three faults in turn: collector 1's node process dies (its actor's runner starts it again), collector
+    2's actor dies (Ray restarts it, its node rejoins), the learner's actor dies (Ray restarts it, it resumes from the
+    latest checkpoint and both collectors feed it); then SIGTERM to the learner's node ends the run gracefully."""
     import conveyor.cli._ray as launcher
 
-    runs = []
+    runs = []  # what the driver returns: every node's summary
     real = launcher.train_on_ray
     monkeypatch.setattr(launcher, "train_on_ray", lambda *a: runs.append(real(*a)) or runs[-1])
     run_dir = tmp_path / "runs" / "cartpole_dqn"
-    driver, codes = in_background("--max-env-step", "4000", "--no-stop", "--auto-recover", "--max-retries", "1",
+    driver, codes = in_background("--max-env-step", "1000000", "--no-stop", "--auto-recover", "--max-retries", "1",
                                   "--ckpt-interval", "0.5")
-    wait_until(lambda: (len(rows(run_dir)) == 3 and checkpointed(run_dir)) or codes, WAIT,
-               "the learner's first checkpoint after training")
+    wait_until(lambda: len(rows(run_dir)) == 3 or codes, WAIT, "every node in nodes.json")
     first = rows(run_dir)
+    os.kill(first[1]["pid"], signal.SIGKILL)  # the node process, not its actor
+    wait_until(lambda: rows(run_dir)[1]["pid"] != first[1]["pid"] or codes, WAIT, "collector 1 restarted in its actor")
+    wait_until(lambda: trained(run_dir) or codes, WAIT, "the learner's first evaluation after training")
+    os.kill(actor_process(first[2]["pid"]), signal.SIGKILL)  # the actor process dies, its node with it
+    wait_until(lambda: rows(run_dir)[2]["pid"] != first[2]["pid"] or codes, WAIT, "collector 2's restarted actor")
+    wait_until(lambda: checkpointed(run_dir) or codes, WAIT, "the learner's first checkpoint after training")
     saved = checkpointed(run_dir)  # the learner resumes from this one or a later one it wrote before it died
     os.kill(actor_process(first[0]["pid"]), signal.SIGKILL)
     wait_until(lambda: rows(run_dir)[0]["pid"] != first[0]["pid"] or codes, WAIT, "the restarted learner")
+    wait_until(lambda: len(evaluated_after_resume(run_dir)) > 1 or codes, WAIT, "the resumed learner to train")
+    assert not codes, capsys.readouterr().err
+    os.kill(rows(run_dir)[0]["pid"], signal.SIGTERM)  # the learner's node ends the run after its iteration
     driver.join(WAIT)
     assert codes == [0], capsys.readouterr().err
+    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+    assert [row["roles"] for row in rows(run_dir).values()] == [["evaluator", "learner"], ["collector"],
+                                                                 ["collector"]]
+    nodes = {node["node_id"]: node for node in runs[0].nodes}
+    assert nodes[1]["restarts"] == 1 and nodes[1]["pid"] == rows(run_dir)[1]["pid"] != first[1]["pid"]
+    assert "the Ray actor of node 2 died; Ray restarts it (restart 1 of 1) and its node rejoins the run" in caplog.text
+    assert nodes[2]["restarts"] == 1 and nodes[2]["pid"] == rows(run_dir)[2]["pid"] != first[2]["pid"]
     assert ("the Ray actor of node 0 died; Ray restarts it (restart 1 of 1) and its node resumes the run from its "
             "latest checkpoint") in caplog.text
-    learner = next(node for node in runs[0].nodes if node["node_id"] == 0)
-    assert learner["restarts"] == 1 and learner["pid"] == rows(run_dir)[0]["pid"] != first[0]["pid"]
-    collectors = [node for node in runs[0].nodes if node["role"] == "collector"]
-    assert sorted((n["node_id"], n["pid"], n["restarts"]) for n in collectors) == [(1, first[1]["pid"], 0),
-                                                                                   (2, first[2]["pid"], 0)]
-    assert all(learner["received_from"].get(str(n["node_id"]), 0) > 0 for n in collectors)  # they fed the new one
-    log = (run_dir / "log.txt").read_text()
-    assert log.count("run 'cartpole_dqn' resumed") == 1
-    resumed = log.split("run 'cartpole_dqn' resumed")[1]
-    counters = [(int(i), int(e)) for i, e in re.findall(r"evaluation at train_iter (\d+), env_step (\d+)", resumed)]
-    assert counters and all(i >= saved["train_iter"] and e >= saved["env_step"] for i, e in counters), counters
-    assert runs[0].env_step >= 4000 and runs[0].train_iter > saved["train_iter"]
-    assert (run_dir / "ckpt" / "final.pth.tar").is_file()
+    assert nodes[0]["restarts"] == 1 and nodes[0]["pid"] == rows(run_dir)[0]["pid"] != first[0]["pid"]
+    assert all(nodes[0]["received_from"].get(str(n), 0) > 0 for n in (1, 2))  # both fed the resumed learner
+    assert (run_dir / "log.txt").read_text().count("run 'cartpole_dqn' resumed") == 1
+    counters = evaluated_after_resume(run_dir)
+    assert all(i >= saved["train_iter"] and e >= saved["env_step"] for i, e in counters), counters
+    assert runs[0].train_iter > saved["train_iter"]
 
 
 @pytest.mark.slow
