@@ -42,10 +42,12 @@ better: per seed theirs / ours when both are negative (ours / theirs when both a
 signs), ``return_ratio`` and ``qmix_return_ratio`` the medians over seeds. ``random_return`` (uniformly random actions, 100 episodes) is given
 beside them for scale. ``steps_per_s`` and ``benchmarl_steps_per_s`` are MAPPO's, the median over seeds of the
 run's env steps / its wall seconds (setting up its envs, training and both evaluations; not the interpreter's
-start nor imports); ``speed_ratio`` = ours / theirs; ``qmix_steps_per_s``, ``benchmarl_qmix_steps_per_s`` and
+start nor imports); ``speed_ratio`` the median over seeds of ours / theirs, the two runs of a seed being adjacent
+in time (the load of a shared machine drifts over the whole benchmark far more than between them);
+``qmix_steps_per_s``, ``benchmarl_qmix_steps_per_s`` and
 ``qmix_speed_ratio`` the same for QMIX. Targets: both return ratios >= 1.0, ``speed_ratio`` >= 1.5 on CPU.
 
-    python -m benchmarks.marl_learning --max-env-step 32000            # 3 seeds x 4 runs: about 25 min on 2 cores
+    python -m benchmarks.marl_learning --max-env-step 12000    # 3 seeds x 4 runs: 22 min on 2 shared, loaded cores
     python -m benchmarks.marl_learning --quick       # ours only, 1 seed, 1 rollout of each entry, no BenchMARL
 """
 from __future__ import annotations
@@ -205,7 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=100, help="seeds run are first-seed, first-seed + 1, ...")
-    parser.add_argument("--max-env-step", type=int, default=32_000,
+    parser.add_argument("--max-env-step", type=int, default=12_000,
                         help="env steps per run, both sides (a multiple of 800: whole rollouts of either algorithm)")
     parser.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES)
     parser.add_argument("--quick", action="store_true",
@@ -273,7 +275,8 @@ def main() -> None:
             f"benchmarl_{algo}_returns": [b and round(b["final_return"], 2) for b in theirs],
             f"{prefix}return_ratio": median_or_none(ratios),
             f"{prefix}steps_per_s": speed, f"benchmarl_{prefix}steps_per_s": their_speed,
-            f"{prefix}speed_ratio": round(speed / their_speed, 3) if speed and their_speed else None,
+            f"{prefix}speed_ratio": median_or_none([b and a["steps_per_s"] / b["steps_per_s"]
+                                                    for a, b in zip(mine, theirs)]),
             f"{algo}_wall_s": [a["wall_s"] for a in mine], f"benchmarl_{algo}_wall_s": [b and b["wall_s"] for b in theirs]})
     print(f"MAPPO: return ratio {summary['return_ratio']} (target >= 1.0), speed ratio {summary['speed_ratio']} "
           f"(target >= 1.5); QMIX: return ratio {summary['qmix_return_ratio']} (target >= 1.0), speed ratio "
