@@ -80,7 +80,8 @@ SIDES = ("mappo", "benchmarl_mappo", "qmix", "benchmarl_qmix")
 
 
 def ours(algo: str, seed: int, budget: int, eval_episodes: int, settings: Dict[str, Any]) -> Dict[str, Any]:
-    """Our zoo entry for ``algo`` on :data:`SCENARIO` for ``budget`` env steps; its final evaluation and speed."""
+    """Our zoo entry for ``algo`` on :data:`SCENARIO` for ``budget`` env steps; its final evaluation and speed.
+    ``settings`` is BenchMARL's (the workers share one signature): the entry runs its own config."""
     import torch
 
     from benchmarks._training import run_seed
