@@ -4,5 +4,6 @@ A script imports Conveyor and this package's private helper modules, never anoth
 ``_harness`` (the ``--worker`` self-call, sides in turns, the final JSON line, peers, free ports), ``_training``
 (an entry trained over a fixed budget, seed-by-seed comparisons), ``_fetch`` (offline minibatch fetching) and
 ``_cluster`` (a one-node Slurm cluster and marked job processes, which the launcher tests use too).
-``_impala_episodes_entry.py`` is an entry file that ``impala_learning`` trains by its path.
+``_benchmarl`` is the evaluation callback of ``marl_learning``'s BenchMARL worker, importable only in BenchMARL's
+own virtualenv. ``_impala_episodes_entry.py`` is an entry file that ``impala_learning`` trains by its path.
 """

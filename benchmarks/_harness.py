@@ -1,10 +1,11 @@
 """What the benchmark scripts share: the ``--worker`` self-call (one side measured in a fresh interpreter), sides
-taken in turns, the final JSON line, peer frameworks installed into the running interpreter, a scratch folder,
-free ports, and reading a Conveyor run's TensorBoard log. Nothing here imports torch or Conveyor at import time:
-a parent that only starts workers stays light.
+taken in turns, the final JSON line, peer frameworks installed into the running interpreter or into a virtualenv
+of their own, a scratch folder, free ports, and reading a Conveyor run's TensorBoard log. Nothing here imports
+torch or Conveyor at import time: a parent that only starts workers stays light, and a worker run by a peer's own
+interpreter (which has no Conveyor dependencies) can import this module.
 
-Peers (Stable-Baselines3) are installed by the benchmark that compares against them, never copied into the
-project, and imported only inside the measurement that uses them.
+Peers (Stable-Baselines3, BenchMARL) are installed by the benchmark that compares against them, never copied into
+the project, and imported only inside the measurement that uses them.
 """
 from __future__ import annotations
 
@@ -33,6 +34,39 @@ def ensure_package(requirement: str, module: str) -> None:
     print(f"{module} is missing: installing it with `{sys.executable} -m pip install {requirement}`", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", requirement], check=True)
     importlib.invalidate_caches()
+
+
+PEER_CACHE = Path(os.environ.get("CONVEYOR_BENCHMARK_CACHE") or Path.home() / ".cache" / "conveyor" / "benchmarks")
+"""Where the benchmarks keep what outlives a run: a peer's own virtualenv in ``venvs/NAME``
+(``$CONVEYOR_BENCHMARK_CACHE`` moves it)."""
+
+
+class PeerInstallError(RuntimeError):
+    """A peer's virtualenv could not be made or its packages installed; the message is one line saying which."""
+
+
+def peer_python(name: str, requirements: Sequence[str]) -> str:
+    """The interpreter of a virtualenv of its own for peer ``name`` (``PEER_CACHE/venvs/NAME``) holding
+    ``requirements``: made and pip-installed on first use, saying so, kept while the requirements stay the same,
+    remade when they change. For a peer whose pins clash with ours; :class:`PeerInstallError` if pip fails."""
+    venv = PEER_CACHE / "venvs" / name
+    python, stamp = venv / "bin" / "python", venv / "conveyor-requirements.txt"
+    wanted = "".join(f"{requirement}\n" for requirement in requirements)
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return str(python)
+    print(f"{name}: installing {' '.join(requirements)} into {venv} (a virtualenv of its own: its pins differ "
+          f"from ours)", flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    for step in ([sys.executable, "-m", "venv", "--clear", str(venv)],
+                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements]):
+        out = subprocess.run(step, capture_output=True, text=True)
+        if out.returncode != 0:
+            said = [line.strip() for line in (out.stderr + out.stdout).splitlines() if line.strip()]
+            errors = [line for line in said if line.startswith("ERROR")] or said or [f"exit code {out.returncode}"]
+            raise PeerInstallError(f"{name} could not be installed into {venv}: `{' '.join(step[1:4])} ...` "
+                                   f"said: {errors[-1]}")
+    stamp.write_text(wanted)
+    return str(python)
 
 
 TRAIN_EPISODES = 20
@@ -69,13 +103,15 @@ def worker_done(args: argparse.Namespace, measure: Callable[[str], Mapping[str, 
     return True
 
 
-def run_worker(side: str, args: Sequence[str] = (), *, module: Optional[str] = None, timeout: float = 1800) -> Dict:
+def run_worker(side: str, args: Sequence[str] = (), *, module: Optional[str] = None, timeout: float = 1800,
+               python: Optional[str] = None) -> Dict:
     """Run ``python -m MODULE --worker SIDE ARGS`` in a fresh interpreter (its own threads, imports and allocator)
-    and return the JSON object it prints as its last line. ``module``: the running script by default."""
+    and return the JSON object it prints as its last line. ``module``: the running script by default; ``python``:
+    this interpreter by default, or another (a peer's, from :func:`peer_python`)."""
     module = module or _running_script()
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, "-m", module, "--worker", side, *args], capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, "PYTHONPATH": path})
+    out = subprocess.run([python or sys.executable, "-m", module, "--worker", side, *args], capture_output=True,
+                         text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": path})
     if out.returncode != 0:
         raise RuntimeError(f"{module} --worker {side} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -36,7 +36,8 @@ def run_seed(entry: Any, seed: int, max_env_step: int, eval_every: int, n_episod
     cfg.policy.eval.evaluator.eval_freq = 10**9  # evaluate by env steps only
     cfg.policy.eval.evaluator.eval_env_step_freq = eval_every
     train_returns: List[float] = []  # every finished training episode (a full game on Atari), in order
-    task.on(EPISODE_EVENT, lambda env_index, ret, length: train_returns.append(ret))  # dropped when the run ends
+    # A team's episode also carries each agent's return; ``ret`` is the team's. Dropped when the run ends.
+    task.on(EPISODE_EVENT, lambda env_index, ret, length, *agent_returns: train_returns.append(ret))
     start = time.perf_counter()
     # One env step past the budget: the iteration that starts at the budget evaluates before it stops.
     ctx = entry.main(cfg, max_env_step=max_env_step + 1, progress=False)
@@ -44,7 +45,8 @@ def run_seed(entry: Any, seed: int, max_env_step: int, eval_every: int, n_episod
     points = read_scalars(Path("runs") / cfg.exp_name / "tb", "eval/return")
     return {"seed": seed, "env_steps": [s for s, _ in points], "returns": [r for _, r in points],
             "final_return": points[-1][1], "final_train_return": final_train_return(train_returns),
-            "train_episodes": len(train_returns), "wall_s": round(wall, 1), "train_iter": ctx.train_iter}
+            "train_episodes": len(train_returns), "wall_s": round(wall, 1), "train_iter": ctx.train_iter,
+            "env_step": ctx.env_step}
 
 
 def atari_ppo(seed: int, budget: int, overrides: List[str]) -> Dict[str, Any]:

@@ -41,6 +41,8 @@ CASES = {
     "impala_throughput": (["--quick"], {"steps_per_s_1", "steps_per_s_2", "ratio", "mean_policy_lag"}),
     "impala_learning": (["--quick"], {"impala_final_train_returns", "ppo_final_train_returns", "impala_wall_s",
                                       "ppo_wall_s", "seeds_at_or_above", "seeds_faster"}),
+    "marl_learning": (["--quick"], {"mappo_return", "benchmarl_mappo_return", "return_ratio", "qmix_return_ratio",
+                                    "steps_per_s", "benchmarl_steps_per_s", "speed_ratio"}),
     "launch_overhead": (["--quick"], {"local_s", "slurm_s", "ray_s", "slurm_vs_local", "ray_vs_local", "slurm_mode"}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
                             {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
@@ -48,8 +50,8 @@ CASES = {
 }
 
 LONGEST_FIRST = ("launch_overhead", "impala_throughput", "offline", "atari_throughput", "learner_scaling",
-                 "impala_learning", "distributed_throughput", "atari_learning", "solve --distributed", "env_managers",
-                 "mujoco_throughput", "learning_curve")
+                 "impala_learning", "marl_learning", "distributed_throughput", "atari_learning", "solve --distributed",
+                 "env_managers", "mujoco_throughput", "learning_curve")
 """The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the
 others 2 to 6 s): the long ones overlap, and the short ones fill the second slot at the end instead of one long run
 holding the module up alone. launch_overhead mostly waits for Slurm and Ray to start."""
