@@ -164,3 +164,16 @@ def test_mpe_mappo_improves_the_team_return_of_its_untrained_policy_on_simple_sp
     with make_env_manager(cfg.env, "evaluator", seed=7) as env:
         before, after = (evaluate(policy.eval_mode, env, 32, seed=7)["mean"] for policy in (untrained, trained))
     assert after > before + 40, (before, after)  # about -186 before, -100 to -125 after 10k env steps
+
+
+def test_eval_records_the_team_as_a_gif(in_tmp, capsys):
+    from PIL import Image, ImageSequence
+
+    load_entry("mpe/mappo").main(tiny("mpe/mappo"), exp_name="team", max_env_step=40, progress=False)
+    assert cli_main(["eval", "runs/team", "--episodes", "1", "--record", "team.gif"]) == 0, capsys.readouterr().err
+    with Image.open(in_tmp / "team.gif") as gif:
+        frames = [(np.asarray(frame.convert("RGB")), frame.info["duration"]) for frame in ImageSequence.Iterator(gif)]
+    # the 5-step episode from its first observation at MPE's 10 frames/s (the GIF merges equal frames, adding up
+    # their durations)
+    assert sum(duration for _, duration in frames) == (5 + 1) * 100
+    assert frames[0][0].shape == (700, 700, 3) and len(frames) > 1  # the agents move
