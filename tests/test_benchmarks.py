@@ -44,12 +44,13 @@ CASES = {
     "marl_learning": (["--quick"], {"mappo_return", "benchmarl_mappo_return", "return_ratio", "qmix_return_ratio",
                                     "steps_per_s", "benchmarl_steps_per_s", "speed_ratio"}),
     "launch_overhead": (["--quick"], {"local_s", "slurm_s", "ray_s", "slurm_vs_local", "ray_vs_local", "slurm_mode"}),
+    "soak": (["--quick"], {"rss_growth_mb_per_h", "fd_growth", "thread_growth", "shm_growth", "ended_cleanly"}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
                             {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
                              "wall_ratio_after_startup"}),
 }
 
-LONGEST_FIRST = ("launch_overhead", "impala_throughput", "offline", "atari_throughput", "learner_scaling",
+LONGEST_FIRST = ("launch_overhead", "impala_throughput", "soak", "offline", "atari_throughput", "learner_scaling",
                  "impala_learning", "marl_learning", "distributed_throughput", "atari_learning", "solve --distributed",
                  "env_managers", "mujoco_throughput", "learning_curve")
 """The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the
