@@ -112,3 +112,16 @@ def test_api_reference_shows_rst_docstrings_as_markdown():
     text = "Use it like this::\n\n    task.run()\n\nThen :meth:`Task.stop`.\n\n>>> 1 + 1\n2"
     assert module.rst_docstring(text) == ("Use it like this:\n\n```python\ntask.run()\n```\n\nThen `Task.stop`.\n\n"
                                           "```pycon\n>>> 1 + 1\n2\n```")
+
+
+def test_every_test_the_reliability_page_cites_exists():
+    """docs/reliability.md backs each promise with a test: ``tests/FILE.py::name``, or ``::name`` in the file last named."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    missing, current = [], None
+    for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", text):
+        current = path or current
+        if not (ROOT / current).is_file():
+            missing.append(current)
+        elif name and not re.search(rf"^def {name}\(", (ROOT / current).read_text(), re.MULTILINE):
+            missing.append(f"{current}::{name}")
+    assert current is not None and missing == []
