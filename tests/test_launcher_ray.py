@@ -263,7 +263,7 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
     mark = uuid.uuid4().hex  # every process the driver starts (Ray's own too) inherits it
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
            "LAUNCHER_TEST": mark}
-    env.pop("RAY_AUTH_MODE", None)  # Ray's own default: the launcher's local cluster must not print its token notice
+    env.pop("RAY_AUTH_MODE", None)  # as most users have it: the launcher sets the mode itself, and Ray prints no notice
     argv = [sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2", "--launcher", "ray",
             "--ports", str(free_ports(3)), *SETS, "--no-progress", "--max-env-step", "1000000"]
     with open(tmp_path / "driver.out", "w") as out:
