@@ -47,15 +47,15 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         """Generate the token, point Ray at it and start the cluster; on failure, undo all of it."""
         self.private = Path(tempfile.mkdtemp(prefix="conveyor-ray-"))  # 0700; short: Ray's socket paths fit 107 bytes
-        self.token_path = self.private / TOKEN_FILE
-        descriptor = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as token_file:
-            token_file.write(secrets.token_hex(32))  # 256 bits, as Ray's own generator
-        self._saved = {name: os.environ.get(name) for name in _AUTH_VARIABLES}
-        os.environ.pop("RAY_AUTH_TOKEN", None)
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
-        _reload_auth()
         try:
+            self.token_path = self.private / TOKEN_FILE
+            descriptor = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as token_file:
+                token_file.write(secrets.token_hex(32))  # 256 bits, as Ray's own generator
+            self._saved = {name: os.environ.get(name) for name in _AUTH_VARIABLES}
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+            os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
+            _reload_auth()
             context = self.ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
                                     _temp_dir=str(self.private / "ray"))
             self.address = context.address_info["gcs_address"]
