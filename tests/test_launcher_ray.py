@@ -5,11 +5,9 @@ import builtins
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.cli import main as cli_main
+from conveyor.cli._ray_local import LocalCluster
 from conveyor.middleware import load_checkpoint
 
 from benchmarks._cluster import processes_with, wait_until
@@ -29,25 +28,25 @@ SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" fo
 
 class Cluster:
     """The local Ray cluster of 3 CPUs that this module's tests take turns on (starting one takes about 5 s here,
-    stopping one 1.5 s), started when a test needs it. Ray starts every worker in the directory the cluster
-    started in, ``workdir``: each run goes to its ``runs``."""
+    stopping one 1.5 s), started when a test needs it as the launcher starts its own (token authentication on, see
+    ``tests/test_launcher_ray_auth.py``). Ray starts every worker in the directory the cluster started in,
+    ``workdir``: each run goes to its ``runs``."""
 
     def __init__(self, ray, workdir):
-        self.ray, self.workdir, self.temp_dir = ray, workdir, None
+        self.ray, self.workdir, self.local = ray, workdir, None
 
     def start(self):
         if self.ray.is_initialized():
             return
-        self.temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-test-")  # short: Ray's socket paths must fit in 107 bytes
         with pytest.MonkeyPatch.context() as patch:
             patch.chdir(self.workdir)
-            self.ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=self.temp_dir)
+            self.local = LocalCluster(self.ray, 3).start()
 
     def stop(self):
+        if self.local is not None:
+            self.local.stop()
+            self.local = None
         self.ray.shutdown()
-        if self.temp_dir is not None:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-            self.temp_dir = None
 
     def idle(self):
         """Whether every CPU of the cluster is free: no actor is left."""
@@ -237,7 +236,7 @@ def test_sigterm_to_the_driver_writes_the_final_checkpoint_and_leaves_no_process
     mark = uuid.uuid4().hex  # every process the driver starts (Ray's own too) inherits it
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
            "LAUNCHER_TEST": mark}
-    env.pop("RAY_AUTH_MODE", None)  # Ray's own default: the launcher's local cluster must not print its token notice
+    env.pop("RAY_AUTH_MODE", None)  # as most users have it: the launcher sets the mode itself, and Ray prints no notice
     argv = [sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2", "--launcher", "ray",
             "--ports", str(free_ports(3)), *SETS, "--no-progress", "--max-env-step", "1000000"]
     with open(tmp_path / "driver.out", "w") as out:

@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from conveyor.cli._placement import job_port, node_arguments, nodes_ahead, run_nodes
+from conveyor.cli._ray_local import LocalCluster
 from conveyor.schema import ConfigError
 
 __all__ = ["INSTALL", "train_on_ray"]
@@ -47,20 +46,6 @@ _GRACE_S = 60.0
 
 INSTALL = 'pip install "conveyor[ray]"'
 """What makes ``--launcher ray`` available."""
-
-_RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
-
-
-class _TokenNotice(logging.Filter):
-    """Drops Ray's warning that a new local cluster uses token authentication: Ray's default, which the cluster the
-    launcher starts for itself keeps; it was printed on every run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
-
-
-_TOKEN_NOTICE = _TokenNotice()
-
 
 class _Node:
     """One node of the run in a Ray actor: where it is, then its part of the run."""
@@ -113,7 +98,8 @@ def _import_ray() -> Any:
 
 def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any]) -> Any:
     """Run ``args.entry`` with one Ray actor per node, on the cluster at ``args.ray_address``, the one this process
-    is already connected to, or a local one started here (and shut down at the end); returns the learner's
+    is already connected to, or a local one started here with token authentication on (a
+    :class:`~conveyor.cli._ray_local.LocalCluster`, shut down at the end); returns the learner's
     :class:`~conveyor.run.DistributedRun` (``nodes``: every node's summary). SIGTERM or Ctrl-C stops every
     node as the local launcher's Ctrl-C does (final checkpoint), ends the actors and raises
     ``TrainingInterrupted``."""
@@ -131,11 +117,9 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
     where = {"secret": generate_secret(), **where}  # --secret-file / $CONVEYOR_SECRET when given
     port = job_port(args, where, "--launcher ray")
     started = not ray.is_initialized()
-    temp_dir = None  # a local cluster's session folder (its logs, sockets), removed with it
+    local = None  # the cluster started here, private and with token authentication
     if started and args.ray_address is None:
-        temp_dir = tempfile.mkdtemp(prefix="conveyor-ray-")
-        logging.getLogger(_RAY_TOKEN_LOGGER).addFilter(_TOKEN_NOTICE)
-        ray.init(num_cpus=layout.n_nodes, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+        local = LocalCluster(ray, layout.n_nodes).start()
     elif started:
         try:
             ray.init(address=args.ray_address, log_to_driver=False)
@@ -175,10 +159,10 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
             ray.kill(actor, no_restart=True)  # the run gets its CPUs back at once
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-        if started:
+        if local is not None:
+            local.stop()
+        elif started:
             ray.shutdown()
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 _signals: List[int] = []
