@@ -1,6 +1,8 @@
 """``conveyor train ... --launcher ray`` on a local Ray cluster that the tests share (a private temp dir,
 ``ray.shutdown`` at the end; never ``ray stop``, which ends every Ray process on the machine): cartpole/dqn with
-1 learner and 2 collectors as Ray actors over loopback."""
+1 learner and 2 collectors as Ray actors over loopback; and the cluster's token authentication, on as the launcher
+starts its own (:class:`conveyor.cli._ray_local.LocalCluster`) even where the user's environment says
+``RAY_AUTH_MODE=disabled``, the token in a private file, on no command line."""
 import builtins
 import json
 import os
@@ -24,12 +26,25 @@ from tests.cli_helpers import TINY, assert_usage_error
 
 WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
+CLIENT_S = 120  # seconds: bound on a client's connection (a refused one gives up after about 25 s here)
+CLIENT = """import sys, ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False)
+except ConnectionError as exc:
+    print("refused:", " ".join(str(exc.__cause__).split()))
+else:
+    print("connected:", ray.get(ray.remote(lambda: 42).remote()))
+"""
+REFUSAL = "AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing or incorrect"
+"""What Ray 2.60 says when the GCS refuses a missing or wrong token (its last connection error, in its message)."""
+USER = {"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "the user's own token"}
+"""What the user's environment says (and the cluster must not heed)."""
 
 
 class Cluster:
     """The local Ray cluster of 3 CPUs that this module's tests take turns on (starting one takes about 5 s here,
-    stopping one 1.5 s), started when a test needs it as the launcher starts its own (token authentication on, see
-    ``tests/test_launcher_ray_auth.py``). Ray starts every worker in the directory the cluster started in,
+    stopping one 1.5 s), started when a test needs it as the launcher starts its own (token authentication on),
+    under :data:`USER`'s variables. Ray starts every worker in the directory the cluster started in,
     ``workdir``: each run goes to its ``runs``."""
 
     def __init__(self, ray, workdir):
@@ -55,12 +70,15 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """The module's :class:`Cluster`, stopped at the end."""
+    """The module's :class:`Cluster`, stopped at the end; the module runs under :data:`USER`'s variables."""
     shared = Cluster(pytest.importorskip("ray", reason="the ray extra is not installed"),
                      tmp_path_factory.mktemp("ray-workdir"))
-    yield shared
-    if not any(driver.is_alive() for driver in DRIVERS):
-        shared.stop()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in USER.items():
+            patch.setenv(name, value)
+        yield shared
+        if not any(driver.is_alive() for driver in DRIVERS):
+            shared.stop()
 
 
 @pytest.fixture
@@ -267,6 +285,78 @@ def test_a_layout_the_cluster_cannot_place_is_a_one_line_error(ray_cluster, monk
     monkeypatch.setattr(launcher, "_PLACE_S", 1.0)
     code = cli_main(["train", "cartpole/dqn", "--collectors", "3", "--launcher", "ray", *TINY])  # 4 actors, 3 CPUs
     assert_usage_error(code, capsys, "Ray placed not all 4 actors within 1 s", "'CPU': 3.0")
+
+
+@pytest.fixture
+def local(cluster):
+    """The shared cluster, started: its :class:`~conveyor.cli._ray_local.LocalCluster`."""
+    cluster.start()
+    return cluster.local
+
+
+def clients(local, tmp_path, **envs):
+    """What :data:`CLIENT` printed, connecting to ``local`` with each of ``envs``' Ray variables (none of the
+    user's or the cluster's, and a home without Ray's default token file), the clients run side by side."""
+    base = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
+    started = {name: subprocess.Popen([sys.executable, "-c", CLIENT, local.address], text=True,
+                                      env={**base, "HOME": str(tmp_path), **env}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, start_new_session=True)
+               for name, env in envs.items()}
+    try:
+        return {name: client.communicate(timeout=CLIENT_S)[0].strip().splitlines()[-1:]
+                for name, client in started.items()}
+    finally:
+        for client in started.values():
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+
+
+def test_the_token_file_is_mode_600_in_a_directory_of_mode_700(local):
+    assert local.token_path.parent == local.private
+    assert local.private.stat().st_mode & 0o777 == 0o700
+    assert local.token_path.stat().st_mode & 0o777 == 0o600
+    assert len(local.token_path.read_text()) == 64
+
+
+def test_a_client_without_the_token_or_with_another_is_refused(local, tmp_path):
+    printed = clients(local, tmp_path, none={}, wrong={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+                      users={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": USER["RAY_AUTH_TOKEN"]})
+    assert {name: lines[0].startswith("refused:") and REFUSAL in lines[0] for name, lines in printed.items()} == {
+        "none": True, "wrong": True, "users": True}, printed
+
+
+def test_a_client_given_the_token_file_connects_and_runs_a_task(local, tmp_path):
+    assert clients(local, tmp_path, token={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(local.token_path)}
+                   ) == {"token": ["connected: 42"]}
+
+
+def test_the_token_is_on_no_command_line_and_in_no_environment(local):
+    ray = local.ray
+    assert ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_TOKEN_PATH")).remote()) == str(local.token_path)
+    token = local.token_path.read_bytes()
+    ray_processes, found = 0, []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline, environ = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+        except OSError:  # ended, or not ours
+            continue
+        ray_processes += str(local.private).encode() in cmdline + environ
+        found += [f"{proc.name} {part}" for part, text in (("cmdline", cmdline), ("environ", environ)) if token in text]
+    assert ray_processes >= 3, "the GCS, the raylet and a worker should name the cluster's private directory"
+    assert found == []
+
+
+def test_stopping_restores_the_users_variables_and_removes_the_token(cluster):
+    assert not any(driver.is_alive() for driver in DRIVERS), "a hung driver of an earlier test still runs in Ray"
+    cluster.start()
+    private = cluster.local.private
+    assert os.environ["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN" not in os.environ
+    cluster.stop()
+    assert not cluster.ray.is_initialized()
+    assert {name: os.environ.get(name) for name in (*USER, "RAY_AUTH_TOKEN_PATH")} == {**USER,
+                                                                                      "RAY_AUTH_TOKEN_PATH": None}
+    assert not private.exists()
 
 
 def test_several_learners_with_auto_recover_are_refused_before_ray_starts(cluster, capsys):
