@@ -6,7 +6,11 @@ plus a ``"meta"`` entry (when it was written, by what), the only part that diffe
 that did the same work. :class:`CkptSaver` takes it through ``task.between_iterations``, so no
 middleware runs while it is gathered, in sync and async mode alike. Files are written to a temporary
 file that is renamed into place; temporary files a killed write left behind are removed by the next
-:class:`CkptSaver` on the same folder. See docs/checkpoints.md.
+:class:`CkptSaver` on the same folder.
+
+Every file carries ``"format_version"`` (:data:`FORMAT_VERSION`; a file without it is version 0).
+:func:`load_checkpoint` converts an older layout to today's through :data:`CONVERTERS`, one step at a time,
+and refuses a newer one. See docs/checkpoints.md, "Across versions".
 """
 from __future__ import annotations
 
@@ -16,14 +20,15 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import torch
 
 from conveyor.engine import FINISH_EVENT, Context, OnlineRLContext, declares, task
 from conveyor.middleware.evaluator import EVAL_EVENT
 
-__all__ = ["CheckpointError", "CkptSaver", "save_checkpoint", "load_checkpoint", "restore", "remove_stale_temps"]
+__all__ = ["CheckpointError", "CheckpointVersionError", "CkptSaver", "FORMAT_VERSION", "CONVERTERS", "save_checkpoint",
+           "load_checkpoint", "restore", "remove_stale_temps"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -48,6 +53,49 @@ class CheckpointError(OSError):
         return self.message
 
 
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint whose format version this code cannot read: newer than :data:`FORMAT_VERSION`, or with no
+    converter to today's layout. The message names the version and the fix."""
+
+    def __init__(self, path: Path, message: str) -> None:
+        OSError.__init__(self, errno.EINVAL, message, str(path))
+        self.message = message
+
+
+FORMAT_VERSION = 1
+"""The layout :func:`save_checkpoint` writes. Raise it when the layout changes, and add a converter from the
+previous version to :data:`CONVERTERS` (and a fixture set, docs/checkpoints.md "Across versions")."""
+
+
+def _v0_to_v1(state: Dict[str, Any]) -> Dict[str, Any]:
+    """Version 0 (before ``format_version`` existed, back to e3c69fd) has today's layout: nothing moves."""
+    return state
+
+
+CONVERTERS: Dict[int, Callable[[Dict[str, Any]], Dict[str, Any]]] = {0: _v0_to_v1}
+"""``CONVERTERS[n]`` turns a version-``n`` checkpoint into a version-``n + 1`` one; applied in order on load."""
+
+
+def _upgrade(state: Dict[str, Any], path: Path) -> Dict[str, Any]:
+    """``state`` converted to :data:`FORMAT_VERSION` (without its ``format_version``: what was saved comes back),
+    or a :class:`CheckpointVersionError` saying why it cannot be."""
+    version = state.pop("format_version", 0) if isinstance(state, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise CheckpointVersionError(path, f"{path} is not a Conveyor checkpoint (format version {version!r}): "
+                                           f"give a .pth.tar file written by conveyor train")
+    if version > FORMAT_VERSION:
+        raise CheckpointVersionError(path, f"{path} has checkpoint format version {version}, newer than this "
+                                           f"Conveyor reads ({FORMAT_VERSION}): upgrade Conveyor to load it")
+    while version < FORMAT_VERSION:
+        if version not in CONVERTERS:
+            raise CheckpointVersionError(path, f"{path} has checkpoint format version {version}, which this Conveyor "
+                                               f"cannot convert to {FORMAT_VERSION}: load it with the release that "
+                                               f"wrote it")
+        state = CONVERTERS[version](state)
+        version += 1
+    return state
+
+
 def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically: serialise in memory, write a temporary file in the same
     folder, fsync, rename, fsync the folder. A disk error is a :class:`CheckpointError` naming the path.
@@ -55,7 +103,7 @@ def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> Path:
     ``FD_RETRY_S`` seconds first."""
     path = Path(path)
     buffer = io.BytesIO()
-    torch.save(state, buffer)  # in memory first: a full disk then fails in our write, not inside torch
+    torch.save({**state, "format_version": FORMAT_VERSION}, buffer)  # in memory first: a full disk then fails in our write, not inside torch
     deadline, pause = time.monotonic() + FD_RETRY_S, 0.01
     while True:
         try:
@@ -105,14 +153,16 @@ def remove_stale_temps(directory: PathLike) -> int:
 
 
 def load_checkpoint(path: PathLike) -> Dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint` (or :class:`CkptSaver`)."""
+    """Read a checkpoint written by :func:`save_checkpoint` (or :class:`CkptSaver`) of this or an earlier
+    version, converted to today's layout (the one place where old layouts are converted): the ``state`` saved."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: run training first, or check the experiment name")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except OSError as exc:
         raise CheckpointError("read", path, exc) from exc
+    return _upgrade(state, path)
 
 
 def restore(path: PathLike, policy: Any, ctx: Optional[Context] = None, buffer: Any = None) -> Dict[str, Any]:
