@@ -17,7 +17,8 @@ last progress point (process start, imports, env start-up and the first updates 
   --num_envs_per_worker=ENVS/CORES``, stopped as ours (SIGTERM to its process group; its ``--train_for_seconds``
   counts from later than its start) (its Atari defaults: rollout 128, batch 256, 4
   batches an epoch, 4 epochs, Nature CNN, frame skip 4, 4 stacked frames), synchronous (``--async_rl=False``, its
-  Atari default) and with ``--async_rl=True --with_vtrace=True`` (APPO). Sample Factory counts env frames (its Atari
+  Atari default) and with ``--async_rl=True --with_vtrace=True --normalize_returns=False`` (APPO: V-trace refuses
+  normalised returns). Sample Factory counts env frames (its Atari
   default ``summaries_use_frameskip``: agent steps x 4); its log's ``Fps is (10 sec: X, ...). Total num frames: N``
   lines (every 5 s), stamped when read, give (last N - first N) / (last time - first time) in the same window, N
   taken from the line that first shows it (it grows a training batch, 4,096 frames, at a time); the mean of the
@@ -103,7 +104,8 @@ def sf_command(algo: str, device: str, shape: Dict[str, int], train_dir: Path) -
                f"--train_dir={train_dir}", f"--num_workers={shape['cores']}",
                f"--num_envs_per_worker={shape['envs'] // shape['cores']}",
                f"--device={'gpu' if device == 'cuda' else 'cpu'}", "--save_every_sec=1000000", "--seed=0"]
-    return command + (["--async_rl=True", "--with_vtrace=True"] if algo == "appo" else [])
+    # V-trace refuses its Atari default of normalised returns ("not supported with vtrace"); ours normalises none.
+    return command + (["--async_rl=True", "--with_vtrace=True", "--normalize_returns=False"] if algo == "appo" else [])
 
 
 def _stop(process: subprocess.Popen, grace: float) -> None:
@@ -246,6 +248,7 @@ def main() -> None:
                     try:
                         row = theirs(python, algo, args.device, args.seconds, args.warmup)
                     except RuntimeError as exc:
+                        print(exc, file=sys.stderr, flush=True)  # with the tail of its log
                         row = {"side": f"sf_{algo}", "fps": None, "fps_10s_mean": None,
                                "error": str(exc).splitlines()[0]}
                 rows[f"{side}_{algo}"].append(row)
