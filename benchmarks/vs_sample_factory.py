@@ -17,9 +17,11 @@ last progress point (process start, imports, env start-up and the first updates 
   --num_envs_per_worker=ENVS/CORES``, stopped as ours (SIGTERM to its process group; its ``--train_for_seconds``
   counts from later than its start) (its Atari defaults: rollout 128, batch 256, 4
   batches an epoch, 4 epochs, Nature CNN, frame skip 4, 4 stacked frames), synchronous (``--async_rl=False``, its
-  Atari default) and with ``--async_rl=True --with_vtrace=True --normalize_returns=False`` (APPO: V-trace refuses
-  normalised returns). Sample Factory counts env frames (its Atari
-  default ``summaries_use_frameskip``: agent steps x 4); its log's ``Fps is (10 sec: X, ...). Total num frames: N``
+  Atari default) and with ``--async_rl=True --with_vtrace=True --normalize_returns=False --recurrence=128`` (APPO:
+  V-trace refuses normalised returns and a recurrence other than the rollout's length; Sample Factory 2.1.1's
+  learner then still failed on its first batch here, 'AttrDict' object has no attribute 'advantages', which the
+  figures report as not measured). Sample Factory counts env frames (its Atari default ``summaries_use_frameskip``:
+  agent steps x 4); its log's ``Fps is (10 sec: X, ...). Total num frames: N``
   lines (every 5 s), stamped when read, give (last N - first N) / (last time - first time) in the same window, N
   taken from the line that first shows it (it grows a training batch, 4,096 frames, at a time); the mean of the
   10-sec values there is shown beside it. Installed by this script into a virtualenv of its own
@@ -104,8 +106,10 @@ def sf_command(algo: str, device: str, shape: Dict[str, int], train_dir: Path) -
                f"--train_dir={train_dir}", f"--num_workers={shape['cores']}",
                f"--num_envs_per_worker={shape['envs'] // shape['cores']}",
                f"--device={'gpu' if device == 'cuda' else 'cpu'}", "--save_every_sec=1000000", "--seed=0"]
-    # V-trace refuses its Atari default of normalised returns ("not supported with vtrace"); ours normalises none.
-    return command + (["--async_rl=True", "--with_vtrace=True", "--normalize_returns=False"] if algo == "appo" else [])
+    # V-trace refuses its Atari defaults of normalised returns and of recurrence 1 (it needs recurrence = rollout,
+    # 128: no RNN, so only how the learner slices its batch); ours normalises no returns either.
+    appo = ["--async_rl=True", "--with_vtrace=True", "--normalize_returns=False", "--recurrence=128"]
+    return command + (appo if algo == "appo" else [])
 
 
 def _stop(process: subprocess.Popen, grace: float) -> None:
