@@ -43,6 +43,8 @@ CASES = {
                                       "ppo_wall_s", "seeds_at_or_above", "seeds_faster"}),
     "marl_learning": (["--quick"], {"mappo_return", "benchmarl_mappo_return", "return_ratio", "qmix_return_ratio",
                                     "steps_per_s", "benchmarl_steps_per_s", "speed_ratio"}),
+    "vs_sample_factory": (["--quick"], {"ppo_fps_ratio", "appo_fps_ratio", "ours_ppo_fps", "sf_ppo_fps",
+                                        "ours_appo_fps", "sf_appo_fps"}),
     "launch_overhead": (["--quick"], {"local_s", "slurm_s", "ray_s", "slurm_vs_local", "ray_vs_local", "slurm_mode"}),
     "soak": (["--quick"], {"rss_growth_mb_per_h", "fd_growth", "thread_growth", "shm_growth", "ended_cleanly"}),
     "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
@@ -50,9 +52,9 @@ CASES = {
                              "wall_ratio_after_startup"}),
 }
 
-LONGEST_FIRST = ("launch_overhead", "impala_throughput", "soak", "offline", "atari_throughput", "learner_scaling",
-                 "impala_learning", "marl_learning", "distributed_throughput", "atari_learning", "solve --distributed",
-                 "env_managers", "mujoco_throughput", "learning_curve")
+LONGEST_FIRST = ("launch_overhead", "vs_sample_factory", "impala_throughput", "soak", "offline", "atari_throughput",
+                 "learner_scaling", "impala_learning", "marl_learning", "distributed_throughput", "atari_learning",
+                 "solve --distributed", "env_managers", "mujoco_throughput", "learning_curve")
 """The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the
 others 2 to 6 s): the long ones overlap, and the short ones fill the second slot at the end instead of one long run
 holding the module up alone. launch_overhead mostly waits for Slurm and Ray to start."""
@@ -107,6 +109,12 @@ def test_the_offline_benchmark_on_cuda_without_a_gpu_is_one_line_before_any_run(
                     timeout=120)
     assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr.strip().splitlines()[-1], out.stderr
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_the_sample_factory_benchmark_on_cuda_without_a_gpu_is_one_line(tmp_path):
+    out = benchmark("vs_sample_factory", "--device", "cuda", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
 @pytest.mark.cuda
