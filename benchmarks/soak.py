@@ -164,7 +164,8 @@ def report(series: Dict[int, Dict[str, Any]], shm_total: List[tuple], minutes: f
         return max((r[key] for r in rows), default=0)
 
     return {"rss_growth_mb_per_h": round(worst("rss_mb_per_h"), 2), "fd_growth": worst("fd_growth"),
-            "thread_growth": worst("thread_growth"), "shm_growth": worst("shm_growth"), "shm_dir_growth": shm_dir_growth,
+            "thread_growth": worst("thread_growth"), "shm_growth": worst("shm_growth"),
+            "shm_dir_growth": shm_dir_growth,
             "minutes": minutes, "warmup_minutes": warmup, "samples": max((r["samples"] for r in rows), default=0),
             "processes": len(rows), "ended_cleanly": clean}
 

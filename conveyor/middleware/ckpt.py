@@ -103,7 +103,8 @@ def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> Path:
     ``FD_RETRY_S`` seconds first."""
     path = Path(path)
     buffer = io.BytesIO()
-    torch.save({**state, "format_version": FORMAT_VERSION}, buffer)  # in memory first: a full disk then fails in our write, not inside torch
+    # in memory first: a full disk then fails in our write, not inside torch
+    torch.save({**state, "format_version": FORMAT_VERSION}, buffer)
     deadline, pause = time.monotonic() + FD_RETRY_S, 0.01
     while True:
         try:
