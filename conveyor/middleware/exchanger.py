@@ -147,7 +147,8 @@ class ContextExchanger(Exchanger):
     A learner waits at most ``timeout_s`` for the first batch of an iteration; once every collector it
     knows (subscribed to :data:`COLLECTOR_TOPIC`, or sent a batch) is lost it waits ``grace_s`` for one to
     (re)join, then ends the run normally. A collector
-    waits at most ``timeout_s`` for a learner to subscribe before its first send, and ends its run when
+    waits at most ``timeout_s`` for a learner to subscribe before its first send (less when its run is told to end
+    meanwhile, as a learner that finished first does: the batch is then dropped), and ends its run when
     the learners it sent to are gone, after waiting ``rejoin_s`` (default 0) for one to (re)subscribe
     unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
 
@@ -398,11 +399,19 @@ class ContextExchanger(Exchanger):
                      self._router.node_id)
             task.finish = True
             return
-        self._router.wait_for_subscribers(self._data_topic, 1, timeout=self.timeout_s)  # no learner has subscribed yet
-        if self._router.publish(self._data_topic, payload) == 0:
-            raise RuntimeError(f"ContextExchanger: node {self._router.node_id} found no learner to send its data "
-                               f"to (live peers: {self._router.peers()})")
-        self._had_learner = True
+        with self._cond:  # no learner has subscribed yet: wait for one, unless the run ends meanwhile
+            waited = self._wait(lambda: bool(self._router.subscribers(self._data_topic)) or task.finish,
+                                self.timeout_s)
+        if self._router.publish(self._data_topic, payload) > 0:
+            self._had_learner = True
+        elif waited is None:
+            raise TimeoutError(f"ContextExchanger: node {self._router.node_id} found no learner subscribed to "
+                               f"{self._data_topic!r} within {self.timeout_s}s (live peers: {self._router.peers()}); "
+                               f"is a learner running, with this exchanger in its chain?")
+        else:  # the learner's run ended (its stop heard, or it left) or this node was asked to stop first
+            log.info("node %s: the run ended before a learner took this collector's first batch; the collector "
+                     "stops", self._router.node_id)
+            task.finish = True
 
     def _rejoined(self) -> bool:
         """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""

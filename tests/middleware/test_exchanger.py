@@ -421,6 +421,36 @@ def test_a_learner_whose_collectors_are_lost_before_their_first_batch_stops_afte
         assert trained == [] and task.finish and task.ctx.total_step == 1
 
 
+@pytest.mark.parametrize("end", ["the learner's stop heard", "asked to stop"])
+def test_a_collector_whose_run_ends_before_any_learner_took_its_first_batch_drops_it_and_stops(fake_router, end):
+    """A learner that reached its budget on the other collectors' batches has finished and unsubscribed before a
+    slow collector's first send: that collector ends its run, it does not wait out timeout_s for a subscriber."""
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        seen = []
+
+        def collect(ctx):
+            seen.append(ctx.total_step)
+            ctx.trajectories = trajectories(1.0)
+            if end == "asked to stop":
+                task.emit(STOP_EVENT)
+            else:
+                task.finish = True  # as LearnerClock does on the learner's stop
+
+        task.use(ContextExchanger(timeout_s=WAIT)).use(collect)
+        started = time.monotonic()
+        task.run(max_step=3)
+        assert seen == [0] and task.finish and time.monotonic() - started < WAIT / 2
+
+
+def test_a_collector_no_learner_subscribes_to_ends_with_a_clear_timeout(fake_router):
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        task.use(ContextExchanger(timeout_s=0.3)).use(lambda ctx: setattr(ctx, "trajectories", trajectories(1.0)))
+        with pytest.raises(TimeoutError, match="found no learner subscribed to 'conveyor.exchange.data' within 0.3s"):
+            task.run(max_step=1)
+
+
 # --- DI-engine's ContextExchanger: trajectory_end_idx travels, skip_n_iter ----------------------------------
 def trajectories(value: float, steps: int = 2, envs: int = 3):
     return ttorch.Tensor({"obs": torch.full((steps, envs), value), "reward": torch.zeros(steps, envs)})

@@ -16,6 +16,7 @@ from conveyor.cli import main as cli_main
 from conveyor.engine import Role
 from conveyor.engine.parallel.router import Router
 from conveyor.middleware import ContextExchanger, load_checkpoint
+from conveyor.middleware.distributed import EXCHANGE_TIMEOUT_S
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.run import Layout, train_distributed
@@ -189,6 +190,19 @@ def test_a_distributed_run_whose_start_failed_is_started_over_by_resume(in_tmp, 
     assert load_checkpoint(in_tmp / "runs" / "again" / "ckpt" / "final.pth.tar")["ctx"]["env_step"] >= 64
 
 
+def test_a_collector_whose_first_batch_comes_after_the_learner_finished_ends_with_the_run(in_tmp):
+    """The learner reaches its budget on collector 1's batches and unsubscribes before collector 2 (slow to start)
+    sends its first: collector 2 drops it and ends its run at once, it does not wait for a learner that is gone."""
+    started = time.monotonic()
+    run = train_distributed(load_entry(str(Path(__file__).with_name("_late_collector_entry.py"))), collectors=2,
+                            exp_name="late", max_env_step=64, progress=False)
+    learner, = by_role(run, "learner")
+    late = next(n for n in run.nodes if n["node_id"] == 2)
+    assert late["collected"] > 0 and "2" not in learner["received_from"] and run.env_step >= 64
+    assert time.monotonic() - started < EXCHANGE_TIMEOUT_S  # no wait ran out
+    assert load_checkpoint(in_tmp / "runs" / "late" / "ckpt" / "final.pth.tar")["ctx"]["env_step"] == run.env_step
+
+
 def test_roles_follow_node_ids():
     layout = Layout(collectors=2, evaluators=1)
     assert [layout.role(i) for i in range(layout.n_nodes)] == [Role.LEARNER, Role.COLLECTOR, Role.COLLECTOR,
@@ -252,7 +266,6 @@ LEARNER_DIES = Path(__file__).with_name("_learner_dies_entry.py")
 
 def test_when_the_learner_dies_the_other_nodes_end_their_runs_at_once(in_tmp):
     from conveyor.engine.parallel.runner import WorkerError
-    from conveyor.middleware.distributed import EXCHANGE_TIMEOUT_S
     started = time.monotonic()
     with pytest.raises(WorkerError, match="worker 0 .* killed by SIGKILL") as info:
         train_distributed(load_entry(str(LEARNER_DIES)), collectors=2, evaluators=1, exp_name="nolearner", max_env_step=2000,
