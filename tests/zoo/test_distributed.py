@@ -121,18 +121,23 @@ def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
     assert all(c["collected"] > 0 for c in by_role(run, "collector"))
 
 
-def sigterm_after_a_first_evaluation(in_tmp, exp_name, *argv):
-    """``conveyor train cartpole/dqn --collectors 2 ARGV`` (4 nodes) in its own process group, SIGTERMed once it has
-    evaluated; its final checkpoint, after checking the exit code 143 and that no process of the group is left."""
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2", *argv,
-                             "--exp-name", exp_name, "--no-progress"], cwd=in_tmp,
+def sigterm_after_a_first_evaluation(in_tmp, exp_name, *argv, entry="cartpole/dqn"):
+    """``conveyor train ENTRY --collectors 2 ARGV`` (4 nodes) in its own process group, SIGTERMed once it has
+    evaluated and the learner has trained; its final checkpoint, after checking the exit code 143 and that no process
+    of the group is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", entry, "--collectors", "2", *argv,
+                             "--exp-name", exp_name, "--no-progress", "--ckpt-interval", "0.2"], cwd=in_tmp,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ckpt = in_tmp / "runs" / exp_name / "ckpt"
         nodes = in_tmp / "runs" / exp_name / "nodes.json"
         wait_until(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
-        wait_until(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")  # training is under way
+        wait_until(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")
+        # An evaluator node evaluates the first weights before the learner has trained, maybe before its task.run
+        # (where a SIGTERM ends a node at once, leaving no final checkpoint); the learner's first interval checkpoint
+        # is written between its iterations: it trains.
+        wait_until(lambda: (ckpt / "latest.pth.tar").is_file(), 120, "the learner's first checkpoint")
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -145,9 +150,13 @@ def sigterm_after_a_first_evaluation(in_tmp, exp_name, *argv):
     return load_checkpoint(ckpt / "final.pth.tar")
 
 
+LEARNER_STARTS_LATE = str(Path(__file__).with_name("_learner_starts_late_entry.py"))
+
+
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves_no_process(in_tmp):
-    assert sigterm_after_a_first_evaluation(in_tmp, "sig", "--evaluators", "1")["ctx"]["env_step"] > 0
+@pytest.mark.parametrize("entry", ["cartpole/dqn", LEARNER_STARTS_LATE], ids=["dqn", "learner-starts-late"])
+def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves_no_process(in_tmp, entry):
+    assert sigterm_after_a_first_evaluation(in_tmp, "sig", "--evaluators", "1", entry=entry)["ctx"]["env_step"] > 0
 
 
 @pytest.mark.slow
