@@ -64,8 +64,9 @@ codec.register(Snapshot, "conveyor.zoo.EvaluatedWeights",
 class LearnerClock:
     """The learner's counters for the other nodes, and the end of the run.
 
-    Learner: after each iteration it sends ``train_iter`` and ``env_step`` on :data:`PROGRESS_TOPIC`; when
-    its run ends it sends ``stop`` (once every live peer listens, at most ``timeout_s`` later).
+    Learner: after each iteration it sends ``train_iter`` and ``env_step`` on :data:`PROGRESS_TOPIC`, with ``stop``
+    after the last (``task.finish`` set), so no collector collects its ``lead`` more batches for a learner that takes
+    none; when its run ends it sends ``stop`` again once every live peer listens (at most ``timeout_s`` later).
     Others: before each iteration they take the learner's counters (a collector's ``env_step`` becomes the
     larger of its own and the learner's, so exploration schedules follow the whole run). A collector that
     ran ``lead`` iterations since they last moved waits until they move; an evaluator waits so before
@@ -177,7 +178,7 @@ class LearnerClock:
                 yield
             finally:
                 self._busy_since = None
-            self._sent = self._progress(ctx, stop=False)
+            self._sent = self._progress(ctx, stop=bool(task.finish))  # the last iteration's hands out no more lead
             self._router.publish(PROGRESS_TOPIC, self._sent)
             return
         with self._changed:

@@ -108,8 +108,8 @@ def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes
     # the run trained on what the learners received, but for the batch a learner took as the run ended (at most
     # COLLECTOR_LEAD + 1 = 3 batches of 16, a collector's n_sample), and they received what their collector
     # collected, but for what was in flight then: the batches a collector may run ahead of its learner
-    # (COLLECTOR_LEAD), the one it was collecting, and one more because the collector knows the learner's
-    # iteration from the learner's last progress message, which is an iteration behind when the run ends
+    # (COLLECTOR_LEAD; the learner's last counters say stop, so they give no more), the one it was collecting as
+    # the learner took its last batches, and the rows its n-step enhancer still held (nstep of each of its 4 envs)
     assert run.env_step <= sum(n["received"] for n in learners) <= run.env_step + 2 * 3 * 16
     for learner in learners:
         collected = collectors[str(learner["rank"] + 2)]["collected"]

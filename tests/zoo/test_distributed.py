@@ -45,7 +45,10 @@ def test_dqn_learner_trains_on_both_collectors_and_nodes_json_names_every_worker
     collectors = by_role(run, "collector")
     assert run.env_step == learner["env_step"] >= 300 and run.train_iter > 0 and run.last_eval_value is not None
     assert len(collectors) == 2 and all(c["collected"] > 0 for c in collectors)
-    assert run.env_step > max(c["collected"] for c in collectors)  # more than any one collector brought
+    # it trained on both collectors' batches (what a collector collected can exceed what the learner took from it:
+    # the batches it collected ahead of the learner's last iteration, the rows its n-step enhancer still held)
+    assert sorted(learner["received_from"]) == ["1", "2"] and all(learner["received_from"].values())
+    assert sum(learner["received_from"].values()) == run.env_step
     rows = json.loads((in_tmp / "runs" / "dist" / "nodes.json").read_text())
     assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["learner"]), (1, ["collector"]), (2, ["collector"]),
                                                           (3, ["evaluator"])]
@@ -505,6 +508,33 @@ def test_a_collector_waits_past_timeout_s_while_a_busy_learner_keeps_sending_its
         task.run(max_step=3)
         assert (task.ctx.train_iter, task.ctx.env_step) == (2, 5)
     done.set()
+
+
+def test_a_learners_last_iteration_says_stop_with_its_counters_so_no_collector_runs_ahead_for_nothing(
+        peer_with_the_secret):
+    """The counters a learner sends after its last iteration carry ``stop``: a collector that heard them starts no
+    iteration of the ``lead`` they would otherwise give it, whose batches no learner takes (before, a collector
+    could collect up to 2 * lead batches the learner never received, beyond what the tests allow for)."""
+    import queue
+
+    from conveyor.engine import OnlineRLContext, task
+    from conveyor.middleware.distributed import PROGRESS_TOPIC, LearnerClock
+    mine, peer = peer_with_the_secret
+    heard = queue.Queue()
+    peer.on(PROGRESS_TOPIC, lambda progress: heard.put((progress["train_iter"], progress["stop"])))
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(Role.LEARNER)
+        clock = LearnerClock(timeout_s=20)
+
+        def train(ctx):
+            ctx.train_iter = ctx.total_step + 1
+            if ctx.total_step == 1:
+                task.finish = True  # the budget reached
+
+        mine.wait_for_subscribers(PROGRESS_TOPIC, 1, 20)
+        task.use(clock).use(train)
+        task.run(max_step=5)
+    assert [heard.get(timeout=20) for _ in range(3)] == [(1, False), (2, True), (2, True)]  # then once more at the end
 
 
 def test_a_learner_in_a_long_iteration_keeps_sending_its_counters(peer_with_the_secret):
