@@ -16,10 +16,11 @@ probe that runs the CLI and, when ``conveyor train`` returns, appends the node s
 take turns, the order reversed every other round (``_harness.alternate``); the medians are reported, and their
 ratios to local.
 
-    python -m benchmarks.launch_overhead [--quick] [--rounds N]
+    python -m benchmarks.launch_overhead [--quick] [--rounds N] [--launchers local,slurm,ray]
 
-``--quick``: one round. The last line is JSON: ``local_s``, ``slurm_s``, ``ray_s`` (medians, seconds),
-``slurm_vs_local``, ``ray_vs_local`` (ratios), ``slurm_mode`` (``cluster`` or ``stand-in srun``), ``rounds``.
+``--quick``: one round. ``--launchers``: the launchers measured (local always; the default all three). The last
+line is JSON: ``local_s``, ``slurm_s``, ``ray_s`` (medians, seconds; null for a launcher not measured),
+``slurm_vs_local``, ``ray_vs_local`` (ratios), ``slurm_mode`` (``cluster``, ``stand-in srun`` or null), ``rounds``.
 
 Measured 2026-11-27 on 2 cores shared with other sessions (load 4-8), 3 rounds, Slurm 22.05 cluster: local
 4.79 s, Slurm 12.79 s (2.67x), Ray 20.52 s (4.28x).
@@ -134,20 +135,42 @@ def slurm_cluster(workdir: Path) -> Iterator[Optional[Cluster]]:
         yield cluster
 
 
+def _launchers(text: str) -> tuple:
+    """``--launchers``' value: the named launchers in the benchmark's order, local always among them."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = names - set(LAUNCHERS)
+    if unknown or "local" not in names:
+        raise argparse.ArgumentTypeError(f"{text!r}: name launchers among {','.join(LAUNCHERS)}, local among them "
+                                         f"(the others are measured against it)")
+    return tuple(name for name in LAUNCHERS if name in names)
+
+
+@contextlib.contextmanager
+def _no_cluster(workdir: Path) -> Iterator[Optional[Cluster]]:
+    """No Slurm cluster: Slurm is not measured."""
+    yield None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs of each launcher (median reported)")
     parser.add_argument("--quick", action="store_true", help="one round")
+    parser.add_argument("--launchers", type=_launchers, default=LAUNCHERS,
+                        help="comma-separated launchers to measure, local among them (default: local,slurm,ray)")
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
-    with scratch_dir() as workdir, slurm_cluster(workdir) as cluster:
+    slurm = slurm_cluster if "slurm" in args.launchers else _no_cluster
+    with scratch_dir() as workdir, slurm(workdir) as cluster:
         tools = {"conveyor": f"#!{sys.executable}\n{PROBE}"}
         if cluster is None:
             tools["srun"] = f"#!{sys.executable}\n{SRUN}"  # only here: on PATH, it would hide Slurm's own srun
         with marked_jobs(workdir / "bin", tools) as jobs:
-            results = alternate(LAUNCHERS, rounds, Launches(workdir, jobs, cluster).measure)
+            results = alternate(args.launchers, rounds, Launches(workdir, jobs, cluster).measure)
     mode, command = ("cluster", "sbatch") if cluster is not None else ("stand-in srun", "the script")
     median = {launcher: statistics.median(r["first_step_s"] for r in runs) for launcher, runs in results.items()}
+    seconds = {launcher: round(median[launcher], 3) if launcher in median else None for launcher in LAUNCHERS}
+    versus = {launcher: round(median[launcher] / median["local"], 3) if launcher in median else None
+              for launcher in LAUNCHERS}
     labels = {"local": "local (conveyor train)", "slurm": f"slurm ({mode}, from {command})",
               "ray": "ray (local cluster started)"}
     print(f"cartpole/dqn, 1 learner + 2 collectors: seconds from the command to the first collected step "
@@ -156,11 +179,9 @@ def main() -> None:
     for launcher, runs in results.items():
         print(f"{labels[launcher]:<36}{median[launcher]:>10.2f}{median[launcher] / median['local']:>10.2f}   " +
               ", ".join(f"{r['first_step_s']:.1f}/{r['last_first_step_s']:.1f}/{r['wall_s']:.1f}" for r in runs))
-    print_json_line({"local_s": round(median["local"], 3), "slurm_s": round(median["slurm"], 3),
-                     "ray_s": round(median["ray"], 3),
-                     "slurm_vs_local": round(median["slurm"] / median["local"], 3),
-                     "ray_vs_local": round(median["ray"] / median["local"], 3), "slurm_mode": mode,
-                     "rounds": rounds})
+    print_json_line({"local_s": seconds["local"], "slurm_s": seconds["slurm"], "ray_s": seconds["ray"],
+                     "slurm_vs_local": versus["slurm"], "ray_vs_local": versus["ray"],
+                     "slurm_mode": mode if "slurm" in median else None, "rounds": rounds})
 
 
 if __name__ == "__main__":

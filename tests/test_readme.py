@@ -167,4 +167,6 @@ def test_the_readme_s_commands_run_one_after_another_in_a_fresh_folder(tmp_path)
         assert done.returncode == 0, (f"README: `{shlex.join(done.args)}` exited with {done.returncode}:\n"
                                       f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     assert len(results) == len(conveyor_commands())
+    first = next(done for done in results if done.args == ["conveyor", "train", "cartpole/dqn"])
+    assert first.stdout.strip().splitlines()[-1].startswith("solved: eval "), first.stdout[-2000:]  # README's promise
     assert (tmp_path / "curves.png").is_file() and (tmp_path / "ep.gif").is_file()

@@ -76,9 +76,3 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(in_tmp):
     assert resumed.train_iter > saved["train_iter"]
     # a write the SIGKILL cut short (eval_best's, say) leaves its temporary file: the resumed run removes it
     assert not [p for p in latest.parent.iterdir() if p.name.endswith(".tmp")]
-
-
-@pytest.mark.slow
-def test_dqn_learns_cartpole(in_tmp):
-    ctx = dqn.main(exp_name="learns", seed=0, max_env_step=30000, progress=False)
-    assert ctx.last_eval_value is not None and ctx.last_eval_value >= 195, ctx.last_eval_value
