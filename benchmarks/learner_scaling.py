@@ -5,6 +5,12 @@ observations with the Nature CNN shared by actor and critic (4 actions). One upd
 whole batch: one learner takes all ``--batch`` transitions, two learners (gloo, :class:`DataParallel`) take half
 each and all-reduce their gradients. The two layouts run alternately, ``--rounds`` times, in fresh processes; the
 figures are medians and their ratio (these machines are shared: absolute rates drift, the ratio holds better).
+A third layout, two independent learners (each on half the batch, no all-reduce, started together), is the ceiling
+the machine itself gives two processes: ``independent_ratio`` far below 2 says the cores are not two (SMT siblings
+of one core, a throttled share), whatever Conveyor does; ``ratio / independent_ratio`` is what the all-reduce
+keeps of it. The machine's CPU model, logical CPUs and physical cores are printed and in the JSON line, so that
+figures from two machines can be told apart (2026-11-28: 1.46-1.74 on a 2-core Intel Xeon here, 0.95-1.03 on a
+2-core AMD EPYC of this project, whose topology was not recorded then).
 The gradients are all-reduced in buckets while the backward pass runs (:meth:`DataParallel.backward`);
 ``allreduce_ms`` is the mean time per step rank 0 still waits for them after its backward pass (communication the
 overlap did not hide, waiting for the other learner included).
@@ -15,9 +21,12 @@ overlap did not hide, waiting for the other learner included).
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import secrets
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,8 +48,10 @@ def make_batch(size: int) -> ttorch.Tensor:
         "return": torch.randn(size, generator=g), "reward": torch.randn(size, generator=g)})
 
 
-def learner(rank: int, world: int, batch_size: int, steps: int, port_queue: Any, results: Any, secret: bytes) -> None:
-    """Time ``steps`` updates (after ``WARMUP``) as rank ``rank`` of ``world``; put ``(seconds, allreduce s)``."""
+def learner(rank: int, world: int, batch_size: int, steps: int, port_queue: Any, results: Any, secret: bytes,
+            start: Any) -> None:
+    """Time ``steps`` updates (after ``WARMUP``) as rank ``rank`` of ``world``; put ``(seconds, allreduce s)``.
+    ``start``: None for data-parallel learners, else the barrier of independent ones (each on its share)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = PPOPolicy.default_config()
@@ -49,7 +60,9 @@ def learner(rank: int, world: int, batch_size: int, steps: int, port_queue: Any,
     policy = PPOPolicy(cfg, seed=0)
     batch = make_batch(batch_size)
     group = None
-    if world > 1:
+    if start is not None:
+        batch = batch[rank * batch_size // world:(rank + 1) * batch_size // world]
+    elif world > 1:
         port = 0 if rank == 0 else port_queue.get(timeout=120)
         group = DataParallel(rank, world, host="127.0.0.1", port=port, secret=secret, session=b"bench", timeout=120)
         if rank == 0:
@@ -62,22 +75,26 @@ def learner(rank: int, world: int, batch_size: int, steps: int, port_queue: Any,
     if group is not None:
         group.barrier()
         group.wait_s = 0.0
-    start = time.perf_counter()
+    if start is not None:
+        start.wait(timeout=120)
+    began = time.perf_counter()
     for _ in range(steps):
         policy.learn_mode.forward(batch)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - began
     if rank == 0:
         results.put((elapsed, group.wait_s if group is not None else 0.0))
     if group is not None:
         group.close()
 
 
-def run(world: int, batch_size: int, steps: int) -> tuple[float, float]:
-    """Updates/s and all-reduce ms per step of ``world`` learners (rank 0's clock)."""
+def run(world: int, batch_size: int, steps: int, independent: bool = False) -> tuple[float, float]:
+    """Updates/s and all-reduce ms per step of ``world`` learners (rank 0's clock); ``independent``: learners that
+    share nothing (no all-reduce), each on its share of the batch."""
     ctx = mp.get_context("spawn")
     port_queue, results = ctx.Queue(), ctx.Queue()
     secret = secrets.token_bytes(32)
-    procs = [ctx.Process(target=learner, args=(r, world, batch_size, steps, port_queue, results, secret))
+    start = ctx.Barrier(world) if independent else None
+    procs = [ctx.Process(target=learner, args=(r, world, batch_size, steps, port_queue, results, secret, start))
              for r in range(world)]
     try:
         for p in procs:
@@ -104,24 +121,49 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.batch, args.steps, args.rounds = 64, 4, 1
-    rates: dict[int, list[float]] = {1: [], 2: []}
+    layouts = {"1 learner": (1, False), "2 learners": (2, False), "2 independent": (2, True)}
+    rates: dict[str, list[float]] = {name: [] for name in layouts}
     allreduce: list[float] = []
     for _ in range(args.rounds):
-        for world in (1, 2):
-            rate, ms = run(world, args.batch, args.steps)
-            rates[world].append(rate)
-            if world == 2:
+        for name, (world, independent) in layouts.items():
+            rate, ms = run(world, args.batch, args.steps, independent)
+            rates[name].append(rate)
+            if name == "2 learners":
                 allreduce.append(ms)
-    med = {world: statistics.median(r) for world, r in rates.items()}
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    cpu = cpu_topology()
     print(f"PPO on the Nature CNN, uint8 {OBS} obs, batch {args.batch} per update, {args.steps} timed updates, "
-          f"median of {args.rounds} rounds, one thread per learner")
-    for world, r in rates.items():
-        print(f"  {world} learner{'s' if world > 1 else ' '}: {med[world]:7.2f} updates/s   "
-              f"({', '.join(f'{x:.2f}' for x in r)})")
+          f"median of {args.rounds} rounds, one thread per learner; {cpu['cpu']}, {cpu['logical_cpus']} logical "
+          f"CPUs on {cpu['physical_cores']} physical cores")
+    for name, r in rates.items():
+        print(f"  {name:<14}: {med[name]:7.2f} updates/s   ({', '.join(f'{x:.2f}' for x in r)})")
     print(f"  all-reduce wait per step after backward (2 learners, rank 0): {statistics.median(allreduce):.1f} ms")
-    print_json_line({"updates_per_s_1": round(med[1], 3), "updates_per_s_2": round(med[2], 3),
-                     "ratio": round(med[2] / med[1], 3), "allreduce_ms": round(statistics.median(allreduce), 2),
+    print_json_line({"updates_per_s_1": round(med["1 learner"], 3), "updates_per_s_2": round(med["2 learners"], 3),
+                     "ratio": round(med["2 learners"] / med["1 learner"], 3),
+                     "independent_ratio": round(med["2 independent"] / med["1 learner"], 3),
+                     "allreduce_ms": round(statistics.median(allreduce), 2), **cpu,
                      "batch": args.batch, "steps": args.steps, "rounds": args.rounds})
+
+
+def cpu_topology() -> dict[str, Any]:
+    """The CPU model, the logical CPUs this process may run on and the physical cores under them (Linux's sysfs;
+    None where it is not readable)."""
+    usable = sorted(os.sched_getaffinity(0))
+    cores = set()
+    for index in usable:
+        topology = Path(f"/sys/devices/system/cpu/cpu{index}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores = None
+            break
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor() or None)
+    except OSError:
+        model = platform.processor() or None
+    return {"cpu": model, "logical_cpus": len(usable), "physical_cores": len(cores) if cores is not None else None}
 
 
 if __name__ == "__main__":
