@@ -177,7 +177,7 @@ def main() -> None:
           f"({rounds} round{'s' * (rounds != 1)})")
     print(f"{'launcher':<36}{'median s':>10}{'vs local':>10}   rounds (first step / last collector's / end)")
     for launcher, runs in results.items():
-        print(f"{labels[launcher]:<36}{median[launcher]:>10.2f}{median[launcher] / median['local']:>10.2f}   " +
+        print(f"{labels[launcher]:<36}{median[launcher]:>10.2f}{versus[launcher]:>10.2f}   " +
               ", ".join(f"{r['first_step_s']:.1f}/{r['last_first_step_s']:.1f}/{r['wall_s']:.1f}" for r in runs))
     print_json_line({"local_s": seconds["local"], "slurm_s": seconds["slurm"], "ray_s": seconds["ray"],
                      "slurm_vs_local": versus["slurm"], "ray_vs_local": versus["ray"],
