@@ -19,8 +19,8 @@ last progress point (process start, imports, env start-up and the first updates 
   batches an epoch, 4 epochs, Nature CNN, frame skip 4, 4 stacked frames), synchronous (``--async_rl=False``, its
   Atari default) and with ``--async_rl=True --with_vtrace=True --normalize_returns=False --recurrence=128`` (APPO:
   V-trace refuses normalised returns and a recurrence other than the rollout's length; Sample Factory 2.1.1's
-  learner then still failed on its first batch here, 'AttrDict' object has no attribute 'advantages', which the
-  figures report as not measured). Sample Factory counts env frames (its Atari default ``summaries_use_frameskip``:
+  learner then fails on its first batch, 'AttrDict' object has no attribute 'advantages', a bug fixed upstream after
+  2.1.1 that the ``sitecustomize.py`` below works around for the summaries only). Sample Factory counts env frames (its Atari default ``summaries_use_frameskip``:
   agent steps x 4); its log's ``Fps is (10 sec: X, ...). Total num frames: N``
   lines (every 5 s), stamped when read, give (last N - first N) / (last time - first time) in the same window, N
   taken from the line that first shows it (it grows a training batch, 4,096 frames, at a time); the mean of the
@@ -59,8 +59,47 @@ from benchmarks._harness import PeerInstallError, device_name, peer_python, prin
 SAMPLE_FACTORY = ("torch==2.13.0", "sample-factory==2.1.1", "ale-py==0.9.0")
 """Sample Factory's virtualenv: its last release, ale-py 0.9.0 (ROMs bundled, no gymnasium requirement: Sample
 Factory's gymnasium < 1.0 stays) and our torch (the CPU build where pip is given one)."""
-SITECUSTOMIZE = ("try:\n    import ale_py  # registers ALE/*-v5 with gymnasium, in every process\n"
-                 "except ImportError:\n    pass\n")
+SITECUSTOMIZE = '''try:
+    import ale_py  # registers ALE/*-v5 with gymnasium, in every process
+except ImportError:
+    pass
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+
+class _VtraceSummaries(importlib.abc.MetaPathFinder):
+    """Sample Factory 2.1.1's learner reads the minibatch's GAE advantages when it records summaries; V-trace
+    computes none, so APPO fails on its first batch ('AttrDict' object has no attribute 'advantages'). Fixed
+    upstream after 2.1.1 (alex-petrenko/sample-factory#286, #332: the advantage stats are skipped); here V-trace
+    minibatches get NaN advantages for the summaries only, so the stats read NaN and training is untouched."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "sample_factory.algo.learning.learner":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            record = module.Learner._record_summaries
+
+            def _record_summaries(self, train_loop_vars):
+                if "advantages" not in train_loop_vars.mb:
+                    train_loop_vars.mb["advantages"] = module.torch.full((1,), float("nan"))
+                return record(self, train_loop_vars)
+
+            module.Learner._record_summaries = _record_summaries
+
+        spec.loader.exec_module = patched
+        return spec
+
+
+sys.meta_path.insert(0, _VtraceSummaries())
+'''
+"""The ``sitecustomize.py`` of Sample Factory's virtualenv: ALE registered in every process, and its APPO's summary
+bug worked around (the class docstring)."""
 FRAME_SKIP = 4
 """Emulator frames per agent step, both sides (ALE v5's frame skip on ours, Sample Factory's ``env_frameskip``)."""
 ENVS = 8
