@@ -6,8 +6,8 @@ after the learner's opening one (with no evaluator nodes the learner evaluates, 
 run) and that one played on one env for one game. Figures, per configuration:
 
 - learner samples/s: env steps reaching the learner per second over a window from its second TensorBoard point
-  (the learner logs at its first gradient step, then every 100: process start-up, the opening evaluation and the
-  first 100 steps are excluded) to its last. Every unroll is
+  (the learner logs at its first gradient step, then every ``policy.learn.log_freq``, 100: process start-up, the
+  opening evaluation and the first 100 steps are excluded) to its last. Every unroll is
   learned from fresh once (and ``learn.replay_ratio`` more times on average from the replay) and fewer than one
   batch waits between the learner's calls, so this is the rate of fresh samples learned from, to within one batch
   over the window; it is ``steps_per_s_C`` in the JSON line.
@@ -24,7 +24,7 @@ processes share two cores, so expect little above 1 there.
 
     python -m benchmarks.impala_throughput                        # 40,000 agent steps a run, 1 round
     python -m benchmarks.impala_throughput --env-steps 64000 --rounds 2
-    python -m benchmarks.impala_throughput --quick                # 2 envs, 10-step unrolls one a batch, 700 steps
+    python -m benchmarks.impala_throughput --quick    # 2 envs, 10-step unrolls one a batch, logs every 10, 150 steps
 """
 from __future__ import annotations
 
@@ -41,16 +41,18 @@ from benchmarks._harness import (add_worker_option, alternate, print_json_line, 
 
 ENTRY = "atari/impala"
 SIDES = ("1", "2")  # collector processes
-QUICK_ENV_STEPS = 700
-"""The smoke run's agent steps a run: the learner logs at its first gradient step and every 100 after, and the
+QUICK_ENV_STEPS = 150
+"""The smoke run's agent steps a run: the quick learner logs at its first gradient step and every 10 after, and the
 figure needs 3 points. With the quick config the learner took 0.4 gradient steps an agent step in every run
-measured (1 and 2 collectors, 700 to 1,200 steps, load 2-6), its points at 280, 560, 840... agent steps: 700 give 3."""
+measured (1 and 2 collectors, 700 to 1,200 steps, load 2-6), its points at 28, 56, 84... agent steps: 150 give 3
+with room."""
+QUICK_LOG_FREQ = 10
 
 
 def config(quick: bool) -> Any:
     """The entry's config with evaluation reduced to the learner's opening game on one env; ``quick``: 2 envs,
-    unrolls of 10 steps and a gradient step per unroll, so that the learner logs its 100-step points within a
-    few thousand agent steps."""
+    unrolls of 10 steps and a gradient step per unroll, logged every 10 gradient steps, so that the learner logs
+    its points within a hundred agent steps."""
     from conveyor.zoo import load_entry
 
     cfg = copy.deepcopy(load_entry(ENTRY).main_config)
@@ -62,6 +64,7 @@ def config(quick: bool) -> Any:
         cfg.env.collector_env_num = 2
         cfg.policy.collect.n_sample = 2 * 10
         cfg.policy.learn.batch_size = 1
+        cfg.policy.learn.log_freq = QUICK_LOG_FREQ
     return cfg
 
 
@@ -80,7 +83,8 @@ def measure(collectors: int, env_steps: int, quick: bool, seed: int) -> Dict[str
     points = scalars.get("charts/env_steps_per_s", [])
     if len(points) < 3:
         raise RuntimeError(f"the learner logged {len(points)} env_steps_per_s points in {env_steps} agent steps, "
-                           f"3 are needed: give more --env-steps (it logs every 100 gradient steps)")
+                           f"3 are needed: give more --env-steps (it logs every {cfg.policy.learn.log_freq} gradient "
+                           f"steps)")
     (s0, _, t0), (s1, _, t1) = points[1], points[-1]
     nodes = [n for n in run.nodes if n["role"] == "collector"]
     first = min(n["first_step_at"] for n in nodes if n["first_step_at"] is not None)
@@ -95,7 +99,8 @@ def measure(collectors: int, env_steps: int, quick: bool, seed: int) -> Dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 envs, a gradient step per 10-step unroll, "
-                                                             f"{QUICK_ENV_STEPS} agent steps")
+                                                             f"logged every {QUICK_LOG_FREQ}, {QUICK_ENV_STEPS} agent "
+                                                             f"steps")
     parser.add_argument("--env-steps", type=int, default=40_000, help="agent steps per run (default 40,000)")
     parser.add_argument("--rounds", type=int, default=1, help="runs per configuration, alternating")
     parser.add_argument("--seed", type=int, default=0)

@@ -170,6 +170,8 @@ class Policy(abc.ABC):
                 "update_per_collect": Option(1, "Gradient steps per collection round.", check=schema.positive),
                 "grad_clip": Option(None, "Clip the gradient's global L2 norm to this (None: no clipping).",
                                     type=float, check=optional_positive),
+                "log_freq": Option(100, "Write the training scalars (losses, charts, timings) to TensorBoard every "
+                                        "this many gradient steps.", check=schema.positive),
                 "learning_starts": Option(0, "Transitions in the replay buffer before off-policy training starts "
                                              "(at least batch_size).", check=schema.non_negative),
             },

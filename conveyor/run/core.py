@@ -202,12 +202,12 @@ class Run:
         task.use(saver)
         if self._offline:
             budget = self._max_train_iter if self._max_train_iter is not None else cfg.policy.learn.max_train_iter
-            task.use(offline_logger(str(self.run_dir / "tb")))
+            task.use(offline_logger(str(self.run_dir / "tb"), train_show_freq=cfg.policy.learn.log_freq))
             task.use(termination_checker(max_train_iter=budget))
             if self._progress:
                 task.use(progress_bar(budget, counter="train_iter"))
         else:
-            task.use(online_logger(str(self.run_dir / "tb")))
+            task.use(online_logger(str(self.run_dir / "tb"), train_show_freq=cfg.policy.learn.log_freq))
             if self._max_env_step is not None or self._max_train_iter is not None:
                 task.use(termination_checker(max_env_step=self._max_env_step, max_train_iter=self._max_train_iter))
             if self._progress:

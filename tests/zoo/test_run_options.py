@@ -169,3 +169,17 @@ def test_warnings_still_reach_stderr_while_the_run_logs_to_its_file(in_tmp):
     text = (in_tmp / "log.txt").read_text()
     assert "a warning for the terminal" in text and "a record for the file only" in text
 
+
+
+def test_policy_learn_log_freq_sets_how_often_the_training_scalars_are_written(in_tmp, capsys):
+    from tests.middleware.test_logger import read_scalars
+
+    iterations = {}
+    for freq in (5, 40):  # TINY's runs take 16 gradient steps an iteration: 5 logs each one, 40 every third
+        assert cli(["train", "cartpole/dqn", *TINY, "--max-env-step", "400", "--set", f"policy.learn.log_freq={freq}",
+                    "--exp-name", f"every{freq}"]) == 0, capsys.readouterr().err
+        iterations[freq] = [step for tag, step, _ in read_scalars(in_tmp / "runs" / f"every{freq}" / "tb")
+                            if tag == "charts/env_steps_per_s"]
+    assert len(iterations[5]) >= 2 * len(iterations[40]) >= 4, iterations
+    assert cli(["train", "cartpole/dqn", *TINY, "--set", "policy.learn.log_freq=0", "--exp-name", "never"]) == 2
+    assert "log_freq" in capsys.readouterr().err
