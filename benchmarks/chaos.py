@@ -347,6 +347,11 @@ def report(run_dir: Path, events: List[Dict[str, Any]], kills: Dict[str, int], r
         print(f"transitions: collected {account['collected']} = in replay {account['in_replay']} + replaced "
               f"{account['replaced']} + dropped {sum(account['dropped'].values())} {account['dropped']} + "
               f"unaccounted {account['unaccounted']}")
+    if account.get("unaccounted"):  # where the rest lies: what each collector sent that the learner never saw
+        for node, row in account["by_node"].items():
+            print(f"  collector {node}: offered {row['offered']} (incarnation {row['incarnation']}), counted by the "
+                  f"learner {row['counted']} (last from incarnation {row['last_seen_incarnation']}), no learner "
+                  f"{row['no_learner']}, not counted {row['not_counted']}")
     print(f"network faults: {netns}")
     for out, code in zip(("run.out", "apart.out"), codes):
         if code != 0 or not account:

@@ -365,7 +365,7 @@ class ContextExchanger(Exchanger):
             got, self._inbox = self._inbox, []  # a loss stays noted until the wait above has seen it
         for p in got:
             self.received[p["node"]] = self.received.get(p["node"], 0) + p["env_step"]
-            self.ledger.take(p["node"], p["transitions"], p.get("offered_before"), p.get("incarnation", 0))
+            self.ledger.take_batch(p)
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
@@ -402,7 +402,7 @@ class ContextExchanger(Exchanger):
         if self._learner:
             with self._cond:
                 left, self._inbox = self._inbox, []
-            self.ledger.close(sum(p["transitions"] for p in left))
+            self.ledger.close(left)
 
     def _send(self, payload: Dict[str, Any]) -> None:
         if self.ledger is not None:

@@ -17,7 +17,8 @@ replaced by newer ones, or dropped with its reason; what none of these explains 
 - :func:`transition_account` puts them together (the launcher logs it where every node ran on its host).
 
 What stays unaccounted: batches in flight when the learner ended (sent, never received, the sender not told),
-and a batch a collector counted and was killed before sending when it never sends again.
+and a batch a collector counted and was killed before sending when it never sends again (a gap shows at a node's
+next batch). The account's ``by_node`` says, for each collector, how much of it the learner never saw.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional
 
 __all__ = ["DROP_REASONS", "LEDGER_DIR", "SendLedger", "TakeLedger", "transition_account"]
 
@@ -97,11 +98,16 @@ class TakeLedger:
         self._since_resume: set = set()
         self._lock = threading.Lock()
 
-    def take(self, node: str, transitions: int, offered_before: Optional[int], incarnation: int = 0) -> None:
-        """Count a batch of ``transitions`` from ``node`` taken into an iteration; ``offered_before`` (None: a
-        sender that keeps no ledger) shows what went missing before it."""
+    def take(self, node: str, transitions: int, offered_before: Optional[int], incarnation: int = 0,
+             after_end: bool = False) -> None:
+        """Count a batch of ``transitions`` from ``node`` taken into an iteration (``after_end``: arrived after the
+        last one, dropped); ``offered_before`` (None: a sender that keeps no ledger) shows what went missing
+        before it."""
         with self._lock:
-            self.taken[node] = self.taken.get(node, 0) + transitions
+            if after_end:
+                self.dropped["after_end"] += transitions
+            else:
+                self.taken[node] = self.taken.get(node, 0) + transitions
             if offered_before is not None:
                 gap = offered_before - self.counted.get(node, 0)
                 if gap > 0:
@@ -112,16 +118,22 @@ class TakeLedger:
             self.incarnations[node] = incarnation
             self._since_resume.add(node)
 
+    def take_batch(self, batch: Dict[str, Any], after_end: bool = False) -> None:
+        """:meth:`take` a batch a learner's exchanger received (``node``, ``transitions``, and from a sender that
+        keeps a ledger ``offered_before`` and ``incarnation``)."""
+        self.take(batch["node"], batch["transitions"], batch.get("offered_before"), batch.get("incarnation", 0),
+                  after_end)
+
     def _why(self, node: str, incarnation: int) -> str:
         if self._resumed and node not in self._since_resume:
             return "learner_restarted"
         return "sender_restarted" if incarnation != self.incarnations.get(node, 0) else "lost"
 
-    def close(self, after_end: int) -> None:
-        """The learner's end: count the ``after_end`` transitions that arrived after its last iteration as dropped,
-        log the counts and write them to ``path``."""
-        with self._lock:
-            self.dropped["after_end"] += after_end
+    def close(self, after_end: Iterable[Dict[str, Any]] = ()) -> None:
+        """The learner's end: count the batches that arrived after its last iteration (``after_end``, as
+        :meth:`take_batch` takes them) as dropped, log the counts and write them to ``path``."""
+        for batch in after_end:
+            self.take_batch(batch, after_end=True)
         summary = self.summary()
         log.info("transitions taken %d (%s), dropped %s", sum(summary["taken"].values()),
                  ", ".join(f"node {node}: {n}" for node, n in sorted(summary["taken"].items())), summary["dropped"])
@@ -157,7 +169,9 @@ def transition_account(run_dir: Path) -> Dict[str, Any]:
     """The run's transition account from the ledgers' files in ``run_dir`` (``ledger/``; the learner's at its end,
     else its final or latest checkpoint's): ``collected`` (offered by the collectors), ``in_replay``,
     ``replaced`` (added to the replay buffer and since replaced), ``dropped`` by reason, ``unaccounted``
-    (``collected`` less all of these), ``overlap`` and ``by_node``. A ValueError names what is missing."""
+    (``collected`` less all of these), ``overlap`` and ``by_node`` (each collector's file, what the learner counted
+    of it, and ``not_counted``: what it sent that the learner never saw, where an unaccounted rest lies). A
+    ValueError names what is missing."""
     from conveyor.middleware.ckpt import load_checkpoint
 
     run_dir = Path(run_dir)
@@ -178,8 +192,10 @@ def transition_account(run_dir: Path) -> Dict[str, Any]:
     collected = sum(s["offered"] for s in senders.values())
     replay = learner.get("replay") or {"in_replay": 0, "added": sum(learner["taken"].values())}
     placed = replay["added"] + sum(dropped.values())
-    by_node = {node: {"offered": s["offered"], "no_learner": s["no_learner"],
-                      "taken": learner["taken"].get(node, 0), "counted": learner["counted"].get(node, 0)}
+    by_node = {node: {"offered": s["offered"], "no_learner": s["no_learner"], "incarnation": s["incarnation"],
+                      "taken": learner["taken"].get(node, 0), "counted": learner["counted"].get(node, 0),
+                      "last_seen_incarnation": learner["incarnations"].get(node),
+                      "not_counted": s["offered"] - s["no_learner"] - learner["counted"].get(node, 0)}
                for node, s in senders.items()}
     return {"collected": collected, "in_replay": replay["in_replay"], "replaced": replay["added"] - replay["in_replay"],
             "taken": sum(learner["taken"].values()), "dropped": dropped, "unaccounted": collected - placed,

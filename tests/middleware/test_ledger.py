@@ -17,9 +17,9 @@ def send(collector, learner, node, n, taken=True):
         learner.take(node, n, before, collector.incarnation)
 
 
-def finish(run_dir, learner, after_end=0):
+def finish(run_dir, learner):
     learner.path = run_dir / LEDGER_DIR / "learner.json"
-    learner.close(after_end)
+    learner.close()
     return transition_account(run_dir)
 
 
@@ -57,7 +57,7 @@ def test_counts_survive_a_learner_resume_and_what_the_killed_learner_took_after_
     send(collector, resumed, "1", 6)
     send(collector, resumed, "1", 2, taken=False)  # after the resume, a gap is a loss again
     send(collector, resumed, "1", 6)
-    account = finish(tmp_path, resumed, after_end=0)
+    account = finish(tmp_path, resumed)
     assert account["dropped"]["learner_restarted"] == 6 and account["dropped"]["lost"] == 2
     assert account["taken"] == 18 and account["collected"] == 26 and account["unaccounted"] == 0
 
@@ -69,8 +69,8 @@ def test_the_account_reports_the_replay_buffer_and_what_it_cannot_explain(tmp_pa
     buffer.extend({"reward": [0.0, 1.0, 2.0]})
     send(collector, learner, "1", 3)
     buffer.extend({"reward": [0.0, 1.0, 2.0]})
-    collector.offer(2)  # arrived after the learner's last iteration
+    learner.take("1", 2, collector.offer(2), after_end=True)  # arrived after the learner's last iteration
     collector.offer(5)  # in flight when the learner ended, never received: nothing counts it
-    account = finish(tmp_path, learner, after_end=2)
+    account = finish(tmp_path, learner)
     assert (account["in_replay"], account["replaced"]) == (4, 2) and account["dropped"]["after_end"] == 2
-    assert account["collected"] == 13 and account["unaccounted"] == 5
+    assert account["collected"] == 13 and account["unaccounted"] == 5 and account["by_node"]["1"]["not_counted"] == 5
