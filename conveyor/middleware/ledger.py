@@ -12,13 +12,16 @@ replaced by newer ones, or dropped with its reason; what none of these explains 
   reached this learner's account, dropped as ``learner_restarted`` (the first batch from the node since this
   learner resumed: taken by the killed learner after its checkpoint, or in flight when it died),
   ``sender_restarted`` (the batch comes from a new incarnation: the old one was killed with a batch it had counted
-  and not sent) or ``lost`` (lost on the way, or refused on receipt: ``stats()["rejected"]``). At its end it
-  counts the batches that arrived after its last iteration (``after_end``) and writes ``ledger/learner.json``.
+  and not sent; or, where a restarted collector never gets a batch to the learner, what its earlier lives counted
+  that the learner never saw: :func:`transition_account` counts that from the collector's file) or ``lost`` (lost on
+  the way, or refused on receipt: ``stats()["rejected"]``). At its end it counts the batches that arrived after its
+  last iteration (``after_end``) and writes ``ledger/learner.json``.
 - :func:`transition_account` puts them together (the launcher logs it where every node ran on its host).
 
-What stays unaccounted: batches in flight when the learner ended (sent, never received, the sender not told),
-and a batch a collector counted and was killed before sending when it never sends again (a gap shows at a node's
-next batch). The account's ``by_node`` says, for each collector, how much of it the learner never saw.
+What stays unaccounted: batches in flight when the learner ended (sent, never received, the sender not told); and
+a batch a collector counted and was killed before sending when the learner ended before that collector's next
+life had a batch taken or counted its first. The account's ``by_node`` says, for each collector, how much of it
+the learner never saw.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ class SendLedger:
         if resume and self.path.is_file():
             saved = json.loads(self.path.read_text())
             self.offered, self.no_learner = int(saved["offered"]), int(saved["no_learner"])
+        self._at_start = {"offered": self.offered, "no_learner": self.no_learner}  # what earlier lives counted
         self._save()
 
     def offer(self, transitions: int) -> int:
@@ -75,7 +79,7 @@ class SendLedger:
 
     def _save(self) -> None:
         _write_json(self.path, {"offered": self.offered, "no_learner": self.no_learner,
-                                "incarnation": self.incarnation})
+                                "incarnation": self.incarnation, "at_start": self._at_start})
 
 
 class TakeLedger:
@@ -191,6 +195,11 @@ def transition_account(run_dir: Path) -> Dict[str, Any]:
     dropped["no_learner"] = sum(s["no_learner"] for s in senders.values())
     collected = sum(s["offered"] for s in senders.values())
     replay = learner.get("replay") or {"in_replay": 0, "added": sum(learner["taken"].values())}
+    for node, s in senders.items():  # a collector killed, restarted, and never heard from again: what its
+        seen = learner["incarnations"].get(node)  # earlier lives counted and the learner never saw died with them
+        if s["incarnation"] > 0 and (seen is None or seen < s["incarnation"]):
+            earlier = s["at_start"]["offered"] - s["at_start"]["no_learner"] - learner["counted"].get(node, 0)
+            dropped["sender_restarted"] += max(0, earlier)
     placed = replay["added"] + sum(dropped.values())
     by_node = {node: {"offered": s["offered"], "no_learner": s["no_learner"], "incarnation": s["incarnation"],
                       "taken": learner["taken"].get(node, 0), "counted": learner["counted"].get(node, 0),

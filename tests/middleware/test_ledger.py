@@ -34,6 +34,18 @@ def test_a_batch_its_killed_collector_counted_and_never_sent_is_dropped_as_sende
     assert account["collected"] == 21 and account["taken"] == 16 and account["unaccounted"] == 0
 
 
+def test_what_a_killed_collector_counted_is_dropped_as_sender_restarted_when_its_next_life_never_reaches_the_learner(
+        tmp_path):
+    learner, first = TakeLedger(), sender(tmp_path, 1)
+    send(first, learner, "1", 8)
+    send(first, learner, "1", 5, taken=False)  # counted in its file, then SIGKILL before the send
+    restarted = sender(tmp_path, 1, incarnation=1)
+    send(restarted, learner, "1", 3, taken=False)  # in flight when the learner ended: nothing can count it
+    account = finish(tmp_path, learner)
+    assert account["dropped"]["sender_restarted"] == 5 and account["unaccounted"] == 3
+    assert account["by_node"]["1"]["not_counted"] == 8
+
+
 def test_a_batch_lost_between_live_peers_is_dropped_as_lost_and_one_with_no_learner_as_no_learner(tmp_path):
     learner, collector = TakeLedger(), sender(tmp_path, 1)
     send(collector, learner, "1", 4)
