@@ -140,6 +140,11 @@ class DequeBuffer:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def added(self) -> int:
+        """Transitions ever added (pushed or extended), those since replaced included; saved in checkpoints."""
+        return self._added
+
     def __repr__(self) -> str:
         frames = "" if self._frame_stack is None else f", frame_stack={self._frame_stack!r}"
         return f"DequeBuffer(size={self._size}, len={self._len}, prioritized={self._prioritized}{frames})"

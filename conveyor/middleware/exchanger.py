@@ -53,6 +53,7 @@ from conveyor.engine import OnlineRLContext, declares, task
 from conveyor.middleware.exchange_base import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC,
                                                TRAIN_ITER_TOPIC, ExchangeTimeout, Exchanger, anything, seconds)
 from conveyor.middleware.batch_check import SpaceCheck, count_transitions, end_indices, held_transitions
+from conveyor.middleware.ledger import SendLedger, TakeLedger
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.middleware.model_exchanger import ModelExchanger
 
@@ -160,11 +161,14 @@ class ContextExchanger(Exchanger):
     Learner: ``spaces``, the env's ``(observation_space, action_space)``: every received batch is checked against
     them (:class:`~conveyor.middleware.batch_check.SpaceCheck`) and dropped whole where it fails. ``collectors``:
     the node ids whose batches it takes (None: any peer's).
+
+    ``ledger`` (:mod:`conveyor.middleware.ledger`): a collector's :class:`SendLedger` (None: it counts nothing), a
+    learner's :class:`TakeLedger` (default: one of its own, :attr:`ledger`): transitions offered, taken, dropped.
     """
 
     def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0,
                  skip_n_iter: Optional[int] = None, shard: int = 0, spaces: Optional[tuple] = None,
-                 collectors: Optional[Iterable[Any]] = None) -> None:
+                 collectors: Optional[Iterable[Any]] = None, ledger: Any = None) -> None:
         if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
             raise ValueError(f"ContextExchanger(shard={shard!r}): must be an int >= 0 (the learner's rank)")
         if skip_n_iter is not None and (not isinstance(skip_n_iter, int) or isinstance(skip_n_iter, bool)
@@ -196,6 +200,7 @@ class ContextExchanger(Exchanger):
                          self._got_train_iter)
         if self._collector:
             self._subscribe(self._collector_topic, _ignore)
+        self.ledger = ledger if ledger is not None or not self._learner else TakeLedger()
 
     def __repr__(self) -> str:
         side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
@@ -211,6 +216,7 @@ class ContextExchanger(Exchanger):
     def _got_data(self, payload: Any) -> None:
         check_fields(payload, node=lambda v: isinstance(v, str), env_step=int, env_episode=int,
                      episodes=lambda v: v is None or isinstance(v, list), trajectories=anything, train_data=anything)
+        check_fields({"offered_before": 0, "incarnation": 0, **payload}, offered_before=int, incarnation=int)
         node, sender = payload["node"], getattr(self._router, "sender", None)
         if sender is not None and node != str(sender):
             raise BadMessage(f"it says it comes from node {node!r}")
@@ -247,7 +253,8 @@ class ContextExchanger(Exchanger):
                     raise BadMessage(f"its {name} are laid out otherwise than the first batch's (keys, dtypes, "
                                      f"shapes after the first dim)")
             self._layouts = first
-            self._credit_steps(node, payload, held_transitions(payload, rows))
+            payload["transitions"] = held_transitions(payload, rows)
+            self._credit_steps(node, payload, payload["transitions"])
             self._inbox.append(payload)
             if live:
                 self._collectors.add(node)
@@ -358,6 +365,7 @@ class ContextExchanger(Exchanger):
             got, self._inbox = self._inbox, []  # a loss stays noted until the wait above has seen it
         for p in got:
             self.received[p["node"]] = self.received.get(p["node"], 0) + p["env_step"]
+            self.ledger.take_batch(p)
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
         ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
@@ -388,7 +396,19 @@ class ContextExchanger(Exchanger):
     def _learners_gone(self) -> bool:
         return self._learners_seen and not self._router.subscribers(self._data_topic)
 
+    def close(self) -> None:
+        """Unsubscribe; a learner's ledger counts what arrived after its last iteration (``after_end``)."""
+        super().close()
+        if self._learner:
+            with self._cond:
+                left, self._inbox = self._inbox, []
+            self.ledger.close(left)
+
     def _send(self, payload: Dict[str, Any]) -> None:
+        if self.ledger is not None:
+            rows = {name: len(v) for name in ("trajectories", "train_data") if isinstance(v := payload[name], list)}
+            n = held_transitions(payload, rows)
+            payload.update(offered_before=self.ledger.offer(n), incarnation=self.ledger.incarnation)
         if self._router.publish(self._data_topic, payload) > 0:
             self._had_learner = True
             return
@@ -397,8 +417,7 @@ class ContextExchanger(Exchanger):
                 return
             log.info("node %s: no learner left to send collected data to; the collector stops",
                      self._router.node_id)
-            task.finish = True
-            return
+            return self._dropped()
         with self._cond:  # no learner has subscribed yet: wait for one, unless the run ends meanwhile
             waited = self._wait(lambda: bool(self._router.subscribers(self._data_topic)) or task.finish,
                                 self.timeout_s)
@@ -411,7 +430,13 @@ class ContextExchanger(Exchanger):
         else:  # the learner's run ended (its stop heard, or it left) or this node was asked to stop first
             log.info("node %s: the run ended before a learner took this collector's first batch; the collector "
                      "stops", self._router.node_id)
-            task.finish = True
+            self._dropped()
+
+    def _dropped(self) -> None:
+        """No learner is left to take the batch being sent: the ledger counts it as dropped, and the run ends."""
+        if self.ledger is not None:
+            self.ledger.drop()
+        task.finish = True
 
     def _rejoined(self) -> bool:
         """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""

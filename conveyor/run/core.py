@@ -77,6 +77,7 @@ class Run:
         self._build_dataset = build_dataset or "conveyor collect ... --dataset-id <id> (docs/offline.md)"
         self._offline = is_offline(cfg if cfg is not None else main_config)
         self._states: Dict[str, Any] = {}
+        self._optional: set = set()  # names in _states that a checkpoint may lack (save_state's optional)
         self._envs: Dict[str, Any] = {}
         self._collector: Any = None  # an async run's ProcessCollector
         self._node: Any = None  # a distributed run's node (conveyor.run.nodes.Node)
@@ -128,13 +129,18 @@ class Run:
                              beta_end=replay.beta_end, beta_anneal_steps=replay.beta_anneal_steps, seed=self.cfg.seed,
                              frame_stack=replay.get("frame_stack", "auto"))
         self.save_state("buffer", buffer)
+        if self._node is not None and self._node.ledger is not None and task.has_role(Role.LEARNER):
+            self._node.ledger.replay = buffer  # the transition account reports what it holds
         sync = self._node.sync if self._node is not None else None
         return buffer if sync is None else sync.shard(buffer)  # one of data-parallel learners: its shard
 
-    def save_state(self, name: str, obj: Any) -> Any:
+    def save_state(self, name: str, obj: Any, optional: bool = False) -> Any:
         """Save ``obj`` (with ``state_dict()`` / ``load_state_dict()``) in the run's checkpoints under ``name``,
-        after the policy; returns it."""
+        after the policy; returns it. ``optional``: a checkpoint without it (written before it was saved) resumes,
+        ``obj`` keeping its fresh state."""
         self._states[name] = obj
+        if optional:
+            self._optional.add(name)
         return obj
 
     def collector_side(self) -> "CollectorSide":
@@ -217,7 +223,7 @@ class Run:
             task.on(EVAL_EVENT, self._evaluated)
         latest = self.run_dir / "ckpt" / LATEST
         if self._resume and latest.is_file():  # without one, prepare() has started the run over
-            _resume(latest, meta["policy"])
+            _resume(latest, meta["policy"], {name: self._states[name] for name in self._optional})
         return saver
 
     def _evaluated(self, result: Dict[str, Any]) -> None:
@@ -226,8 +232,12 @@ class Run:
             task.finish = True
 
 
-def _resume(path: Path, policy_name: str) -> None:
+def _resume(path: Path, policy_name: str, optional: Mapping[str, Any]) -> None:
     state = load_checkpoint(path)
+    for name, obj in optional.items():
+        if name not in state.get("objects", {}):
+            log.warning("%s holds no %r (written before it was saved): it starts afresh", path, name)
+            state.setdefault("objects", {})[name] = obj.state_dict()
     saved_by = state.get("meta", {}).get("policy")
     if saved_by != policy_name or "middleware" not in state:
         raise RunDirError(f"cannot resume from {path} with {policy_name}: it was written by "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -41,11 +42,14 @@ from easydict import EasyDict
 from conveyor.engine import Role, task
 from conveyor.engine.parallel.cluster import NodeTable
 from conveyor.middleware import ContextExchanger, ModelExchanger
+from conveyor.middleware.ledger import LEDGER_DIR, SendLedger, TakeLedger, transition_account
 from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
 from conveyor.middleware.distributed import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
 from conveyor.run.directory import NODES_FILE, check_layout, run_directory
 from conveyor.run.entries import entry_reference, import_entry
+
+log = logging.getLogger("conveyor.run")
 
 __all__ = ["DistributedRun", "Layout", "Node", "check_learners", "collector_share", "current_node", "is_offline",
            "learner_share", "train_distributed", "use_node_links"]
@@ -119,7 +123,8 @@ class Node:
     """This worker's part of a distributed run: its layout, whether a lost learner is restarted, and what the
     node did (``ran``: its main() trained in a Run, its policy on ``device``; ``collected`` env steps from
     ``first_step_at``; a learner: ``local_rank`` among the learners on its host, ``received`` env steps by collector
-    node id, ``params_sha256`` of its final weights, and ``sync``, the learners' agreement where there are several)."""
+    node id, ``params_sha256`` of its final weights, and ``sync``, the learners' agreement where there are several;
+    ``ledger``: its transition count, :mod:`conveyor.middleware.ledger`)."""
 
     layout: Layout
     auto_recover: bool = False
@@ -131,6 +136,7 @@ class Node:
     received: Dict[str, int] = field(default_factory=dict)
     params_sha256: Optional[str] = None
     sync: Any = None
+    ledger: Any = None
 
 
 _node: Optional[Node] = None
@@ -145,12 +151,15 @@ class DistributedRun:
     its first collected step; a learner's ``rank``, ``received``: the env steps it received, ``received_from``: those
     by collector node id, ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
     of the group, and with several learners of an entry without a replay buffer (conveyor/run/learners.py)
-    ``kept``: the env steps it trained on, the same on every learner, and ``dropped``: those it left out)."""
+    ``kept``: the env steps it trained on, the same on every learner, and ``dropped``: those it left out).
+    ``transitions``: the run's transition account (:func:`~conveyor.middleware.ledger.transition_account`) where it
+    had one learner and every node ran here, else None."""
 
     env_step: Optional[int] = None
     train_iter: Optional[int] = None
     last_eval_value: Optional[float] = None
     nodes: List[Dict[str, Any]] = field(default_factory=list)
+    transitions: Optional[Dict[str, Any]] = None
 
 
 def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0, learners: int = 1,
@@ -216,7 +225,17 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)
     if newest is None:
         return DistributedRun()
-    return DistributedRun(newest["env_step"], newest["train_iter"], newest["last_eval_value"], nodes)
+    account = None
+    if learners == 1 and len(ids) == layout.n_nodes:  # every ledger is in this host's run directory
+        try:
+            account = transition_account(run_directory(cfg if cfg is not None else loaded.main_config, exp_name))
+        except (OSError, ValueError) as e:
+            log.warning("no transition account for this run: %s", e)
+    if account is not None:
+        log.info("transitions collected %d = in replay %d + replaced %d + dropped %d %s + unaccounted %d",
+                 account["collected"], account["in_replay"], account["replaced"], sum(account["dropped"].values()),
+                 account["dropped"], account["unaccounted"])
+    return DistributedRun(newest["env_step"], newest["train_iter"], newest["last_eval_value"], nodes, account)
 
 
 def _check_one_learner(run_dir: Path) -> None:
@@ -266,6 +285,7 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
             "restarts": task.router.restarts, "env_step": int(ctx.env_step),
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
             "first_step_at": node.first_step_at,
+            **({"offered": node.ledger.offered} if isinstance(node.ledger, SendLedger) else {}),
             **({"rank": node_id, "received": sum(node.received.values()), "received_from": dict(node.received),
                 **({"kept": node.sync.kept, "dropped": node.sync.dropped} if node.sync is not None
                    and node.sync.agree_rows else {}),
@@ -279,7 +299,7 @@ def current_node() -> "Node":
 
 
 def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: bool = True,
-                   spaces: Optional[tuple] = None) -> LearnerClock:
+                   spaces: Optional[tuple] = None, resume: bool = False) -> LearnerClock:
     """The first middleware of every node (inside ``task.start``): node 0 writes ``nodes.json`` (the others
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
     entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
@@ -287,7 +307,10 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     for an entry without a replay buffer (``buffered`` False) agrees on the rows of ``train_data`` each trains on.
     What a node takes from another is what that node may send: counters, weights and the run's end (``task.finish``)
     from the learners only, batches from
-    this learner's collectors only, checked against the env's ``spaces`` (a learner's). Returns the clock."""
+    this learner's collectors only, checked against the env's ``spaces`` (a learner's). A collector on the learner's
+    host counts what it sends in ``run_dir/ledger`` (going on from there when restarted or ``resume``; one on
+    another host, where node 0 made no run directory, counts nothing), the learner what it takes
+    (``node.ledger``, :mod:`conveyor.middleware.ledger`). Returns the clock."""
     node = current_node()
     node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
     node_id, layout = task.router.node_id, node.layout
@@ -307,8 +330,13 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     shard = layout.learner_of(node_id) if node_id < layout.learners + layout.collectors else 0
     collectors = [node for node in range(layout.learners, layout.learners + layout.collectors)
                   if layout.learner_of(node) == shard]
+    restarts = task.router.restarts
+    if learner:
+        node.ledger = TakeLedger(run_dir / LEDGER_DIR / "learner.json" if layout.learners == 1 else None)
+    elif task.has_role(Role.COLLECTOR) and run_dir.is_dir():  # the learner's host: another's writes nothing
+        node.ledger = SendLedger(run_dir / LEDGER_DIR / f"collector-{node_id}.json", restarts, resume or restarts > 0)
     exchanger = ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s, shard=shard,
-                                 spaces=spaces if learner else None, collectors=collectors)
+                                 spaces=spaces if learner else None, collectors=collectors, ledger=node.ledger)
     task.use(exchanger)
     if learner:
         node.received = exchanger.received

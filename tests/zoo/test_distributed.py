@@ -49,6 +49,7 @@ def test_dqn_learner_trains_on_both_collectors_and_nodes_json_names_every_worker
     # the batches it collected ahead of the learner's last iteration, the rows its n-step enhancer still held)
     assert sorted(learner["received_from"]) == ["1", "2"] and all(learner["received_from"].values())
     assert sum(learner["received_from"].values()) == run.env_step
+    assert run.transitions["unaccounted"] == 0 and run.transitions["collected"] == sum(c["offered"] for c in collectors)
     rows = json.loads((in_tmp / "runs" / "dist" / "nodes.json").read_text())
     assert [(r["node_id"], r["roles"]) for r in rows] == [(0, ["learner"]), (1, ["collector"]), (2, ["collector"]),
                                                           (3, ["evaluator"])]
@@ -211,6 +212,7 @@ def test_a_collector_whose_first_batch_comes_after_the_learner_finished_ends_wit
     learner, = by_role(run, "learner")
     late = next(n for n in run.nodes if n["node_id"] == 2)
     assert late["collected"] > 0 and "2" not in learner["received_from"] and run.env_step >= 64
+    assert run.transitions["dropped"]["no_learner"] == late["offered"] > 0 and run.transitions["unaccounted"] == 0
     assert time.monotonic() - started < EXCHANGE_TIMEOUT_S  # no wait ran out
     assert load_checkpoint(in_tmp / "runs" / "late" / "ckpt" / "final.pth.tar")["ctx"]["env_step"] == run.env_step
 
@@ -297,6 +299,7 @@ def test_with_auto_recover_a_killed_learner_resumes_from_the_latest_checkpoint_a
     assert [restarts for restarts, _, _ in lives] == [0, 1] and learner["restarts"] == 1
     assert lives[0][1] == 0 and lives[1][1] > 0  # the restarted learner's first iteration went on from a checkpoint
     assert run.env_step >= 600 and (in_tmp / "runs" / "relearn" / "ckpt" / "final.pth.tar").is_file()
+    assert run.transitions["unaccounted"] == 0  # what the killed learner took after its checkpoint: dropped
     others = [node for node in run.nodes if node["role"] != "learner"]  # the first processes, fed the new learner
     assert sorted(n["role"] for n in others) == ["collector", "collector", "evaluator"]
     assert all(n["restarts"] == 0 for n in others)

@@ -1,0 +1,88 @@
+"""The transition account (conveyor/middleware/ledger.py): every transition a collector offers is taken by the
+learner or dropped with its reason, across collector restarts and learner resumes."""
+import json
+
+from conveyor.data import DequeBuffer
+from conveyor.middleware.ledger import LEDGER_DIR, SendLedger, TakeLedger, transition_account
+
+
+def sender(run_dir, node, incarnation=0):
+    return SendLedger(run_dir / LEDGER_DIR / f"collector-{node}.json", incarnation, resume=incarnation > 0)
+
+
+def send(collector, learner, node, n, taken=True):
+    """One batch of ``n`` transitions offered by ``collector``; taken by ``learner`` unless ``taken`` is False."""
+    before = collector.offer(n)
+    if taken:
+        learner.take(node, n, before, collector.incarnation)
+
+
+def finish(run_dir, learner):
+    learner.path = run_dir / LEDGER_DIR / "learner.json"
+    learner.close()
+    return transition_account(run_dir)
+
+
+def test_a_batch_its_killed_collector_counted_and_never_sent_is_dropped_as_sender_restarted(tmp_path):
+    learner, first = TakeLedger(), sender(tmp_path, 1)
+    send(first, learner, "1", 8)
+    send(first, learner, "1", 5, taken=False)  # counted in its file, then SIGKILL before the send
+    restarted = sender(tmp_path, 1, incarnation=1)  # goes on from the file
+    send(restarted, learner, "1", 8)
+    account = finish(tmp_path, learner)
+    assert restarted.offered == 21 and learner.dropped["sender_restarted"] == 5
+    assert account["collected"] == 21 and account["taken"] == 16 and account["unaccounted"] == 0
+
+
+def test_what_a_killed_collector_counted_is_dropped_as_sender_restarted_when_its_next_life_never_reaches_the_learner(
+        tmp_path):
+    learner, first = TakeLedger(), sender(tmp_path, 1)
+    send(first, learner, "1", 8)
+    send(first, learner, "1", 5, taken=False)  # counted in its file, then SIGKILL before the send
+    restarted = sender(tmp_path, 1, incarnation=1)
+    send(restarted, learner, "1", 3, taken=False)  # in flight when the learner ended: nothing can count it
+    account = finish(tmp_path, learner)
+    assert account["dropped"]["sender_restarted"] == 5 and account["unaccounted"] == 3
+    assert account["by_node"]["1"]["not_counted"] == 8
+
+
+def test_a_batch_lost_between_live_peers_is_dropped_as_lost_and_one_with_no_learner_as_no_learner(tmp_path):
+    learner, collector = TakeLedger(), sender(tmp_path, 1)
+    send(collector, learner, "1", 4)
+    send(collector, learner, "1", 4, taken=False)  # never arrived: the next batch shows the gap
+    send(collector, learner, "1", 4)
+    collector.offer(3)
+    collector.drop()  # no learner left to take it
+    account = finish(tmp_path, learner)
+    assert account["dropped"]["lost"] == 4 and account["dropped"]["no_learner"] == 3
+    assert account["collected"] == 15 and account["unaccounted"] == 0
+
+
+def test_counts_survive_a_learner_resume_and_what_the_killed_learner_took_after_its_checkpoint_is_dropped(tmp_path):
+    learner, collector = TakeLedger(), sender(tmp_path, 1)
+    send(collector, learner, "1", 6)
+    checkpoint = json.loads(json.dumps(learner.state_dict()))  # what its checkpoint holds
+    send(collector, learner, "1", 6)  # taken by the learner after its checkpoint; then SIGKILL
+    resumed = TakeLedger()
+    resumed.load_state_dict(checkpoint)
+    assert resumed.taken == {"1": 6}
+    send(collector, resumed, "1", 6)
+    send(collector, resumed, "1", 2, taken=False)  # after the resume, a gap is a loss again
+    send(collector, resumed, "1", 6)
+    account = finish(tmp_path, resumed)
+    assert account["dropped"]["learner_restarted"] == 6 and account["dropped"]["lost"] == 2
+    assert account["taken"] == 18 and account["collected"] == 26 and account["unaccounted"] == 0
+
+
+def test_the_account_reports_the_replay_buffer_and_what_it_cannot_explain(tmp_path):
+    learner, collector = TakeLedger(), sender(tmp_path, 1)
+    learner.replay = buffer = DequeBuffer(4)
+    send(collector, learner, "1", 3)
+    buffer.extend({"reward": [0.0, 1.0, 2.0]})
+    send(collector, learner, "1", 3)
+    buffer.extend({"reward": [0.0, 1.0, 2.0]})
+    learner.take("1", 2, collector.offer(2), after_end=True)  # arrived after the learner's last iteration
+    collector.offer(5)  # in flight when the learner ended, never received: nothing counts it
+    account = finish(tmp_path, learner)
+    assert (account["in_replay"], account["replaced"]) == (4, 2) and account["dropped"]["after_end"] == 2
+    assert account["collected"] == 13 and account["unaccounted"] == 5 and account["by_node"]["1"]["not_counted"] == 5
