@@ -22,12 +22,10 @@ subclass adds to the checkpoint (a target network, an optimizer, an observation 
 first use: a process that only acts never makes one (making a torch optimizer imports ``torch._dynamo``,
 about 1.5 s of CPU), not even to checkpoint.
 
-Acting never reads the model a learner updates: the views act on its published versions, held by the policy's
-:class:`~conveyor.policy.weights.VersionedWeights` (:meth:`Policy.publish`, :attr:`Policy.version`,
-:meth:`Policy.acting_state`). The acting hooks receive an :class:`Acting`: the version's ``model`` (a copy:
-never train it), its ``extras`` (see :meth:`Policy._acting_extras`) and the view's ``memory`` (per-env state;
-each view and each snapshot has its own). Loading a checkpoint publishes its weights under the version number
-saved with them.
+Acting never reads the model a learner updates: the views act on its published versions (:meth:`Policy.publish`,
+:attr:`Policy.version`, :meth:`Policy.acting_state`). Acting hooks receive an :class:`Acting`: the version's ``model``
+(a copy: never train it), its ``extras`` (:meth:`Policy._acting_extras`) and the view's ``memory`` (per-env state,
+each view's own). Loading a checkpoint publishes its weights under the version number saved with them.
 """
 from __future__ import annotations
 
