@@ -26,7 +26,10 @@ from tests.cli_helpers import TINY, assert_usage_error
 
 WAIT = 240  # seconds: bound on each run (a healthy one takes about 20 here)
 SETS = [word for flag, value in zip(TINY[::2], TINY[1::2]) if flag == "--set" for word in (flag, value)]
-CLIENT_S = 120  # seconds: bound on a client's connection (a refused one gives up after about 25 s here)
+CLIENT_S = 120  # seconds: bound on a client's connection
+TRIES = {"RAY_gcs_server_port_wait_time_s": "2"}
+"""How many connection attempts, a second apart, a client makes before it gives up (Ray's default, 20, makes a refused
+one take about 25 s here; it is refused at every attempt, so two show the same refusal)."""
 CLIENT = """import sys, ray
 try:
     ray.init(address=sys.argv[1], log_to_driver=False)
@@ -320,8 +323,8 @@ def test_the_token_file_is_mode_600_in_a_directory_of_mode_700(local):
 
 
 def test_a_client_without_the_token_or_with_another_is_refused(local, tmp_path):
-    printed = clients(local, tmp_path, none={}, wrong={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
-                      users={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": USER["RAY_AUTH_TOKEN"]})
+    printed = clients(local, tmp_path, none=TRIES, wrong={**TRIES, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+                      users={**TRIES, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": USER["RAY_AUTH_TOKEN"]})
     assert {name: lines[0].startswith("refused:") and REFUSAL in lines[0] for name, lines in printed.items()} == {
         "none": True, "wrong": True, "users": True}, printed
 
