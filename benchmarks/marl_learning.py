@@ -76,6 +76,8 @@ QUICK = {"mappo": 800, "qmix": 200}
 """The smoke run's budgets: a rollout of mpe/mappo (8 envs x 100 steps), a round of mpe/qmix (8 x 25); each run
 evaluates at the budget and goes on to the end of the next rollout or round."""
 QUICK_EVAL_EPISODES = 10
+RANDOM_EPISODES = 100
+"""Episodes of random actions behind ``random_return`` (:data:`QUICK_EVAL_EPISODES` with ``--quick``: a smoke run)."""
 SIDES = ("mappo", "benchmarl_mappo", "qmix", "benchmarl_qmix")
 
 
@@ -170,7 +172,7 @@ def benchmarl_settings(algo: str) -> Dict[str, Any]:
     return {"experiment": experiment, "algorithm": algorithm, "hidden_sizes": hidden}
 
 
-def random_team_return(episodes: int = 100, seed: int = 0) -> float:
+def random_team_return(episodes: int = RANDOM_EPISODES, seed: int = 0) -> float:
     """The mean team return of uniformly random actions on :data:`SCENARIO` (mpe2, as our envs)."""
     import numpy as np
     from mpe2 import simple_spread_v3
@@ -213,7 +215,7 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES)
     parser.add_argument("--quick", action="store_true",
                         help=f"ours only, 1 seed, {QUICK['mappo']} env steps of mpe/mappo and {QUICK['qmix']} of "
-                             f"mpe/qmix, {QUICK_EVAL_EPISODES} evaluation episodes")
+                             f"mpe/qmix, {QUICK_EVAL_EPISODES} evaluation and random-action episodes")
     add_worker_option(parser, SIDES)
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
@@ -247,7 +249,7 @@ def main() -> None:
                                              python=peer if side.startswith("benchmarl") else None))
                 print(f"  {side} seed {seed}: {json.dumps(rows[side][-1])}", file=sys.stderr, flush=True)  # progress
 
-    random_return = random_team_return()
+    random_return = random_team_return(QUICK_EVAL_EPISODES if args.quick else RANDOM_EPISODES)
     print(f"MPE simple_spread_v3 (N=3, 25 steps, local_ratio 0.5, discrete): mean team return of {eval_episodes} "
           f"greedy episodes after {budgets['mappo']} (MAPPO) and {budgets['qmix']} (QMIX) env steps; random "
           f"actions {random_return:.1f}")

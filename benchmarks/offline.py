@@ -94,10 +94,13 @@ FULL = Budget(expert_env_steps=60_000, expert_episodes=100, cartpole_iters=5000,
 TINY_MUJOCO = ("env.max_episode_steps=100", "env.evaluator_env_num=1", "env.n_evaluator_episode=1",
                "policy.model.hidden_sizes=[32]", "policy.learn.batch_size=32")
 """The quick form's MuJoCo runs: 100-step episodes, one evaluation episode, small networks and batches."""
-QUICK = Budget(expert_env_steps=2000, expert_episodes=4, cartpole_iters=50, medium_start=600, medium_round=300,
-               medium_max=900, pendulum_episodes=2, pendulum_iters=50, eval_episodes=2,
-               mujoco_max_env_step=400, medium_transitions=200, mujoco_iters=50, mujoco_eval_episodes=1,
+QUICK = Budget(expert_env_steps=600, expert_episodes=4, cartpole_iters=20, medium_start=400, medium_round=200,
+               medium_max=600, pendulum_episodes=2, pendulum_iters=20, eval_episodes=2,
+               mujoco_max_env_step=250, medium_transitions=200, mujoco_iters=20, mujoco_eval_episodes=1,
                mujoco_set=TINY_MUJOCO)
+"""The smoke run: every step of a seed once (the expert's first evaluation is its best checkpoint, two Pendulum
+rounds, a MuJoCo run of two whole 100-step episodes, datasets of two episodes: IQL scales rewards by the
+returns' range), each as short as still exercises it."""
 SAC_QUICK = ("policy.learn.learning_starts=100", "policy.collect.random_collect_size=100",
              "policy.eval.evaluator.eval_freq=64", "policy.other.replay_buffer.size=2000")
 """The quick form's SAC run also learns after 100 env steps and evaluates every 64 gradient steps."""

@@ -93,7 +93,10 @@ def time_per_step(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def measure(hidden: int, batch_size: int, obs_dim: int, action_dim: int, steps: int, rounds: int) -> dict:
+def measure(hidden: int, batch_size: int, obs_dim: int, action_dim: int, steps: int, rounds: int,
+            warmup: int = 10) -> dict:
+    """One row: ours against the reference at ``hidden``, each warmed up by ``warmup`` steps, then ``rounds``
+    interleaved timings of ``steps`` steps."""
     torch.manual_seed(0)
     policy = SACPolicy({"model": {"obs_shape": obs_dim, "action_shape": action_dim, "hidden_sizes": [hidden, hidden]},
                         "learn": {"batch_size": batch_size}}, seed=0)
@@ -101,7 +104,7 @@ def measure(hidden: int, batch_size: int, obs_dim: int, action_dim: int, steps: 
     data = batch(batch_size, obs_dim, action_dim)
     ours_fn, ref_fn = (lambda: policy.learn_mode.forward(data)), (lambda: reference.learn(data))
     for fn in (ours_fn, ref_fn):  # warm up
-        time_per_step(fn, 10)
+        time_per_step(fn, warmup)
     ours, ref = [], []
     for _ in range(rounds):  # interleaved, so drift on a shared machine hits both alike
         ours.append(time_per_step(ours_fn, steps))
@@ -119,12 +122,13 @@ def main() -> None:
     parser.add_argument("--action-dim", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100, help="learn steps per timing round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="hidden 128 only, fewer steps")
+    parser.add_argument("--quick", action="store_true", help="hidden 128 only, 2 rounds of 10 steps after 2 warm-up "
+                                                             "steps (a smoke run)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hiddens = [128] if args.quick else args.hidden
-    steps, rounds = (30, 3) if args.quick else (args.steps, args.rounds)
-    rows = [measure(h, args.batch_size, args.obs_dim, args.action_dim, steps, rounds) for h in hiddens]
+    steps, rounds, warmup = (10, 2, 2) if args.quick else (args.steps, args.rounds, 10)
+    rows = [measure(h, args.batch_size, args.obs_dim, args.action_dim, steps, rounds, warmup) for h in hiddens]
     print(f"SAC learn step, batch {args.batch_size}, obs {args.obs_dim}, action {args.action_dim}, 1 thread "
           f"(median of {rounds} rounds of {steps} steps)")
     print(f"{'hidden':>7}{'conveyor ms':>13}{'reference ms':>14}{'speedup':>9}")

@@ -51,7 +51,7 @@ CASES = {
                         {"local_s", "slurm_s", "ray_s", "slurm_vs_local", "ray_vs_local", "slurm_mode"}),
     "soak": (["--quick"], {"rss_growth_mb_per_h", "fd_growth", "thread_growth", "shm_growth", "ended_cleanly"}),
     "chaos": (["--quick"], {"kills", "recoveries", "unaccounted_transitions", "solved", "wall_s", "transitions"}),
-    "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "1000", "--distributed", "1,2,1"],
+    "solve --distributed": (["cartpole/dqn", "--seeds", "1", "--max-env-step", "500", "--distributed", "1,2,1"],
                             {"solved_seeds", "median_wall_s", "single_median_wall_s", "wall_ratio", "startup_s",
                              "wall_ratio_after_startup"}),
 }
