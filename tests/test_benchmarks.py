@@ -56,8 +56,8 @@ CASES = {
                              "wall_ratio_after_startup"}),
 }
 
-LONGEST_FIRST = ("launch_overhead", "vs_sample_factory", "impala_throughput", "soak", "offline", "atari_throughput",
-                 "learner_scaling", "impala_learning", "marl_learning", "distributed_throughput", "atari_learning",
+LONGEST_FIRST = ("launch_overhead", "chaos", "vs_sample_factory", "impala_throughput", "soak", "offline",
+                 "atari_throughput", "learner_scaling", "impala_learning", "marl_learning", "distributed_throughput", "atari_learning",
                  "solve --distributed", "env_managers", "mujoco_throughput", "learning_curve")
 """The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the
 others 2 to 6 s): the long ones overlap, and the short ones fill the second slot at the end instead of one long run
