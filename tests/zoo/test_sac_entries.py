@@ -84,9 +84,12 @@ def test_same_seed_gives_the_same_run(in_tmp):
 
 @pytest.mark.slow
 def test_sac_learns_pendulum(in_tmp):
-    """The entry's settings on 64x64 networks and batch 128 (the learning, not the width, is under test)."""
+    """The entry's settings on 64x64 networks and batch 128 (the learning, not the width, is under test), evaluated
+    every 500 gradient steps and stopped at the first evaluation that reaches the asserted bar (12000 steps: a cap)."""
     cfg = copy.deepcopy(pendulum.main_config)
     cfg.policy.model.hidden_sizes = [64, 64]
     cfg.policy.learn.batch_size = 128
+    cfg.policy.eval.evaluator.eval_freq = 500
+    cfg.env.stop_value = -250.0
     ctx = pendulum.main(cfg, exp_name="learns", seed=0, max_env_step=12000, progress=False)
     assert ctx.last_eval_value is not None and ctx.last_eval_value >= -250, ctx.last_eval_value
