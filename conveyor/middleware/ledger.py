@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
+
+from conveyor.engine.parallel.cluster import write_text_whole
 
 __all__ = ["DROP_REASONS", "LEDGER_DIR", "SendLedger", "TakeLedger", "transition_account"]
 
@@ -44,12 +44,8 @@ DROP_REASONS = ("no_learner", "sender_restarted", "learner_restarted", "lost", "
 
 
 def _write_json(path: Path, value: Dict[str, Any]) -> None:
-    """``value`` to ``path`` as JSON, whole or not at all (a temporary file renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
+    """``value`` to ``path`` as JSON, whole or not at all."""
+    write_text_whole(path, json.dumps(value))
 
 
 class SendLedger:

@@ -39,9 +39,19 @@ from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.task import Role, task
 
 __all__ = ["DEFAULT_PORT", "HOST_ENV", "KubernetesError", "MAX_ROWS", "NODES_ENV", "NODES_TOPIC", "NodeTable",
-           "SlurmError", "SlurmTask", "kubernetes_task", "node_record", "row_problem", "slurm_task"]
+           "SlurmError", "SlurmTask", "kubernetes_task", "node_record", "row_problem", "slurm_task", "write_text_whole"]
 
 log = logging.getLogger(__name__)
+
+def write_text_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file beside it, renamed over it): a reader never
+    sees half a file, also when the writer is killed mid-write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
 
 DEFAULT_PORT = 29650
 """The first port of a Slurm or Kubernetes job's nodes when none is given (node ``r`` listens on
@@ -282,12 +292,7 @@ class NodeTable:
     def _add(self, record: Dict[str, Any]) -> None:
         with self._lock:
             self._rows[int(record["node_id"])] = dict(record)
-            text = json.dumps([self._rows[k] for k in sorted(self._rows)], indent=2) + "\n"
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
+            write_text_whole(self.path, json.dumps([self._rows[k] for k in sorted(self._rows)], indent=2) + "\n")
 
     @staticmethod
     def announce(timeout_s: float = 60.0) -> None:
