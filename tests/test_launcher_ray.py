@@ -161,6 +161,12 @@ def checkpointed(run_dir):
     return saved if saved["train_iter"] > 0 else None
 
 
+def taken(run_dir):
+    """The transitions the learner took from each collector (node id as a string), as its latest checkpoint's
+    transition ledger counts them over all its lives."""
+    return load_checkpoint(run_dir / "ckpt" / "latest.pth.tar")["objects"]["ledger"]["taken"]
+
+
 def evaluated_after_resume(run_dir):
     """(train_iter, env_step) of each evaluation the learner logged after it resumed."""
     log = (run_dir / "log.txt").read_text()
@@ -194,6 +200,10 @@ def test_with_auto_recover_a_killed_node_process_and_killed_collector_and_learne
     saved = checkpointed(run_dir)  # the learner resumes from this one or a later one it wrote before it died
     os.kill(actor_process(first[0]["pid"]), signal.SIGKILL)
     wait_until(lambda: rows(run_dir)[0]["pid"] != first[0]["pid"] or codes, WAIT, "the restarted learner")
+    wait_until(lambda: evaluated_after_resume(run_dir) or codes, WAIT, "the resumed learner to evaluate")
+    loaded = taken(run_dir)  # at least what the resumed learner loaded: it has resumed, the old one is gone
+    wait_until(lambda: all(taken(run_dir).get(n, 0) > loaded.get(n, 0) for n in ("1", "2")) or codes, WAIT,
+               "both collectors' batches in a checkpoint of the resumed learner")
     wait_until(lambda: len(evaluated_after_resume(run_dir)) > 1 or codes, WAIT, "the resumed learner to train")
     assert not codes, capsys.readouterr().err
     os.kill(rows(run_dir)[0]["pid"], signal.SIGTERM)  # the learner's node ends the run after its iteration
