@@ -397,12 +397,14 @@ class ContextExchanger(Exchanger):
         return self._learners_seen and not self._router.subscribers(self._data_topic)
 
     def close(self) -> None:
-        """Unsubscribe; a learner's ledger counts what arrived after its last iteration (``after_end``)."""
+        """Unsubscribe; the ledger closes (a learner's counts what arrived after its last iteration)."""
         super().close()
         if self._learner:
             with self._cond:
                 left, self._inbox = self._inbox, []
             self.ledger.close(left)
+        elif self.ledger is not None:
+            self.ledger.close()
 
     def _send(self, payload: Dict[str, Any]) -> None:
         if self.ledger is not None:
@@ -428,8 +430,7 @@ class ContextExchanger(Exchanger):
                                f"{self._data_topic!r} within {self.timeout_s}s (live peers: {self._router.peers()}); "
                                f"is a learner running, with this exchanger in its chain?")
         else:  # the learner's run ended (its stop heard, or it left) or this node was asked to stop first
-            log.info("node %s: the run ended before a learner took this collector's first batch; the collector "
-                     "stops", self._router.node_id)
+            log.info("node %s: the run ended before a learner took its first batch; it stops", self._router.node_id)
             self._dropped()
 
     def _dropped(self) -> None:

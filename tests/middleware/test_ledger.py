@@ -1,9 +1,16 @@
 """The transition account (conveyor/middleware/ledger.py): every transition a collector offers is taken by the
 learner or dropped with its reason, across collector restarts and learner resumes."""
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 from conveyor.data import DequeBuffer
 from conveyor.middleware.ledger import LEDGER_DIR, SendLedger, TakeLedger, transition_account
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def sender(run_dir, node, incarnation=0):
@@ -86,3 +93,27 @@ def test_the_account_reports_the_replay_buffer_and_what_it_cannot_explain(tmp_pa
     account = finish(tmp_path, learner)
     assert (account["in_replay"], account["replaced"]) == (4, 2) and account["dropped"]["after_end"] == 2
     assert account["collected"] == 13 and account["unaccounted"] == 5 and account["by_node"]["1"]["not_counted"] == 5
+
+
+def test_a_sigkilled_collector_loses_no_count_and_its_restart_goes_on_from_its_file(tmp_path):
+    """The collector's file is rewritten in place before each send: killed right after an offer, its next life
+    reads every batch counted."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom conveyor.middleware.ledger import SendLedger\n"
+         f"ledger = SendLedger(Path({str(tmp_path / 'collector-1.json')!r}))\n"
+         "for _ in range(3):\n    print(ledger.offer(8) + 8, flush=True)\n    sys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert child.stdout.readline().strip() == "8"
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "16"  # it waits on stdin: between two offers
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        child.kill()
+    restarted = SendLedger(tmp_path / "collector-1.json", incarnation=1, resume=True)
+    assert restarted.offered == 16 and json.loads((tmp_path / "collector-1.json").read_text())["incarnation"] == 1
+    restarted.offer(4)
+    restarted.close()
+    assert json.loads((tmp_path / "collector-1.json").read_text())["offered"] == 20
