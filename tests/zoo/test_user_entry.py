@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor import task
 from conveyor.middleware import load_checkpoint
 from conveyor.policy import DQNPolicy
 from conveyor.run import Run, train_distributed
@@ -96,6 +97,47 @@ def test_an_async_runs_collector_process_builds_its_chain_from_the_pipeline_with
     ctx = load_entry(str(entry_file)).main(max_env_step=64, async_mode=True, progress=False)
     assert ctx.env_step >= 64 and Path("main_calls.txt").read_text() == "main\n"
     assert capsys.readouterr().out == "collector envs: <collector envs of another process (2)>\n"
+
+
+class Tally:
+    """A count that must survive a resume (``state_dict`` / ``load_state_dict``), kept by :func:`counting`."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state) -> None:
+        self.n = state["n"]
+
+
+def counted(entry, tally: Tally, saved: bool):
+    """The entry's pipeline and a middleware counting iterations in ``tally``, saved in checkpoints if ``saved``."""
+    def pipeline(run: Run) -> None:
+        entry.pipeline(run)
+        task.use(lambda ctx: setattr(tally, "n", tally.n + 1))
+        if saved:
+            run.save_state("count", tally, optional=True)
+    return pipeline
+
+
+def test_a_state_saved_as_optional_starts_afresh_when_the_checkpoint_resumed_was_written_before_it(entry_file,
+                                                                                                   caplog):
+    entry, first, second, third = load_entry(str(entry_file)), Tally(), Tally(), Tally()
+    final = Path("runs") / "mine" / "ckpt" / "final.pth.tar"
+    Run(counted(entry, first, saved=False), entry.main_config, DQNPolicy, max_env_step=64, progress=False).train()
+    steps = [load_checkpoint(final)["ctx"]["total_step"]]
+    Run(counted(entry, second, saved=True), entry.main_config, DQNPolicy, max_env_step=128, resume=True,
+        progress=False).train()
+    assert "holds no 'count' (written before it was saved): it starts afresh" in caplog.text
+    steps.append(load_checkpoint(final)["ctx"]["total_step"])
+    assert first.n == steps[0] > 0 and second.n == steps[1] - steps[0] > 0  # from 0: this run's iterations
+    assert load_checkpoint(final)["objects"]["count"] == {"n": second.n}
+    caplog.clear()
+    Run(counted(entry, third, saved=True), entry.main_config, DQNPolicy, max_env_step=192, resume=True,
+        progress=False).train()
+    assert third.n == load_checkpoint(final)["ctx"]["total_step"] - steps[0] and "holds no" not in caplog.text  # went on from the checkpoint holding it
 
 
 def test_the_old_form_of_an_entry_is_refused_in_one_line_that_says_how_to_write_it_now():
