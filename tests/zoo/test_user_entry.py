@@ -137,7 +137,8 @@ def test_a_state_saved_as_optional_starts_afresh_when_the_checkpoint_resumed_was
     caplog.clear()
     Run(counted(entry, third, saved=True), entry.main_config, DQNPolicy, max_env_step=192, resume=True,
         progress=False).train()
-    assert third.n == load_checkpoint(final)["ctx"]["total_step"] - steps[0] and "holds no" not in caplog.text  # went on from the checkpoint holding it
+    went_on = load_checkpoint(final)["ctx"]["total_step"] - steps[0]  # from the checkpoint that held it
+    assert third.n == went_on and "holds no" not in caplog.text
 
 
 def test_the_old_form_of_an_entry_is_refused_in_one_line_that_says_how_to_write_it_now():
