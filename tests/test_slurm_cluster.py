@@ -36,6 +36,7 @@ def jobs(tmp_path):
         yield start
 
 
+@pytest.mark.timeout(2 * WAIT)  # two jobs, each bounded by WAIT
 def test_sbatch_of_the_slurm_script_trains_to_its_final_checkpoint_and_the_requeued_job_resumes_the_run(
         tmp_path, capsys, cluster, jobs):
     """The job completes its run (final checkpoint, the learner's node evaluating, the job's secret in a file of
