@@ -238,7 +238,7 @@ class LearnerClock:
                 if time.monotonic() >= deadline:
                     log.warning("learner: telling the nodes that listen to stop; not every peer does: %s", e)
                     break
-        self._router.publish(PROGRESS_TOPIC, self._progress(task.ctx, stop=True))
+        self._router.publish(PROGRESS_TOPIC, self._progress(task.ctx, stop=True), to_lost=True)  # a stopped one too
 
     def _progress(self, ctx: OnlineRLContext, stop: bool) -> Dict[str, Any]:
         return {"node": str(self._router.node_id), "train_iter": int(ctx.train_iter), "env_step": int(ctx.env_step),

@@ -443,8 +443,6 @@ class ContextExchanger(Exchanger):
         """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""
         if not self.rejoin_s or task.finish or self._stopping:
             return False
-        try:
-            self._router.wait_for_subscribers(self._data_topic, 1, timeout=self.rejoin_s)
-        except TimeoutError:
-            return False
-        return True
+        with self._cond:  # the learner's stop heard meanwhile (its last words to a collector it lost) ends it
+            self._wait(lambda: bool(self._router.subscribers(self._data_topic)) or task.finish, self.rejoin_s)
+        return not task.finish and bool(self._router.subscribers(self._data_topic))

@@ -17,6 +17,7 @@ from conveyor.engine import Role
 from conveyor.engine.parallel.router import Router
 from conveyor.middleware import ContextExchanger, load_checkpoint
 from conveyor.middleware.distributed import EXCHANGE_TIMEOUT_S
+from conveyor.middleware.ledger import transition_account
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from conveyor.run import Layout, train_distributed
@@ -380,6 +381,96 @@ def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_
     assert time.monotonic() - continued < GRACE_S + MARGIN_S, err[-2000:]
     assert proc.returncode == 0 and (run / "ckpt" / "final.pth.tar").is_file(), err[-2000:]
     assert "the learner (node 0) is lost" in err and "Traceback" not in err
+
+
+class Watched:
+    """A launch of ``conveyor train cartpole/dqn --collectors 2 --auto-recover``, its output read as it comes."""
+
+    def __init__(self, cwd, exp, *extra):
+        import threading
+        self.run = cwd / "runs" / exp
+        self.proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+                                      "--auto-recover", "--exp-name", exp, "--no-progress", "--ckpt-interval", "0.2",
+                                      *extra], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out, self.err = [], []
+        self._readers = [threading.Thread(target=lines.extend, args=(stream,), daemon=True)
+                         for lines, stream in ((self.out, self.proc.stdout), (self.err, self.proc.stderr))]
+        for reader in self._readers:
+            reader.start()
+
+    def said(self, text):
+        """Whether the launch (its nodes share its stderr) has logged ``text``."""
+        return any(text in line for line in list(self.err))
+
+    def taken(self, node):
+        """The transitions from collector ``node`` in the learner's latest checkpoint (its transition ledger)."""
+        return load_checkpoint(self.run / "ckpt" / "latest.pth.tar")["objects"]["ledger"]["taken"].get(str(node), 0)
+
+    def ended(self, timeout):
+        """The launch's exit code, once it ended within ``timeout`` seconds; its stderr's tail in the error."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the launch still runs {timeout}s on: {''.join(self.err)[-3000:]}") from None
+        for reader in self._readers:
+            reader.join(timeout=30)
+        return code
+
+    def stop(self):
+        with contextlib.suppress(ProcessLookupError):  # a stopped node too: SIGKILL ends it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        wait_until(lambda: group_gone(self.proc.pid), 30, f"the end of process group {self.proc.pid}")
+
+
+@pytest.fixture
+def watched(in_tmp):
+    """Start :class:`Watched` launches; each one's process group is killed at the end."""
+    started = []
+    yield lambda exp, *extra: started.append(Watched(in_tmp, exp, *extra)) or started[-1]
+    for launch in started:
+        launch.stop()
+
+
+def a_collector_stopped_past_the_peer_timeout(watched, exp, max_env_step):
+    """A :class:`Watched` launch to ``max_env_step`` whose collector 1, once the learner trains, is SIGSTOPped until
+    the learner has lost it; (the launch, the learner's and that collector's rows of nodes.json)."""
+    launch = watched(exp, "--max-env-step", str(max_env_step))
+    learner, stopped, _ = training_nodes(launch.run)
+    os.kill(stopped["pid"], signal.SIGSTOP)
+    wait_until(lambda: launch.said("router 0: peer 1 lost (silent"), PEER_TIMEOUT_S + MARGIN_S,
+               "the learner losing the stopped collector")
+    return launch, learner, stopped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_collector_stopped_past_the_peer_timeout_feeds_the_learner_again_when_continued(watched):
+    launch, _, stopped = a_collector_stopped_past_the_peer_timeout(watched, "rejoin", 4000)
+    before = launch.taken(1)
+    os.kill(stopped["pid"], signal.SIGCONT)
+    wait_until(lambda: launch.taken(1) > before or launch.proc.poll() is not None, 120, "its batches taken again")
+    assert launch.taken(1) > before, "the run ended before the continued collector fed the learner again"
+    wait_until(lambda: (launch.run / "ckpt" / "final.pth.tar").is_file(), 300, "the learner's end at its budget")
+    assert launch.ended(PEER_TIMEOUT_S + MARGIN_S) == 0 and "".join(launch.out).startswith("budget reached")
+    err = "".join(launch.err)
+    assert "waiting up to" not in err and "router 1: peer 0 lost" not in err and "Traceback" not in err, err[-3000:]
+    assert transition_account(launch.run)["unaccounted"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_collector_stopped_past_the_learners_end_learns_the_run_is_over_when_continued_and_exits_with_it(watched):
+    launch, learner, stopped = a_collector_stopped_past_the_peer_timeout(watched, "over", 1500)
+    assert not (launch.run / "ckpt" / "final.pth.tar").is_file(), "the run ended before the collector was stopped"
+    wait_until(lambda: not running(learner["pid"]), 120, "the learner's end")
+    os.kill(stopped["pid"], signal.SIGCONT)
+    continued = time.monotonic()
+    assert launch.ended(EXCHANGE_TIMEOUT_S / 2) == 0, "".join(launch.err)[-3000:]
+    assert time.monotonic() - continued < PEER_TIMEOUT_S + MARGIN_S  # told, not left to wait for a rejoin
+    assert "Traceback" not in "".join(launch.err)
+    assert transition_account(launch.run)["unaccounted"] == 0  # what it offered while out is counted by its reason
 
 
 @pytest.mark.slow

@@ -20,7 +20,10 @@ on each link as soon as the link connects, whenever it changes, and every ``hear
 the sender's liveness; one silent for ``peer_timeout_s`` is declared dead, its subscriptions dropped and
 the lost callbacks called. Two faster paths need no timeout: a closing router says goodbye, and a link
 whose connection closes (the peer's process died) loses its peer half a heartbeat later. A lost peer
-that speaks again is live again. A peer is *ready* when its state lists this node among those it heard.
+that speaks again is live again: a process stopped (SIGSTOP) or cut off past the timeout rejoins when it
+continues. The link we dialed back to a lost peer stays while its connection does, so what we queue for it there
+(:meth:`Router.publish`'s ``to_lost``, our goodbye) is read when it continues; and a node that itself stood still
+(:class:`~conveyor.engine.parallel.peers.Pause`) gives its peers a fresh timeout instead of losing them all. A peer is *ready* when its state lists this node among those it heard.
 A node waiting for its peers while an address keeps failing authentication stops waiting at once, naming it.
 Messages are numbered per (sender, topic): gaps count as ``lost``, repeats as ``duplicated``.
 
@@ -41,13 +44,15 @@ from conveyor.engine.parallel.frame import Frame, pack
 from conveyor.engine.parallel.guard import AuthFailures, close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
-from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, MAX_TOPICS_PER_PEER, REFUSALS, Link, Peer, PeerTable,
-                                           is_local_address)
+from conveyor.engine.parallel.readiness import Readiness
+from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, MAX_TOPICS_PER_PEER, REFUSALS, Link, Pause, Peer,
+                                           PeerTable, is_local_address)
 
 __all__ = ["Link", "Membership", "Peer", "is_local_address"]  # the first, second and last live in peers.py
 
 _SEND_BUFFER = 8  # messages a link queues before a send waits: room for a heartbeat beside data
 _MAX_CANDIDATES = 64  # hellos of incarnations not proven fresh yet, answered until they expire
+_REDIAL_MS = 50  # a link's first redial after its connection closed: a peer that hung up on us only is back by then
 
 
 class _Router(Protocol):
@@ -70,7 +75,7 @@ class _Router(Protocol):
               count: bool = True) -> bool: ...
 
 
-class Membership:
+class Membership(Readiness):
     """The links and peers of ``router``, under its ``lock``: ``changed`` is notified when who is ready or
     subscribed changes, ``wake`` asks the router's control thread to announce our state now. Losses and
     warnings go to ``log``'s logger."""
@@ -84,6 +89,7 @@ class Membership:
         self._candidates: Dict[Tuple[str, bytes], Tuple[str, float]] = {}  # (node, inc) -> (address, expiry)
         self._auth_failures = AuthFailures()
         self._control_seq = -1
+        self._pause = Pause(router.peer_timeout_s / 2)
 
     # --- links -------------------------------------------------------------------------------------
     def dial(self, url: str, learned: bool) -> None:
@@ -97,7 +103,7 @@ class Membership:
                 return
             try:
                 sock = pynng.Push0(send_timeout=int(r.send_timeout_s * 1000), send_buffer_size=_SEND_BUFFER,
-                                   reconnect_time_min=50, reconnect_time_max=int(max(r.heartbeat_s, 0.1) * 1000))
+                                   reconnect_time_min=_REDIAL_MS, reconnect_time_max=int(max(r.heartbeat_s, 0.1) * 1000))
             except pynng.NNGException as e:
                 raise nng_os_error(f"Router {r.node_id!r} cannot open a link to {url}", e) from None
             link = self.links[url] = Link(url, sock)
@@ -135,77 +141,17 @@ class Membership:
             elif link is not None and link.peer_inc is None and link.peer_id is None:
                 link.for_hello = True
 
-    def subscribed(self, topic: str) -> List[Link]:
-        """The links to live peers subscribed to ``topic`` that have our state (call with the lock held)."""
+    def subscribed(self, topic: str, lost: bool = False) -> List[Link]:
+        """The links to live peers (``lost``: to lost peers whose link is still connected: stopped, or cut off
+        and not yet closed) subscribed to ``topic`` that have our state (call with the lock held)."""
         links = []
         for peer in self.peers.values():
             link = self.links.get(peer.address)
-            if (peer.alive and topic in peer.topics and link is not None and link.hello_sent
-                    and link.peer_inc == peer.incarnation):
+            if (peer.alive != lost and topic in peer.topics and link is not None and link.hello_sent
+                    and link.peer_inc == peer.incarnation and (link.connected or not lost)):
                 link.peer_id = peer.node_id
                 links.append(link)
         return links
-
-    # --- who is there ------------------------------------------------------------------------------
-    def live(self) -> List[str]:
-        """Ids of the live peers."""
-        with self._lock:
-            return sorted(p.node_id for p in self.peers.values() if p.alive)
-
-    def ready(self) -> List[str]:
-        """Live peers that know this node too."""
-        with self._lock:
-            return sorted(p.node_id for p in self.peers.values() if self._ready(p))
-
-    def _ready(self, peer: Peer) -> bool:
-        link = self.links.get(peer.address)
-        return (peer.alive and self._router.node_id in peer.heard and link is not None and link.hello_sent
-                and link.peer_inc == peer.incarnation)
-
-    def wait_ready(self, n: int, timeout: float) -> List[str]:
-        """Block until ``n`` peers are ready (see :meth:`Router.wait_for_peers`)."""
-        r = self._router
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                ready = [p.node_id for p in self.peers.values() if self._ready(p)]
-                if len(ready) >= n:
-                    return sorted(ready)
-                now = time.monotonic()
-                left = deadline - now
-                unanswered = sorted(url for url, link in self.links.items()
-                                    if not link.learned and self._unanswered(link, now))
-                if unanswered:
-                    raise TimeoutError(self._no_answer(", ".join(unanswered)))
-                knocking = self.knocking()
-                if knocking:
-                    raise TimeoutError(f"router {r.node_id!r}: {knocking} while this node waits for its peers: the node "
-                                       f"there uses another secret than this one; give every node the same secret "
-                                       f"(--secret-file FILE or $CONVEYOR_SECRET)")
-                if left <= 0 or r.closed:
-                    break
-                self._changed.wait(min(left, r.heartbeat_s))
-            heard = sorted(p.node_id for p in self.peers.values() if p.alive and not self._ready(p))
-            silent = sorted(url for url, link in self.links.items() if link.peer_inc is None)
-            failed = self._auth_failures.addresses()
-        raise TimeoutError(f"router {r.node_id!r}: {len(ready)} of {n} peers ready after {timeout}s "
-                           f"(ready: {sorted(ready)}; heard but not yet knowing us: {heard}; dialed, nothing "
-                           f"authentic heard from: {silent}; failed authentication: {failed}); check that those "
-                           f"nodes run, use the same secret, and are given this node's address {r.address}")
-
-    def knocking(self) -> Optional[str]:
-        """A sentence naming an address that kept failing authentication for over ``auth_timeout_s``, or None."""
-        return self._auth_failures.persistent(time.monotonic(), self._router.auth_timeout_s)
-
-    def _unanswered(self, link: Link, now: float) -> bool:
-        """Whether ``link`` has been connected for over ``auth_timeout_s`` with nothing authentic back."""
-        return bool(link.unproven_since) and now - link.unproven_since > self._router.auth_timeout_s
-
-    def _no_answer(self, urls: str) -> str:
-        r = self._router
-        return (f"router {r.node_id!r}: connected to {urls} for over {r.auth_timeout_s}s and nothing authentic "
-                f"came back: the node there uses another secret than this one (check --secret-file / "
-                f"$CONVEYOR_SECRET on both hosts), or is not a Conveyor node")
 
     # --- what we send ------------------------------------------------------------------------------
     def _state(self) -> bytearray:
@@ -260,25 +206,45 @@ class Membership:
                     count=False)
 
     # --- losses ------------------------------------------------------------------------------------
-    def check_timeouts(self) -> None:
+    def check_timeouts(self, judge: bool = True) -> None:
         """Lose the peers silent for ``peer_timeout_s``, and those whose connection closed half a heartbeat ago
-        (a goodbye sent before the closing goes through the inbox, the closing is seen on the link)."""
+        (a goodbye sent before the closing goes through the inbox, the closing is seen on the link); not when this
+        node stood still meanwhile (:class:`~conveyor.engine.parallel.peers.Pause`), nor unless ``judge`` (our
+        inbox is behind: the silence is ours)."""
         r = self._router
         now = time.monotonic()
+        paused = self._pause.stood_still(now)
+        if not judge:
+            return
         with self._lock:
+            if paused:  # our silence, not theirs: a fresh timeout for each peer, once what queued is read
+                self._pause.forgive(self.peers.values(), self.links.values(), now)
             dead = [(p, f"silent for {r.peer_timeout_s}s") for p in self.peers.values()
                     if p.alive and now - p.last_seen > r.peer_timeout_s]
             dropped = {url for url, link in self.links.items()
-                       if link.dropped_at and now - link.dropped_at >= r.heartbeat_s / 2}
+                       if link.dropped_at and now - link.dropped_at >= max(r.heartbeat_s / 2, 2 * _REDIAL_MS / 1000)}
             for url in dropped:
                 self.links[url].dropped_at = 0.0
             dead += [(p, "its connection closed") for p in self.peers.values()
                      if p.alive and p.address in dropped and not self.links[p.address].connected]
-            pipes = [p.pipe for p, _ in dead if p.pipe is not None]
+            gone = [self.links.pop(url) for url in dropped if self._kept_for_lost(url)]
+            # a silent one's connection is closed; a closed one's is read to its end (its last words, its goodbye)
+            pipes = [p.pipe for p, why in dead if p.pipe is not None and why.startswith("silent")]
+        if paused:
+            self._log.log("paused", "router %s: this node stood still for %.1fs (stopped, or starved of CPU); its "
+                          "peers get a fresh peer timeout", r.node_id, paused)
+        for link in gone:
+            close_socket(link.sock)
         for peer, why in dead:
             self._lose(peer, why)
         for pipe in pipes:  # half open, or silent: whatever comes back reconnects and binds afresh
             self._router._close_pipe(pipe)
+
+    def _kept_for_lost(self, url: str) -> bool:
+        """Whether the link at ``url`` was only kept for a lost peer (dialed back, its connection now closed)."""
+        link = self.links[url]
+        return link.learned and not link.connected and not any(
+            p.alive and p.address == url for p in self.peers.values())
 
     def _lose(self, peer: Peer, why: str) -> None:
         node_id = self._router.node_id
@@ -286,14 +252,16 @@ class Membership:
             if not peer.alive:
                 return
             peer.alive, peer.pipe = False, None  # its next message binds whichever connection it comes through
-            peer.topics = frozenset()
             self._router._count("peers_lost")
             self._changed.notify_all()
             link = self.links.get(peer.address)
-            if link is not None and link.learned:  # its hello makes us dial again if it comes back
+            # a dialed-back link still connected is kept (a stopped peer reads what it queues when it continues),
+            # one closed goes: its hello makes us dial again if it comes back
+            closed = link is not None and link.learned and not link.connected
+            if closed:
                 del self.links[peer.address]
             callbacks = list(self.lost_callbacks)
-        if link is not None and link.learned:
+        if closed:
             close_socket(link.sock)
         self._log.logger.log(logging.INFO if why == "it closed" else logging.WARNING, "router %s: peer %s lost (%s)",
                              node_id, peer.node_id, why)

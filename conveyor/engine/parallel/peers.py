@@ -25,13 +25,13 @@ import collections
 import ipaddress
 import logging
 import time
-from typing import Any, Callable, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, Optional
 from urllib.parse import urlsplit
 
 from conveyor.engine.parallel.frame import incarnation_started
 from conveyor.engine.parallel.guard import ReplayWindow
 
-__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "Peer", "PeerTable", "REFUSALS",
+__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "Pause", "Peer", "PeerTable", "REFUSALS",
            "RETIRED_PER_NODE", "is_local_address"]
 
 MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
@@ -111,6 +111,31 @@ class Peer:
         if self.window.too_far(counter):
             return "jump"
         return None if self.window.accept(counter) else "replay"
+
+
+class Pause:
+    """Whether this node itself stood still (SIGSTOP, a suspended host, a starved CPU): its control thread, which
+    judges its peers every heartbeat, came back over ``limit_s`` after its last look. Its peers then look silent
+    for a time they spoke in (their messages wait unread in its inbox): the node must not lose them for that."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._looked = time.monotonic()
+
+    def stood_still(self, now: float) -> float:
+        """The seconds since the last look if over ``limit_s``, else 0.0; ``now`` is the new last look."""
+        gap, self._looked = now - self._looked, now
+        return gap if gap > self.limit_s else 0.0
+
+    @staticmethod
+    def forgive(peers: Iterable[Peer], links: Iterable[Link], now: float) -> None:
+        """After a standstill: every live peer is judged silent only a whole timeout from ``now``, and a link
+        whose connection closed meanwhile half a heartbeat from ``now`` (once the inbox read what queued)."""
+        for peer in peers:
+            peer.last_seen = max(peer.last_seen, now)
+        for link in links:
+            if link.dropped_at:
+                link.dropped_at = now
 
 
 class PeerTable(Dict[str, Peer]):

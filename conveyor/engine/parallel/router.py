@@ -250,11 +250,13 @@ class Router:
                                f"{timeout}s (subscribed: {found}; live peers: {self.peers()})")
         return found
 
-    def publish(self, topic: str, payload: Any) -> int:
+    def publish(self, topic: str, payload: Any, to_lost: bool = False) -> int:
         """Send ``payload`` to every live peer subscribed to ``topic``; returns how many it was handed to.
 
         A send waits at most ``send_timeout_s`` for a slow peer; one that times out is counted in
         ``send_timeouts`` and skipped. Raises ``OversizeError`` for a message over ``max_message_size``.
+        ``to_lost``: also queue it, without waiting and uncounted, for the subscribed peers lost while their
+        connection stayed open (a stopped process reads it when it continues): for a run's last words.
         """
         self._check_topic(topic)
         frames = self._encode(payload)
@@ -262,13 +264,16 @@ class Router:
             if self._closing:
                 raise RuntimeError(f"router {self.node_id!r} is closed")
             links = self._members.subscribed(topic)
-            if not links:
+            lost = self._members.subscribed(topic, lost=True) if to_lost else []
+            if not links and not lost:
                 return 0
             send_lock = self._send_locks.setdefault(topic, threading.Lock())
         with send_lock:  # seq order is send order on every link
             seq = self._seq.get(topic, -1) + 1
             self._seq[topic] = seq
             message = pack(topic, seq, self.node_id, frames, self.max_message_size)
+            for link in lost:
+                self._send(link, message, link.peer_inc, block=False, count=False)
             return sum(self._send(link, message, link.peer_inc) for link in links)
 
     def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True,
@@ -332,8 +337,7 @@ class Router:
                     self._members.announce()
                     if beat:
                         last_beat = now
-                if not self._inbox.stalled:  # our receive thread is behind: silence is ours, not theirs
-                    self._members.check_timeouts()
+                self._members.check_timeouts(judge=not self._inbox.stalled)  # stalled: the silence is ours
                 self._inbox.guard.expire()
             except Exception as e:  # a bug here must not stop the heartbeats
                 self._inbox.error("control", e)

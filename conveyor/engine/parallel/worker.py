@@ -64,9 +64,10 @@ class WorkerRouter:
         """Whether this worker has a router that is open."""
         return self._router is not None and not self._router.closed
 
-    def publish(self, topic: str, payload: Any) -> int:
-        """Send ``payload`` on ``topic`` to the peers (none under ``"alone"``); how many it reached."""
-        return 0 if self._router is None else self._router.publish(topic, payload)
+    def publish(self, topic: str, payload: Any, to_lost: bool = False) -> int:
+        """Send ``payload`` on ``topic`` to the peers (none under ``"alone"``); how many it reached. ``to_lost``: as
+        :meth:`Router.publish`'s."""
+        return 0 if self._router is None else self._router.publish(topic, payload, to_lost)
 
     def on(self, topic: str, fn: Callable[[Any], Any]) -> None:
         """Call ``fn(payload)`` for each message on ``topic`` from a peer."""
@@ -130,7 +131,7 @@ class WorkerRouter:
         and restarted by ``auto_recover`` is live again: it is waited for)."""
         if self._router is None:
             return
-        self._router.publish(FINISHED_TOPIC, self._router.node_id)
+        self._router.publish(FINISHED_TOPIC, self._router.node_id, to_lost=True)  # a stopped peer reads it later
         with self._finished_changed:
             self._finished_changed.wait_for(lambda: all(
                 node in self._finished or node not in self._router.peers() for node in self._neighbours))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -267,3 +268,57 @@ def test_a_goodbye_is_not_logged_as_a_loss_even_when_the_closing_connection_is_s
 
     eventually(lambda: len(lost()) == 10, "every leaving peer's loss logged")  # logged after it is counted
     assert all(r.levelno == logging.INFO and "it closed" in r.getMessage() for r in lost())
+
+
+def lines_until(proc, last, unread={}):
+    """The lines ``proc`` prints (after its address; blank ones skipped) up to the first that starts with ``last``,
+    bounded by WAIT; read from its pipe unbuffered (``unread`` keeps what came after that line, per process)."""
+    lines, deadline = [], time.monotonic() + WAIT
+    while not lines or not lines[-1].startswith(last):
+        data = unread.get(proc.pid, b"")
+        if b"\n" not in data:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no line {last!r} within {WAIT}s; got {lines}"
+            data += os.read(proc.stdout.fileno(), 4096)
+        line, _, unread[proc.pid] = data.partition(b"\n")
+        lines += [line.decode().strip()] if line.strip() else []
+    return lines
+
+
+def stopped_past_the_timeout(node, proc, peer_id):
+    """SIGSTOP ``proc`` until ``node`` has lost it (its peer timeout); the caller sends SIGCONT."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    eventually(lambda: peer_id not in node.peers(), f"{node.node_id} losing the stopped {peer_id}")
+
+
+def test_a_peer_stopped_past_the_peer_timeout_is_taken_back_when_continued_and_loses_nobody_itself(make_router,
+                                                                                                   spawn_peer):
+    learner = make_router("learner")
+    pongs = collect(learner, "pong")
+    proc, _ = spawn_peer("collector", "tcp://127.0.0.1:0", learner.address)
+    learner.wait_for_subscribers("ping", 1, WAIT)
+    stopped_past_the_timeout(learner, proc, "collector")
+    os.kill(proc.pid, signal.SIGCONT)
+    learner.wait_for_subscribers("ping", 1, WAIT)  # taken back: live, and reachable again
+    eventually(lambda: learner.publish("ping", "again") == 1 and not pongs.empty(), "an answer from the collector")
+    assert pongs.get() == {"from": "collector", "echo": "again"}  # once its link to us is proven afresh too
+    assert learner.publish("ask", None) == 1
+    # the continued node's own silence is no loss of its peers: it never lost the learner
+    assert lines_until(proc, "peers_lost") == ["peers_lost 0"]
+    assert learner.stats()["peers_lost"] == 1 and learner.peers() == ["collector"]
+
+
+def test_a_closing_node_leaves_its_last_words_and_goodbye_for_a_peer_it_lost_while_that_one_was_stopped(make_router,
+                                                                                                      spawn_peer):
+    learner = make_router("learner")
+    proc, _ = spawn_peer("collector", "tcp://127.0.0.1:0", learner.address)
+    learner.wait_for_subscribers("note", 1, WAIT)
+    stopped_past_the_timeout(learner, proc, "collector")
+    assert learner.publish("note", "over") == 0  # to live peers only
+    assert learner.publish("note", "the end", to_lost=True) == 0  # queued on the open connection, not counted
+    learner.close()
+    os.kill(proc.pid, signal.SIGCONT)
+    lines = lines_until(proc, "lost")  # the goodbye is taken on receipt, the note delivered apart: either first
+    if "note the end" not in lines:
+        lines += lines_until(proc, "note")
+    assert sorted(lines) == ["lost learner", "note the end"]
