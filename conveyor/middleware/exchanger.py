@@ -53,7 +53,7 @@ from conveyor.engine import OnlineRLContext, declares, task
 from conveyor.middleware.exchange_base import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC,
                                                TRAIN_ITER_TOPIC, ExchangeTimeout, Exchanger, anything, seconds)
 from conveyor.middleware.batch_check import SpaceCheck, count_transitions, end_indices, held_transitions
-from conveyor.middleware.ledger import SendLedger, TakeLedger
+from conveyor.middleware.ledger import TakeLedger
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.middleware.model_exchanger import ModelExchanger
 
@@ -162,7 +162,7 @@ class ContextExchanger(Exchanger):
     them (:class:`~conveyor.middleware.batch_check.SpaceCheck`) and dropped whole where it fails. ``collectors``:
     the node ids whose batches it takes (None: any peer's).
 
-    ``ledger`` (:mod:`conveyor.middleware.ledger`): a collector's :class:`SendLedger` (None: it counts nothing), a
+    ``ledger`` (:mod:`conveyor.middleware.ledger`): a collector's :class:`~conveyor.middleware.ledger.SendLedger` (None: it counts nothing), a
     learner's :class:`TakeLedger` (default: one of its own, :attr:`ledger`): transitions offered, taken, dropped.
     """
 
