@@ -436,7 +436,6 @@ class Router:
                 return
         self._outbox.flush(self.send_timeout_s)
         self._members.goodbye()
-        self._outbox.close()
         with self._lock:
             self._closing = self._closed = True
             links = list(self._members.links.values())
@@ -447,3 +446,4 @@ class Router:
             self._control.join(timeout=5)
         for link in links:
             close_socket(link.sock)
+        self._outbox.close()  # after the sockets: a send still waiting on a slow peer ends with them
