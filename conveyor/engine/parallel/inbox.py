@@ -176,7 +176,7 @@ class Inbox:
             return router._count("malformed")
         pipe = msg.pipe.id if msg.pipe is not None else -1  # the connection it came through (-1: none known)
         frame = frames[0]
-        if any(f.topic == CONTROL_TOPIC for f in frames[1:]):
+        if len(frames) > 1 and any(f.topic == CONTROL_TOPIC for f in frames):
             return router._count("malformed")  # ours travel alone
         if frame.topic == CONTROL_TOPIC:
             message = control_message(frame)

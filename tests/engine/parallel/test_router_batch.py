@@ -3,7 +3,8 @@ queued; a slow peer makes publish wait, then drop and count, as a direct send di
 import queue
 import threading
 
-from tests.engine.parallel._wire import WAIT, eventually
+from conveyor.engine.parallel.router import CONTROL_TOPIC
+from tests.engine.parallel._wire import WAIT, eventually, join_as, raw_sender
 
 SMALL = {"obs": list(range(8)), "reward": 1.0}
 
@@ -54,3 +55,19 @@ def test_a_slow_peer_makes_publish_wait_then_drop_and_count_and_the_link_recover
         release.set()
     eventually(lambda: hub.publish("x", b"after") == 1, "the hub queues again once the peer caught up")
     assert all(item == b"data " for item in iter(lambda: got.get(timeout=WAIT), b"after"))  # then "after" arrives
+
+
+def test_a_peers_batch_is_delivered_whole_and_one_mixing_in_a_membership_message_is_refused(make_router):
+    hub = make_router("hub")
+    got = queue.Queue()
+    hub.on("x", got.put)
+    with raw_sender(hub.address) as raw:
+        sealed = join_as(raw, hub)
+        raw.send(sealed("x", 0, "a", also=[("x", 1, "b"), ("x", 2, "c")]))
+        assert [got.get(timeout=WAIT) for _ in range(3)] == ["a", "b", "c"]
+        raw.send(sealed("x", 3, "d", also=[(CONTROL_TOPIC, 99, {"kind": "bye"})]))
+        raw.send(sealed(CONTROL_TOPIC, 100, {"kind": "bye"}, also=[("x", 4, "e")]))
+        eventually(lambda: hub.stats()["malformed"] == 2, "both mixed batches are counted as malformed")
+        raw.send(sealed("x", 5, "f"))
+        assert got.get(timeout=WAIT) == "f"  # neither mixed batch was delivered, nor did one say goodbye
+    assert hub.stats()["received"] == 4 and "injector" in hub.peers()
