@@ -162,8 +162,9 @@ class ContextExchanger(Exchanger):
     them (:class:`~conveyor.middleware.batch_check.SpaceCheck`) and dropped whole where it fails. ``collectors``:
     the node ids whose batches it takes (None: any peer's).
 
-    ``ledger`` (:mod:`conveyor.middleware.ledger`): a collector's :class:`~conveyor.middleware.ledger.SendLedger` (None: it counts nothing), a
-    learner's :class:`TakeLedger` (default: one of its own, :attr:`ledger`): transitions offered, taken, dropped.
+    ``ledger`` (:mod:`conveyor.middleware.ledger`): a collector's :class:`~conveyor.middleware.ledger.SendLedger`
+    (None: it counts nothing), a learner's :class:`TakeLedger` (default: one of its own, :attr:`ledger`): transitions
+    offered, taken, dropped.
     """
 
     def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0,

@@ -2,7 +2,9 @@
 
 :func:`seal` packs a topic, a sequence number, the sender's id and payload frames (from
 :func:`conveyor.engine.parallel.codec.encode`) into one message addressed from one *incarnation* to
-another; :func:`open_frame` checks it and gives them back.
+another; :func:`open_frame` checks it and gives them back. A message is a *batch*: :func:`join` puts
+several :func:`pack`-ed messages of one sender under one header, one counter and one tag (the router's
+sender thread does, :mod:`~conveyor.engine.parallel.outbox`), and :func:`open_batch` gives them all back.
 
 Keys. An incarnation is 16 bytes a router draws when it starts (a restarted process draws new ones): its
 start time in nanoseconds (8 bytes, big-endian, so incarnations of one node order by age) and 8 random bytes. The key of a message is derived with HKDF-SHA256 from the shared secret and the pair (sender's
@@ -17,15 +19,21 @@ nonce twice, and the receiver refuses a counter it has seen (a replay within the
 The order of checks in :func:`open_frame` is the security property: the message's length against
 ``max_size`` first (no work for a flood), then the tag in constant time (with the key named by the two
 incarnations at fixed offsets, the only bytes read before it), and only then is any variable part
-parsed. A refused message raises a :class:`RejectedMessage` subclass so the receiver counts and drops it.
+parsed: first the batch's message count and length (at most :data:`MAX_BATCH_MESSAGES` messages of at
+least 16 bytes each, and exactly the bytes between header and tag), before anything is allocated for them.
+A refused message raises a :class:`RejectedMessage` subclass so the receiver counts and drops it; one in
+an older format (``CNV2``, before batches) a :class:`VersionError` that names both versions.
 
 Layout (little-endian; the tag covers everything before it)::
 
-    magic "CNV2" | sender incarnation (16) | receiver incarnation (16) | counter u64
-    | seq u64 | topic_len u16 | sender_len u16 | n_frames u32 | topic | sender | n_frames x u64 frame length
-    | padding to 16 | each frame, padded to 16 | GMAC tag (16)
+    magic "CNV3" | sender incarnation (16) | receiver incarnation (16) | counter u64
+    | n_msgs u32 | sender_len u16 | 0 u16 | body_len u64 | sender | padding to 16
+    | n_msgs messages (body_len bytes), each:
+        seq u64 | topic_len u16 | 0 u16 | n_frames u32 | topic | n_frames x u64 frame length
+        | padding to 16 | each frame, padded to 16
+    | GMAC tag (16)
 
-Frames start at multiples of 16 so arrays decoded in place from a buffer that is itself aligned are
+Messages and frames start at multiples of 16 so arrays decoded in place from a buffer that is itself aligned are
 aligned too. Confidentiality is not provided: payloads travel in clear (see docs/distributed.md, Threat
 model). Secrets come from :func:`load_secret`: a ``--secret-file``, else ``CONVEYOR_SECRET``, else a fresh one.
 """
@@ -41,13 +49,16 @@ import time
 from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 __all__ = ["AuthError", "Frame", "HELLO", "INCARNATION_BYTES", "MIN_SECRET_BYTES", "MalformedFrame",
-           "OversizeError", "RejectedMessage", "ReplayError", "SECRET_ENV", "SecretError", "generate_secret",
-           "check_secret_strength", "incarnation_started", "load_secret",
-           "new_incarnation", "open_frame", "pack", "seal", "sign"]
+           "MAX_BATCH_MESSAGES", "OversizeError", "RejectedMessage", "ReplayError", "SECRET_ENV", "SecretError",
+           "VersionError", "generate_secret", "check_secret_strength", "incarnation_started", "join", "load_secret",
+           "new_incarnation", "open_batch", "open_frame", "pack", "seal", "sign"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
-MAGIC = b"CNV2"
+MAGIC = b"CNV3"
+_OLD_MAGIC = {b"CNV2": "Conveyor before batched messages"}
+MAX_BATCH_MESSAGES = 4096
+"""Messages one batch may carry: a bound on what a peer's header makes the receiver allocate."""
 TAG_BYTES = 16
 ALIGN = 16
 INCARNATION_BYTES = 16
@@ -62,8 +73,9 @@ SECRET_ENV = "CONVEYOR_SECRET"
 HELLO = bytes(INCARNATION_BYTES)
 """The receiver incarnation of a hello: sent to a peer whose incarnation is not known yet."""
 _LINK = struct.Struct("<4s16s16sQ")  # magic, sender incarnation, receiver incarnation, counter: picks the key
-_HEAD = struct.Struct("<QHHI")  # seq, topic_len, sender_len, n_frames
-_MIN_SIZE = _LINK.size + _HEAD.size + TAG_BYTES
+_BATCH = struct.Struct("<IHHQ")  # n_msgs, sender_len, 0, body_len
+_HEAD = struct.Struct("<QHHI")  # one message: seq, topic_len, 0, n_frames
+_MIN_SIZE = _LINK.size + _BATCH.size + TAG_BYTES
 _PADDING = bytes(ALIGN)
 _LINK_PLACEHOLDER = bytes(_LINK.size)
 _TAG_PLACEHOLDER = bytes(TAG_BYTES)
@@ -88,6 +100,10 @@ class OversizeError(RejectedMessage):
 
 class MalformedFrame(RejectedMessage):
     """The tag matched but the layout did not: a peer with the secret and another version or a bug."""
+
+
+class VersionError(AuthError):
+    """The message is in an older frame format: the node that sent it runs another version of Conveyor."""
 
 
 class SecretError(ValueError):
@@ -150,7 +166,7 @@ def pack(topic: str, seq: int, sender: str, payload: Sequence[Buffer], max_size:
 
     With ``max_size``, a message that the receiver would refuse raises :class:`OversizeError` here instead.
     The buffers are copied into the message; the caller may reuse them afterwards. One packed message can
-    be signed and sent to several receivers in turn.
+    be signed and sent to several receivers in turn, or :func:`join`-ed with others of its sender first.
     """
     topic_b, sender_b = topic.encode(), sender.encode()
     if len(topic_b) > 0xFFFF or len(sender_b) > 0xFFFF:
@@ -159,17 +175,41 @@ def pack(topic: str, seq: int, sender: str, payload: Sequence[Buffer], max_size:
         raise ValueError(f"seq must be in [0, 2**64), got {seq}")
     views = [memoryview(p).cast("B") for p in payload]
     lengths = [v.nbytes for v in views]
-    head = _HEAD.pack(seq, len(topic_b), len(sender_b), len(views)) + topic_b + sender_b
-    head += struct.pack(f"<{len(views)}Q", *lengths)
-    parts: List[Buffer] = [_LINK_PLACEHOLDER, head, _PADDING[:_pad(_LINK.size + len(head))]]
+    head = _HEAD.pack(seq, len(topic_b), 0, len(views)) + topic_b + struct.pack(f"<{len(views)}Q", *lengths)
+    parts: List[Buffer] = [head, _PADDING[:_pad(len(head))]]
     for v, n in zip(views, lengths):
         parts += (v, _PADDING[:_pad(n)])
-    parts.append(_TAG_PLACEHOLDER)
-    size = sum(len(p) for p in parts)
+    body = sum(len(p) for p in parts)
+    prefix = _prefix(1, sender_b, body)
+    size = len(prefix) + body + TAG_BYTES
     if max_size is not None and size > max_size:
         raise OversizeError(f"message on topic {topic!r} is {size} bytes, over the limit of {max_size}; "
                             f"raise max_message_size on every node or send less at once")
-    return bytearray().join(parts)  # one copy of the payload, as the socket's own send would make
+    return bytearray().join([prefix, *parts, _TAG_PLACEHOLDER])  # one copy of the payload, as a send would make
+
+
+def _prefix(n_msgs: int, sender_b: bytes, body_len: int) -> bytes:
+    """The header of a batch, up to its first message, with the link part left for :func:`sign`."""
+    head = _LINK_PLACEHOLDER + _BATCH.pack(n_msgs, len(sender_b), 0, body_len) + sender_b
+    return head + _PADDING[:_pad(len(head))]
+
+
+def join(messages: Sequence[bytearray]) -> bytearray:
+    """One unsigned batch of several :func:`pack`-ed messages (or batches) of one sender, in their order: one
+    header, one counter and one tag for all of them. :func:`open_batch` gives them back."""
+    n_msgs, body_len, sender_b, bodies = 0, 0, None, []
+    for message in messages:
+        n, sender_len, _, length = _BATCH.unpack_from(message, _LINK.size)
+        start = _LINK.size + _BATCH.size
+        this_sender = bytes(message[start:start + sender_len])
+        if sender_b is not None and this_sender != sender_b:
+            raise ValueError(f"join: messages of senders {sender_b!r} and {this_sender!r}; a batch has one sender")
+        sender_b = this_sender
+        n_msgs, body_len = n_msgs + n, body_len + length
+        bodies.append(memoryview(message)[len(message) - TAG_BYTES - length:len(message) - TAG_BYTES])
+    if sender_b is None or n_msgs > MAX_BATCH_MESSAGES:
+        raise ValueError(f"join: a batch carries 1 to {MAX_BATCH_MESSAGES} messages, got {n_msgs}")
+    return bytearray().join([_prefix(n_msgs, sender_b, body_len), *bodies, _TAG_PLACEHOLDER])
 
 
 def sign(message: bytearray, secret: bytes, sender_incarnation: bytes, receiver_incarnation: bytes,
@@ -197,11 +237,23 @@ def seal(secret: bytes, topic: str, seq: int, sender: str, payload: Sequence[Buf
 
 
 def open_frame(secret: bytes, data: Buffer, max_size: int, receiver_incarnation: Optional[bytes] = None) -> Frame:
-    """Check and unpack a message from :func:`seal`; raises a :class:`RejectedMessage` subclass if refused.
+    """Check and unpack a message from :func:`seal`, a batch of one (:func:`open_batch` has the checks);
+    a batch of several is a :class:`MalformedFrame`."""
+    frames = open_batch(secret, data, max_size, receiver_incarnation)
+    if len(frames) != 1:
+        raise MalformedFrame(f"a batch of {len(frames)} messages where one was expected; open it with open_batch")
+    return frames[0]
 
-    ``max_size`` is checked first, then the tag (in constant time); only then is the message parsed. With
-    ``receiver_incarnation``, an authentic message addressed to another incarnation (but not a hello) raises
-    :class:`ReplayError`; the caller decides what a hello may carry.
+
+def open_batch(secret: bytes, data: Buffer, max_size: int, receiver_incarnation: Optional[bytes] = None
+               ) -> List[Frame]:
+    """Check and unpack a batch (:func:`seal`, :func:`join`): its messages, in order, sharing one sender,
+    incarnations and counter. Raises a :class:`RejectedMessage` subclass if refused.
+
+    ``max_size`` is checked first, then the tag (in constant time); only then is the message parsed, its
+    message count and body length before anything else. With ``receiver_incarnation``, an authentic message
+    addressed to another incarnation (but not a hello) raises :class:`ReplayError`; the caller decides what
+    a hello may carry.
     """
     _check_secret(secret)
     view = memoryview(data).cast("B")
@@ -211,6 +263,9 @@ def open_frame(secret: bytes, data: Buffer, max_size: int, receiver_incarnation:
     if size < _MIN_SIZE:
         raise AuthError(f"message of {size} bytes is too short to carry a tag")
     magic, sender_inc, receiver_inc, counter = _LINK.unpack_from(view)
+    if magic in _OLD_MAGIC:
+        raise VersionError(f"message in frame format {bytes(magic).decode()} ({_OLD_MAGIC[magic]}); this node "
+                           f"speaks {MAGIC.decode()}: run the same Conveyor version on every node")
     if magic != MAGIC:
         raise AuthError(f"message starts with {bytes(magic)!r}, not {MAGIC!r}: not sealed by this version of Conveyor")
     body = view[:-TAG_BYTES]
@@ -221,22 +276,39 @@ def open_frame(secret: bytes, data: Buffer, max_size: int, receiver_incarnation:
     if receiver_incarnation is not None and receiver_inc != receiver_incarnation and receiver_inc != HELLO:
         raise ReplayError(f"an authentic message sealed for incarnation {receiver_inc.hex()}, not this one "
                           f"({receiver_incarnation.hex()}): recorded in another run or before a restart")
-    topic, seq, sender, payload = _parse(body)
-    return Frame(topic, seq, sender, payload, sender_inc, receiver_inc, counter)
+    n_msgs, sender_len, _, body_len = _BATCH.unpack_from(body, _LINK.size)
+    at = _LINK.size + _BATCH.size + sender_len
+    at += _pad(at)
+    if not (1 <= n_msgs <= MAX_BATCH_MESSAGES and at + body_len == len(body) and n_msgs * _HEAD.size <= body_len):
+        raise MalformedFrame(f"batch header says {n_msgs} messages in {body_len} bytes, after a sender of "
+                             f"{sender_len} bytes, in a message of {size} bytes")
+    try:
+        sender = str(body[_LINK.size + _BATCH.size:_LINK.size + _BATCH.size + sender_len], "utf-8")
+    except UnicodeDecodeError:
+        raise MalformedFrame("message sender is not UTF-8") from None
+    frames = []
+    for _ in range(n_msgs):
+        topic, seq, payload, at = _parse(body, at)
+        frames.append(Frame(topic, seq, sender, payload, sender_inc, receiver_inc, counter))
+    if at != len(body):
+        raise MalformedFrame(f"message has {len(body) - at} bytes after its last frame")
+    return frames
 
 
-def _parse(body: memoryview) -> tuple:
-    seq, topic_len, sender_len, n_frames = _HEAD.unpack_from(body, _LINK.size)
-    at = _LINK.size + _HEAD.size
-    end = at + topic_len + sender_len + 8 * n_frames
+def _parse(body: memoryview, at: int) -> tuple:
+    """The message at offset ``at`` of ``body``: its topic, seq, payload views and where the next one starts."""
+    if at + _HEAD.size > len(body):
+        raise MalformedFrame("message header runs past its end")
+    seq, topic_len, _, n_frames = _HEAD.unpack_from(body, at)
+    at += _HEAD.size
+    end = at + topic_len + 8 * n_frames
     if end > len(body):
         raise MalformedFrame("message header runs past its end")
     try:
         topic = str(body[at:at + topic_len], "utf-8")
-        sender = str(body[at + topic_len:at + topic_len + sender_len], "utf-8")
     except UnicodeDecodeError:
-        raise MalformedFrame("message topic or sender is not UTF-8") from None
-    lengths = struct.unpack_from(f"<{n_frames}Q", body, at + topic_len + sender_len)
+        raise MalformedFrame("message topic is not UTF-8") from None
+    lengths = struct.unpack_from(f"<{n_frames}Q", body, at + topic_len)
     at = end + _pad(end)
     payload = []
     for n in lengths:
@@ -244,9 +316,7 @@ def _parse(body: memoryview) -> tuple:
             raise MalformedFrame("message frames run past its end")
         payload.append(body[at:at + n])
         at += n + _pad(n)
-    if at != len(body):
-        raise MalformedFrame(f"message has {len(body) - at} bytes after its last frame")
-    return topic, seq, sender, payload
+    return topic, seq, payload, at
 
 
 def generate_secret() -> bytes:

@@ -2,9 +2,10 @@
 
 Two threads keep receiving apart from the handlers:
 
-- the *receive* thread reads the socket and checks each message (size, tag, incarnation:
-  :func:`~conveyor.engine.parallel.frame.open_frame`); control messages go to the router at once, data
-  messages the router accepts (known sender, new counter, sane seq) join a backlog bounded in bytes;
+- the *receive* thread reads the socket and checks each batch (size, tag, incarnation, message count and
+  length: :func:`~conveyor.engine.parallel.frame.open_batch`, which splits it into views of its messages);
+  control messages (which travel alone) go to the router at once; of a data batch, the messages the router
+  accepts (known sender, new counter, sane seq) join a backlog bounded in bytes, one entry per batch;
 - the *delivery* thread decodes them and calls their handlers in arrival order, so decoding a large
   message or a slow handler never delays the messages that keep peers alive. While the backlog is
   full the receive thread waits, and :attr:`Inbox.stalled` tells the router that silence is ours.
@@ -31,7 +32,7 @@ import pynng
 
 from conveyor.engine.parallel import codec as _codec
 from conveyor.engine.parallel.frame import (HELLO, AuthError, Frame, MalformedFrame, OversizeError, ReplayError,
-                                            open_frame)
+                                            VersionError, open_batch)
 from conveyor.engine.parallel.guard import HandshakeGuard, PipeGuard, _remote, close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 
@@ -54,7 +55,7 @@ class _Router(Protocol):
     def _count(self, name: str, n: int = 1) -> None: ...
     def _on_hello(self, frame: Frame, message: Dict[str, Any]) -> None: ...
     def _on_control(self, frame: Frame, message: Dict[str, Any], pipe: int) -> bool: ...
-    def _accept(self, frame: Frame, pipe: int) -> Optional[List[Callable[[Any], Any]]]: ...
+    def _accept(self, frames: List[Frame], pipe: int) -> Optional[List[Tuple[Frame, List[Callable[[Any], Any]]]]]: ...
     def _auth_failed(self, remote: str) -> None: ...
     def _resumed(self) -> None: ...
 
@@ -70,7 +71,7 @@ class Inbox:
         self.max_backlog_bytes = max_backlog_bytes
         self._lock = threading.Lock()
         self._has_room = threading.Condition(self._lock)
-        self._backlog: Deque[Tuple[Any, Frame, List[Callable[[Any], Any]], int]] = collections.deque()
+        self._backlog: Deque[Tuple[Any, List[Tuple[Frame, List[Callable[[Any], Any]]]], int]] = collections.deque()
         self._backlog_bytes = 0
         self.stalled = False
         self._closing = False
@@ -154,12 +155,16 @@ class Inbox:
                       type(error).__name__, error)
 
     def _handle(self, msg: Any) -> None:
-        """Check one received message and hand it to the router, or queue it for delivery. Its connection counts
-        as a peer's (:meth:`PipeGuard.authenticated`) once the router took a message from it: not for a replay."""
+        """Check one received batch and hand it to the router, or queue its messages for delivery. Its connection
+        counts as a peer's (:meth:`PipeGuard.authenticated`) once the router took a message from it: not for a replay."""
         router = self._router
         view = memoryview(msg._buffer)  # pynng's view of the nng message: no copy until decoding
         try:
-            frame = open_frame(router.secret, view, router.max_message_size, self._inc)
+            frames = open_batch(router.secret, view, router.max_message_size, self._inc)
+        except VersionError as e:  # not another secret: say what it is
+            router._count("rejected_auth")
+            return self._log.log("version", "router %s: refused a message from %s: %s", router.node_id,
+                                 _remote(msg.pipe) if msg.pipe is not None else "?", e)
         except OversizeError:
             return router._count("rejected_size")
         except ReplayError:
@@ -170,6 +175,9 @@ class Inbox:
         except MalformedFrame:
             return router._count("malformed")
         pipe = msg.pipe.id if msg.pipe is not None else -1  # the connection it came through (-1: none known)
+        frame = frames[0]
+        if len(frames) > 1 and any(f.topic == CONTROL_TOPIC for f in frames):
+            return router._count("malformed")  # ours travel alone
         if frame.topic == CONTROL_TOPIC:
             message = control_message(frame)
             if message is None:
@@ -181,21 +189,22 @@ class Inbox:
             return
         if frame.receiver_incarnation == HELLO:
             return router._count("malformed")  # a hello carries our state only: nothing else is replayable
-        handlers = router._accept(frame, pipe)
-        if handlers is None:
+        accepted = router._accept(frames, pipe)
+        if accepted is None:
             return
         self.guard.authenticated(msg.pipe)
-        if handlers:
-            self._queue(msg, frame, handlers, len(view))
+        deliveries = [(f, handlers) for f, handlers in accepted if handlers]
+        if deliveries:
+            self._queue(msg, deliveries, len(view))
 
-    def _queue(self, msg: Any, frame: Frame, handlers: List[Callable[[Any], Any]], size: int) -> None:
+    def _queue(self, msg: Any, deliveries: List[Tuple[Frame, List[Callable[[Any], Any]]]], size: int) -> None:
         with self._lock:
             stalled = False
             while self._backlog and self._backlog_bytes + size > self.max_backlog_bytes and not self._closing:
                 self.stalled = stalled = True  # handlers are behind: wait for room, judging no peer meanwhile
                 self._has_room.wait(self._router.heartbeat_s)
             self.stalled = False
-            self._backlog.append((msg, frame, handlers, size))
+            self._backlog.append((msg, deliveries, size))
             self._backlog_bytes += size
             self._has_room.notify_all()
         if stalled:
@@ -211,28 +220,34 @@ class Inbox:
                     self._has_room.wait()
                 if self._closing:
                     return
-                msg, frame, handlers, size = self._backlog[0]
+                msg, deliveries, size = self._backlog[0]
             try:
-                payload = self._decode(frame.payload, copy=True)  # out of nng's message, which is then freed
-            except Exception as e:
-                router._count("malformed")
-                self._log.log(f"decode {frame.topic}", "router %s: cannot decode a message on %r from %s: %s",
-                              router.node_id, frame.topic, frame.sender, e)
-                payload = _UNDECODABLE
-            finally:
+                decoded = [(self._decoded(frame), handlers) for frame, handlers in deliveries]
+            finally:  # every payload is out of nng's message now, which is freed
                 with self._lock:
                     self._backlog.popleft()
                     self._backlog_bytes -= size
                     self._has_room.notify_all()
-                del msg, frame
-            if payload is _UNDECODABLE:
-                continue
-            for fn in handlers:
-                try:
-                    fn(payload)
-                except Exception:
-                    router._count("handler_errors")
-                    self._log.logger.exception("router %s: handler %r raised", router.node_id, fn)
+                del msg, deliveries
+            for payload, handlers in decoded:
+                if payload is _UNDECODABLE:
+                    continue
+                for fn in handlers:
+                    try:
+                        fn(payload)
+                    except Exception:
+                        router._count("handler_errors")
+                        self._log.logger.exception("router %s: handler %r raised", router.node_id, fn)
+
+    def _decoded(self, frame: Frame) -> Any:
+        """The payload of ``frame``, copied out of the received buffer; ``_UNDECODABLE`` (counted) if it is not one."""
+        try:
+            return self._decode(frame.payload, copy=True)
+        except Exception as e:
+            self._router._count("malformed")
+            self._log.log(f"decode {frame.topic}", "router %s: cannot decode a message on %r from %s: %s",
+                          self._router.node_id, frame.topic, frame.sender, e)
+            return _UNDECODABLE
 
     # --- closing -----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -23,7 +23,8 @@ whose connection closes (the peer's process died) loses its peer half a heartbea
 that speaks again is live again: a process stopped (SIGSTOP) or cut off past the timeout rejoins when it
 continues. The link we dialed back to a lost peer stays while its connection does, so what we queue for it there
 (:meth:`Router.publish`'s ``to_lost``, our goodbye) is read when it continues; and a node that itself stood still
-(:class:`~conveyor.engine.parallel.peers.Pause`) gives its peers a fresh timeout instead of losing them all. A peer is *ready* when its state lists this node among those it heard.
+(:class:`~conveyor.engine.parallel.peers.Pause`) gives its peers a fresh timeout instead of losing them all. A peer is
+*ready* when its state lists this node among those it heard.
 A node waiting for its peers while an address keeps failing authentication stops waiting at once, naming it.
 Messages are numbered per (sender, topic): gaps count as ``lost``, repeats as ``duplicated``.
 
@@ -45,8 +46,8 @@ from conveyor.engine.parallel.guard import AuthFailures, close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
 from conveyor.engine.parallel.readiness import Readiness
-from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, MAX_TOPICS_PER_PEER, REFUSALS, Link, Pause, Peer,
-                                           PeerTable, is_local_address)
+from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, REFUSALS, Link, Pause, Peer, PeerTable,
+                                           is_local_address)
 
 __all__ = ["Link", "Membership", "Peer", "is_local_address"]  # the first, second and last live in peers.py
 
@@ -72,7 +73,7 @@ class _Router(Protocol):
     def _pipe_open(self, pipe: int) -> bool: ...
     def _close_pipe(self, pipe: int) -> None: ...
     def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True,
-              count: bool = True) -> bool: ...
+              count: int = 0) -> bool: ...
 
 
 class Membership(Readiness):
@@ -187,7 +188,7 @@ class Membership(Readiness):
             close_socket(link.sock)  # outside the lock: nng runs the link's callbacks, which take it, before returning
         for link, proven, others in targets:
             for to in proven + others or [None]:
-                ok = self._router._send(link, self._state(), to, block=False, count=False)
+                ok = self._router._send(link, self._state(), to, block=False)
                 if ok and proven and to == proven[0]:
                     with self._lock:
                         link.hello_sent = link.connected and link.peer_inc == to
@@ -202,8 +203,7 @@ class Membership(Readiness):
             seq = self._control_seq + 1
         for link in links:
             link.sock.send_timeout = int(min(r.heartbeat_s, r.send_timeout_s) * 1000)
-            r._send(link, pack(CONTROL_TOPIC, seq, r.node_id, _codec.encode({"kind": "bye"})), link.peer_inc,
-                    count=False)
+            r._send(link, pack(CONTROL_TOPIC, seq, r.node_id, _codec.encode({"kind": "bye"})), link.peer_inc)
 
     # --- losses ------------------------------------------------------------------------------------
     def check_timeouts(self, judge: bool = True) -> None:
@@ -372,35 +372,35 @@ class Membership(Readiness):
                       frame.seq, why, level=level)
         return False
 
-    def accept(self, frame: Frame, pipe: int) -> bool:
-        """Whether an authentic data message through inbox connection ``pipe`` is new from a known peer: not
-        when its sender incarnation is not a known peer's, :meth:`Peer.admit` refuses it, or its seq is a repeat
-        or an absurd jump (each counted); if so the incarnation is bound to ``pipe``. Call with the lock held."""
-        count = self._router._count
-        peer = self.peers.get(frame.sender)
-        if peer is None or peer.incarnation != frame.sender_incarnation:
-            return self._refuse("replay" if self.peers.replaced(frame.sender, frame.sender_incarnation) else "unknown",
-                                frame)
-        refused = peer.admit(frame.counter, pipe, self._router._pipe_open)
+    def accept(self, frames: List[Frame], pipe: int) -> List[bool]:
+        """Which messages of an authentic data batch through inbox connection ``pipe`` are new from a known peer:
+        none when its sender incarnation is not a known peer's or :meth:`Peer.admit` refuses the batch's counter;
+        of the others, those :meth:`Peer.number` takes (refusals counted). If any is taken, the incarnation is
+        bound to ``pipe``. Call with the lock held."""
+        first = frames[0]
+        peer = self.peers.get(first.sender)
+        if peer is None or peer.incarnation != first.sender_incarnation:
+            refused = "replay" if self.peers.replaced(first.sender, first.sender_incarnation) else "unknown"
+        else:
+            refused = peer.admit(first.counter, pipe, self._router._pipe_open)
         if refused is not None:
-            return self._refuse(refused, frame)
+            self._refuse(refused, first)
+            return [False] * len(frames)
         if peer.alive:
             peer.last_seen = time.monotonic()
-        last = peer.last_seq.get(frame.topic, -1)
-        if frame.seq <= last:
-            count("duplicated")
-            return False
-        if frame.seq - last > MAX_SEQ_JUMP:
-            return self._refuse("jump", frame)  # would make every later message of its look old
-        if last < 0 and len(peer.last_seq) >= MAX_TOPICS_PER_PEER:
-            count("malformed")
-            self._log.log("topics", "router %s: refused a message on %r from %r: it already sent on %d topics",
-                          self._router.node_id, frame.topic, frame.sender, len(peer.last_seq))
-            return False
-        if last >= 0 and frame.seq - last > 1:  # counted only on a gap: the common case takes no lock call
-            count("lost", frame.seq - last - 1)
-        peer.last_seq[frame.topic], peer.pipe = frame.seq, pipe
-        return True
+        taken = []
+        for frame in frames:
+            lost = peer.number(frame.topic, frame.seq)
+            if lost == "duplicated":
+                self._router._count("duplicated")
+            elif isinstance(lost, str):
+                self._refuse(lost, frame)
+            elif lost:
+                self._router._count("lost", lost)  # counted only on a gap: the common case takes no lock call
+            taken.append(not isinstance(lost, str))
+        if any(taken):
+            peer.pipe = pipe
+        return taken
 
     def auth_failed(self, remote: str) -> None:
         """A message from ``remote`` failed its tag: remember the address for errors, warn once a minute."""

@@ -25,7 +25,7 @@ import collections
 import ipaddress
 import logging
 import time
-from typing import Any, Callable, Deque, Dict, Iterable, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, Optional, Union
 from urllib.parse import urlsplit
 
 from conveyor.engine.parallel.frame import incarnation_started
@@ -42,6 +42,7 @@ REFUSALS = {  # kinds of refused message (Peer.admit's, membership's): (counter 
     "replay": ("rejected_replay", logging.INFO, "it was sent before, or by an incarnation that restarted since"),
     "unknown": ("malformed", logging.INFO, "data from an incarnation that is no known peer's"),
     "jump": ("malformed", logging.WARNING, "numbered far past its last one: not one its sender could have counted"),
+    "topics": ("malformed", logging.WARNING, f"a new topic from a peer that already sent on {MAX_TOPICS_PER_PEER}"),
     "foreign pipe": ("rejected_foreign_pipe", logging.WARNING, "that incarnation speaks through another connection, "
                      "still open: sealed in its name by another holder of the secret"),
     "impersonation": ("rejected_impersonation", logging.WARNING, "a new incarnation of a live node that speaks "
@@ -111,6 +112,20 @@ class Peer:
         if self.window.too_far(counter):
             return "jump"
         return None if self.window.accept(counter) else "replay"
+
+    def number(self, topic: str, seq: int) -> Union[str, int]:
+        """Check a message's ``seq`` on ``topic`` against its last one: ``"duplicated"`` (not past it), ``"jump"``
+        (past it by over :data:`MAX_SEQ_JUMP`) or ``"topics"`` (one topic too many) refuse it; otherwise it is
+        recorded, and how many messages were lost before it is returned."""
+        last = self.last_seq.get(topic, -1)
+        if seq <= last:
+            return "duplicated"
+        if seq - last > MAX_SEQ_JUMP:
+            return "jump"  # would make every later message of its look old
+        if last < 0 and len(self.last_seq) >= MAX_TOPICS_PER_PEER:
+            return "topics"
+        self.last_seq[topic] = seq
+        return seq - last - 1 if last >= 0 else 0
 
 
 class Pause:

@@ -15,6 +15,13 @@ Bus0 also floods every peer. A Push0 link has back-pressure (a send waits, at mo
 for a slow receiver) and reaches exactly one peer, so a message goes only to the peers that subscribed
 to its topic, and each link's messages arrive in order.
 
+Batches (:mod:`~conveyor.engine.parallel.outbox` has the queues and their bounds): :meth:`Router.publish` packs a
+message once and queues it on each subscribed link; each link's sender thread sends what piled up meanwhile as one
+batch (one header, counter, tag and socket send), so many small messages cost one send and one tag check. A full
+queue makes publish wait at most ``send_timeout_s``, then drop that message for that link (``send_timeouts``);
+``sent`` counts messages as their batch leaves; :meth:`Router.close` sends what is queued first. Membership messages
+skip the queue: their counters may reach a peer out of order with the batches', which its replay window accepts.
+
 Trust (:mod:`~conveyor.engine.parallel.frame` has the message format). Each router draws a random
 *incarnation* when it starts. A message is tagged with a key derived from the shared secret and the
 incarnations of its sender and its receiver, so it only authenticates at the receiver incarnation it
@@ -58,16 +65,17 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import pynng
 
 from conveyor.engine.parallel import codec as _codec
-from conveyor.engine.parallel.frame import HELLO, Frame, generate_secret, new_incarnation, pack, sign
+from conveyor.engine.parallel.frame import HELLO, Frame, generate_secret, join, new_incarnation, pack, sign
 from conveyor.engine.parallel.guard import close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, Inbox
 from conveyor.engine.parallel.membership import Link, Membership, is_local_address
+from conveyor.engine.parallel.outbox import Outbox
 
 __all__ = ["CONTROL_TOPIC", "Router", "is_local_address"]
 
@@ -82,7 +90,8 @@ class Router:
     ``peers``: inbox addresses to dial. Every timeout is in seconds. ``codec`` encodes payloads
     (default: :mod:`codec`'s; a ``PickleCodec`` opts into pickle on every node). The bounds of the
     receive path (``max_connections``, ``max_pending_bytes``, ``max_backlog_bytes``, ``auth_timeout_s``,
-    default ``peer_timeout_s``) are in the module docstring.
+    default ``peer_timeout_s``) and ``batch_bytes`` (default 1 MiB, at most ``max_message_size``) are in the
+    module docstring.
     """
 
     def __init__(self, node_id: str, secret: Optional[bytes] = None, *, listen: Optional[str] = None,
@@ -90,7 +99,7 @@ class Router:
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, send_timeout_s: float = 10.0,
                  codec: Optional[_codec.Codec] = None, max_connections: int = 64,
                  max_pending_bytes: int = 1 << 30, max_backlog_bytes: Optional[int] = None,
-                 auth_timeout_s: Optional[float] = None) -> None:
+                 auth_timeout_s: Optional[float] = None, batch_bytes: int = 1 << 20) -> None:
         if not isinstance(node_id, str) or not node_id or node_id.startswith("\x00"):
             raise ValueError(f"Router(node_id={node_id!r}): the node id must be a non-empty string")
         auth_timeout_s = peer_timeout_s if auth_timeout_s is None else auth_timeout_s
@@ -102,7 +111,7 @@ class Router:
             raise ValueError(f"Router(peer_timeout_s={peer_timeout_s}) must exceed heartbeat_s={heartbeat_s}, "
                              f"or every peer would be declared dead between two heartbeats")
         for name, value in (("max_message_size", max_message_size), ("max_connections", max_connections),
-                            ("max_pending_bytes", max_pending_bytes)):
+                            ("max_pending_bytes", max_pending_bytes), ("batch_bytes", batch_bytes)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Router({name}={value!r}): must be a positive int")
         peers = list(peers)
@@ -135,9 +144,12 @@ class Router:
         self._counts = dict.fromkeys(("sent", "received", "rejected_auth", "rejected_size", "rejected_replay",
                                       "rejected_connections", "malformed", "lost", "duplicated", "send_timeouts",
                                       "handler_errors", "receive_errors", "peers_lost", "rejected_peers",
-                                      "rejected_foreign_pipe", "rejected_impersonation"), 0)
+                                      "rejected_foreign_pipe", "rejected_impersonation", "sent_batches"), 0)
         self._log = RateLimitedLog(log)
         self._members = Membership(self, self._lock, self._changed, self._wake, self._log)
+        batch_bytes = min(batch_bytes, max_message_size)  # a batch is one message to its receiver
+        self._outbox = Outbox(self._send_batch, max_bytes=2 * batch_bytes, batch_bytes=batch_bytes,
+                              timeout_s=send_timeout_s, log=self._log, name=node_id)
         self._inbox = Inbox(self, self._inc, listen, decode=codec.decode if codec is not None else _codec.decode,
                             max_connections=max_connections, max_pending_bytes=max_pending_bytes,
                             auth_timeout_s=auth_timeout_s, max_backlog_bytes=max_backlog_bytes or 2 * max_message_size,
@@ -251,12 +263,13 @@ class Router:
         return found
 
     def publish(self, topic: str, payload: Any, to_lost: bool = False) -> int:
-        """Send ``payload`` to every live peer subscribed to ``topic``; returns how many it was handed to.
+        """Queue ``payload`` for every live peer subscribed to ``topic``; returns how many links it was queued on.
 
-        A send waits at most ``send_timeout_s`` for a slow peer; one that times out is counted in
-        ``send_timeouts`` and skipped. Raises ``OversizeError`` for a message over ``max_message_size``.
-        ``to_lost``: also queue it, without waiting and uncounted, for the subscribed peers lost while their
-        connection stayed open (a stopped process reads it when it continues): for a run's last words.
+        Each link's sender thread sends it, batched with what else is queued there (the module docstring). A
+        full queue waits at most ``send_timeout_s`` for a slow peer; a message that finds no room in that time
+        is counted in ``send_timeouts`` and skipped. Raises ``OversizeError`` for a message over
+        ``max_message_size``. ``to_lost``: also send it, without waiting and uncounted, to the subscribed peers
+        lost while their connection stayed open (a stopped process reads it when it continues): a run's last words.
         """
         self._check_topic(topic)
         frames = self._encode(payload)
@@ -271,14 +284,28 @@ class Router:
         with send_lock:  # seq order is send order on every link
             seq = self._seq.get(topic, -1) + 1
             self._seq[topic] = seq
-            message = pack(topic, seq, self.node_id, frames, self.max_message_size)
+            message = pack(topic, seq, self.node_id, frames, self.max_message_size)  # the one copy of the payload
             for link in lost:
-                self._send(link, message, link.peer_inc, block=False, count=False)
-            return sum(self._send(link, message, link.peer_inc) for link in links)
+                self._send(link, bytearray(message), link.peer_inc, block=False)
+            queued = 0
+            for i, link in enumerate(links):  # each link's thread seals its own copy
+                if self._outbox.put(link, message if i == len(links) - 1 else bytearray(message)):
+                    queued += 1
+                else:
+                    self._count("send_timeouts")
+                    self._log.log(f"send-timeout {link.url}", "router %s: no room to queue a message for %s within "
+                                  "%ss; message dropped", self.node_id, link.url, self.send_timeout_s)
+            return queued
 
-    def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True,
-              count: bool = True) -> bool:
-        """Seal ``message`` for incarnation ``to`` (None: a hello) and send it on ``link``."""
+    def _send_batch(self, link: Link, messages: List[bytearray]) -> None:
+        """The outbox's send: ``messages`` (from :meth:`publish`) sealed as one batch for ``link``'s peer."""
+        to = link.peer_inc
+        if to is not None:  # None: its peer was lost since; what was queued for it goes as a lost link's would
+            self._send(link, messages[0] if len(messages) == 1 else join(messages), to, count=len(messages))
+
+    def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True, count: int = 0) -> bool:
+        """Seal ``message`` for incarnation ``to`` (None: a hello) and send it on ``link``; ``count``: the data
+        messages it carries, counted in ``sent`` or ``send_timeouts`` (0: a membership message, not counted)."""
         to = HELLO if to is None else to
         with self._lock:
             counter = self._counter.get(to, 0)
@@ -288,14 +315,16 @@ class Router:
             link.sock.send(pynng.ffi.from_buffer(message), block=block)  # nng copies it: no bytes() of our own
         except pynng.Timeout:
             if count:
-                self._count("send_timeouts")
-                self._log.log(f"send-timeout {link.url}", "router %s: a send to %s timed out after %ss; message "
-                              "dropped", self.node_id, link.url, self.send_timeout_s)
+                self._count("send_timeouts", count)
+                self._log.log(f"send-timeout {link.url}", "router %s: a send to %s timed out after %ss; %d "
+                              "message(s) dropped", self.node_id, link.url, self.send_timeout_s, count)
             return False
         except (pynng.TryAgain, pynng.Closed):
             return False
         if count:
-            self._count("sent")
+            with self._lock:
+                self._counts["sent"] += count
+                self._counts["sent_batches"] += 1
         return True
 
     @staticmethod
@@ -343,14 +372,16 @@ class Router:
                 self._inbox.error("control", e)
 
     # --- what the inbox hands over (inbox._Router) ---------------------------------------------------
-    def _accept(self, frame: Frame, pipe: int) -> Optional[List[Callable[[Any], Any]]]:
-        """The handlers to deliver an authentic data message that came through inbox connection ``pipe`` to;
-        None where membership refuses it."""
+    def _accept(self, frames: List[Frame], pipe: int) -> Optional[List[Tuple[Frame, List[Callable[[Any], Any]]]]]:
+        """The messages of an authentic data batch that came through inbox connection ``pipe`` to deliver, each
+        with its handlers; None where membership takes none of them."""
         with self._lock:
-            if not self._members.accept(frame, pipe):
+            taken = self._members.accept(frames, pipe)
+            if not any(taken):
                 return None
-            self._counts["received"] += 1
-            return [functools.partial(self._deliver, frame.sender, fn) for fn in self._handlers.get(frame.topic, ())]
+            self._counts["received"] += sum(taken)
+            return [(f, [functools.partial(self._deliver, f.sender, fn) for fn in self._handlers.get(f.topic, ())])
+                    for f, ok in zip(frames, taken) if ok]
 
     def _deliver(self, sender: str, fn: Callable[[Any], Any], payload: Any) -> None:
         """Call a handler with :attr:`sender` set to the message's sender."""
@@ -383,14 +414,14 @@ class Router:
             self._counts[name] += n
 
     def stats(self) -> Dict[str, Any]:
-        """Counters: ``sent``, ``received``, ``rejected_auth``, ``rejected_size``, ``rejected_replay``,
-        ``rejected_connections``, ``malformed``, ``lost``, ``duplicated``, ``send_timeouts``, ``handler_errors``,
-        ``receive_errors``, ``peers_lost``, ``rejected_peers`` (new node ids refused while every known one lives),
-        ``rejected_foreign_pipe`` (messages in the name of an incarnation that speaks through another connection)
-        and ``rejected_impersonation`` (new incarnations of a live node id announced through another connection);
-        ``peers``: live peer ids; ``connections`` and ``pending``: the inbox's connections now, and those not
-        authenticated yet; ``handshaking``: tcp connections nng holds before its handshake; ``backlog_bytes``:
-        received, not yet delivered."""
+        """Counters: ``sent`` (messages), ``sent_batches`` (the sends that took them), ``received``, ``rejected_auth``,
+        ``rejected_size``, ``rejected_replay``, ``rejected_connections``, ``malformed``, ``lost``, ``duplicated``,
+        ``send_timeouts``, ``handler_errors``, ``receive_errors``, ``peers_lost``, ``rejected_peers`` (new node ids
+        refused while every known one lives), ``rejected_foreign_pipe`` (messages in the name of an incarnation that
+        speaks through another connection) and ``rejected_impersonation`` (new incarnations of a live node id announced
+        through another connection); ``peers``: live peer ids; ``connections`` and ``pending``: the inbox's connections
+        now, and those not authenticated yet; ``handshaking``: tcp connections nng holds before its handshake;
+        ``backlog_bytes``: received, not yet delivered."""
         with self._lock:
             return {**self._counts, "peers": self._members.live(), **self._inbox.guard.counts(),
                     "handshaking": self._inbox.handshakes.waiting() if self._inbox.handshakes else 0,
@@ -398,10 +429,12 @@ class Router:
 
     # --- closing -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Say goodbye to the peers, stop the threads and close every socket (the ipc file goes with it)."""
+        """Send what is queued (waiting at most ``send_timeout_s``), say goodbye to the peers, stop the threads and
+        close every socket (the ipc file goes with it)."""
         with self._lock:
             if self._closed:
                 return
+        self._outbox.flush(self.send_timeout_s)
         self._members.goodbye()
         with self._lock:
             self._closing = self._closed = True
@@ -413,3 +446,4 @@ class Router:
             self._control.join(timeout=5)
         for link in links:
             close_socket(link.sock)
+        self._outbox.close()  # after the sockets: a send still waiting on a slow peer ends with them

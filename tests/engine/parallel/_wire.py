@@ -7,7 +7,7 @@ import time
 import pynng
 
 from conveyor.engine.parallel import encode, generate_secret, seal
-from conveyor.engine.parallel.frame import new_incarnation
+from conveyor.engine.parallel.frame import join, new_incarnation, pack, sign
 from conveyor.engine.parallel.router import CONTROL_TOPIC
 
 WAIT = 10  # seconds: the bound on every wait; a healthy exchange takes milliseconds
@@ -36,7 +36,7 @@ def as_peer(sender, receiver, secret):
 def join_as(raw, receiver, node_id="injector", secret=SECRET):
     """Make ``node_id`` a peer of ``receiver`` that speaks through ``raw`` (a :func:`raw_sender`): its state, sealed
     for ``receiver`` from a new incarnation. Returns a sealer of that incarnation's messages (link counters from 1,
-    or ``counter=``; ``frames=`` sends raw codec frames), which ``receiver`` takes through ``raw`` only. It sends
+    or ``counter=``; ``frames=`` sends raw codec frames; ``also=[(topic, seq, payload), ...]`` a batch), which ``receiver`` takes through ``raw`` only. It sends
     no heartbeat: ``receiver`` loses it after ``peer_timeout_s`` (and closes ``raw``'s connection, which redials)."""
     keys = dict(sender_incarnation=new_incarnation(), receiver_incarnation=bytes.fromhex(receiver.incarnation))
     counters = itertools.count()
@@ -44,7 +44,10 @@ def join_as(raw, receiver, node_id="injector", secret=SECRET):
     raw.send(seal(secret, CONTROL_TOPIC, 0, node_id, encode(state), counter=next(counters), **keys))
     eventually(lambda: node_id in receiver.peers(), f"{receiver.node_id} hears {node_id}")
 
-    def sealed(topic, seq, payload=None, *, frames=None, key=secret, counter=None):
+    def sealed(topic, seq, payload=None, *, frames=None, key=secret, counter=None, also=()):
+        if also:  # a batch: this message, then each (topic, seq, payload) of ``also``, under one tag
+            batch = join([pack(t, s, node_id, encode(p)) for t, s, p in [(topic, seq, payload), *also]])
+            return bytes(sign(batch, key, counter=next(counters) if counter is None else counter, **keys))
         return seal(key, topic, seq, node_id, encode(payload) if frames is None else frames,
                     counter=next(counters) if counter is None else counter, **keys)
     return sealed

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conveyor.engine.parallel import encode, generate_secret, open_frame, seal
+from conveyor.engine.parallel import encode, generate_secret, open_batch, seal
 from conveyor.engine.parallel import peers as peers_module
 from conveyor.engine.parallel.frame import new_incarnation
 from conveyor.engine.parallel.peers import RETIRED_PER_NODE, Peer, PeerTable
@@ -48,7 +48,7 @@ def tapped(make_router, tmp_path):
 
 def keyed(tap, receiver):
     """The frames the tap relayed sealed for ``receiver``'s incarnation (incarnations and counters are in clear)."""
-    frames = [open_frame(SECRET, data, 1 << 30) for data in tap.recorded]
+    frames = [open_batch(SECRET, data, 1 << 30)[0] for data in tap.recorded]  # a batch shares its incarnations
     return [(f, data) for f, data in zip(frames, tap.recorded) if f.receiver_incarnation.hex() == receiver.incarnation]
 
 
