@@ -1,9 +1,9 @@
 """IMPALA on Breakout across processes: learner samples/s and env steps/s with 1 and 2 collectors, and policy lag.
 
 Each configuration trains the ``atari/impala`` zoo entry distributed as ``conveyor train atari/impala --collectors
-C`` runs it (1 learner and C collector processes, no evaluator process), in a fresh interpreter, with evaluation off
-after the learner's opening one (with no evaluator nodes the learner evaluates, so ``eval_freq`` is set past the
-run) and that one played on one env for one game. Figures, per configuration:
+C`` runs it (1 learner and C collector processes, no evaluator process), in a fresh interpreter (``--quick``: from
+this one), with evaluation off after the learner's opening one (with no evaluator nodes the learner evaluates, so
+``eval_freq`` is set past the run) and that one played on one env for one game. Figures, per configuration:
 
 - learner samples/s: env steps reaching the learner per second over a window from its second TensorBoard point
   (the learner logs at its first gradient step, then every ``policy.learn.log_freq``, 100: process start-up, the
@@ -110,7 +110,8 @@ def main() -> None:
     if worker_done(args, lambda side: measure(int(side), env_steps, args.quick, args.seed)):
         return
     flags = ["--env-steps", str(env_steps), "--seed", str(args.seed), *(["--quick"] if args.quick else [])]
-    results = alternate(SIDES, args.rounds, lambda side: run_worker(side, flags))
+    results = alternate(SIDES, args.rounds, lambda side: measure(int(side), env_steps, True, args.seed)
+                        if args.quick else run_worker(side, flags))  # quick: a smoke run, in this process
     report(args, env_steps, results)
 
 
