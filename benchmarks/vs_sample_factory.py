@@ -268,8 +268,8 @@ def main() -> None:
     parser.add_argument("--algos", default="ppo,appo", help="'ppo', 'appo' or both")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true",
-                        help=f"ours only, tiny iterations, each run until its {QUICK['points']} progress lines (at most "
-                             f"{QUICK['seconds']:.0f} s), no warm-up, 1 round")
+                        help=f"ours only, tiny iterations, each run until its {QUICK['points']} progress lines "
+                             f"(at most {QUICK['seconds']:.0f} s), no warm-up, 1 round")
     args = parser.parse_args()
     algos = [algo for algo in args.algos.split(",") if algo]
     if not algos or set(algos) - set(ALGOS):
