@@ -24,7 +24,7 @@ processes share two cores, so expect little above 1 there.
 
     python -m benchmarks.impala_throughput                        # 40,000 agent steps a run, 1 round
     python -m benchmarks.impala_throughput --env-steps 64000 --rounds 2
-    python -m benchmarks.impala_throughput --quick    # 2 envs, 10-step unrolls one a batch, logs every 10, 150 steps
+    python -m benchmarks.impala_throughput --quick    # 2 envs, 10-step unrolls one a batch, logs every 10, 100 steps
 """
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ from benchmarks._harness import (add_worker_option, alternate, print_json_line, 
 
 ENTRY = "atari/impala"
 SIDES = ("1", "2")  # collector processes
-QUICK_ENV_STEPS = 150
+QUICK_ENV_STEPS = 100
 """The smoke run's agent steps a run: the quick learner logs at its first gradient step and every 10 after, and the
 figure needs 3 points. With the quick config the learner took 0.4 gradient steps an agent step in every run
-measured (1 and 2 collectors, 700 to 1,200 steps, load 2-6), its points at 28, 56, 84... agent steps: 150 give 3
-with room."""
+measured (1 and 2 collectors, 150 to 1,200 steps, load 2-15: 8 per 20-step unroll), so 100 agent steps (5 unrolls,
+40 gradient steps) give 4 points (gradient steps 1, 11, 21 and 31), one to spare; 150 took 111 s a run at load 15,
+and the 2-collector run did not end within the test's 240 s."""
 QUICK_LOG_FREQ = 10
 
 
