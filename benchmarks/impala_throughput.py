@@ -44,9 +44,9 @@ SIDES = ("1", "2")  # collector processes
 QUICK_ENV_STEPS = 100
 """The smoke run's agent steps a run: the quick learner logs at its first gradient step and every 10 after, and the
 figure needs 3 points. With the quick config the learner took 0.4 gradient steps an agent step in every run
-measured (1 and 2 collectors, 150 to 1,200 steps, load 2-15: 8 per 20-step unroll), so 100 agent steps (5 unrolls,
-40 gradient steps) give 4 points (gradient steps 1, 11, 21 and 31), one to spare; 150 took 111 s a run at load 15,
-and the 2-collector run did not end within the test's 240 s."""
+measured (1 and 2 collectors, 100 to 1,200 steps, load 2-15: 8 per 20-step unroll); 100 agent steps ran 6 unrolls,
+48 gradient steps, 5 points (gradient steps 1, 11, 21, 31, 41), two to spare. 150 took 111 s a run at load 15, and
+the 2-collector run did not end within the test's 240 s."""
 QUICK_LOG_FREQ = 10
 
 
