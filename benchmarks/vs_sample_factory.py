@@ -177,17 +177,21 @@ def timed_lines(command: Sequence[str], seconds: float, grace: float,
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     lines: List[Tuple[float, str]] = []
-    done = threading.Event()  # set once enough lines came, or the output ended (the process with it)
+    done = threading.Event()  # set once enough lines came, or the process ended
 
     def read() -> None:
         for line in process.stdout:
             lines.append((time.time(), line.rstrip("\n")))
             if enough is not None and enough(lines):
                 done.set()
+
+    def watch() -> None:
+        process.wait()
         done.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    threading.Thread(target=watch, daemon=True).start()
     try:
         done.wait(timeout=seconds)
     finally:
