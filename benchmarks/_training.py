@@ -1,12 +1,13 @@
 """What the learning benchmarks share: a zoo entry trained from scratch over a fixed env-step budget (its
 evaluations and the mean of its last training episodes), atari/ppo trained that way, and two sides compared seed
-by seed, each run in a fresh interpreter (``learning_curve``, ``atari_learning``, ``impala_learning``)."""
+by seed, each run in a fresh interpreter but in a smoke run (``learning_curve``, ``atari_learning``,
+``impala_learning``)."""
 from __future__ import annotations
 
 import argparse
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks._harness import add_worker_option, final_train_return, run_worker, scratch_dir, tensorboard_events
 
@@ -83,12 +84,17 @@ def seeds_run(args: argparse.Namespace) -> List[int]:
     return list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
 
 
-def per_seed(sides: List[str], selected: List[str], seeds: List[int],
-             extra: List[str]) -> Dict[str, List[Dict[str, Any]]]:
+def per_seed(sides: List[str], selected: List[str], seeds: List[int], extra: List[str],
+             here: Optional[Callable[[str, int], Dict[str, Any]]] = None) -> Dict[str, List[Dict[str, Any]]]:
     """The rows of every side by seed: each ``selected`` side trained in a fresh interpreter (this script's
-    ``--worker SIDE --seed N EXTRA``), one run after another; a side left out gets rows with no figures."""
-    return {side: [run_worker(side, ["--seed", str(seed), *extra], timeout=6 * 3600)
-                   if side in selected else {"seed": seed, "final_train_return": None, "wall_s": None}
+    ``--worker SIDE --seed N EXTRA``), or by ``here(side, seed)`` in this process where given (a smoke run), one
+    run after another; a side left out gets rows with no figures."""
+    def train(side: str, seed: int) -> Dict[str, Any]:
+        return here(side, seed) if here is not None else run_worker(side, ["--seed", str(seed), *extra],
+                                                                    timeout=6 * 3600)
+
+    return {side: [train(side, seed) if side in selected
+                   else {"seed": seed, "final_train_return": None, "wall_s": None}
                    for seed in seeds] for side in sides}
 
 

@@ -1,6 +1,7 @@
 """PPO on Breakout against Stable-Baselines3 over the same agent-step budget: what each has learned at the end.
 
-Per seed, each side trains from scratch in a fresh interpreter, one after the other, on one torch thread:
+Per seed, each side trains from scratch in a fresh interpreter (``--quick``: this one), one after the other, on
+one torch thread:
 
 - ours: the ``atari/ppo`` zoo entry as it ships (trained as ``benchmarks.learning_curve`` trains an entry: no
   early stop, one evaluation at the end), with any ``--set KEY=VALUE`` on top;
@@ -97,7 +98,8 @@ def main() -> None:
         ensure_package("stable-baselines3", "stable_baselines3")
     seeds = seeds_run(args)
     extra = ["--max-env-step", str(budget), *(word for pair in overrides for word in ("--set", pair))]
-    rows = per_seed(list(SIDES), sides, seeds, extra)
+    here = (lambda side, seed: SIDES[side](seed, budget, overrides)) if args.quick else None  # in this process
+    rows = per_seed(list(SIDES), sides, seeds, extra, here)
 
     print(f"{ENTRY} on Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game "
           f"training episodes")

@@ -1,7 +1,7 @@
 """IMPALA against PPO on Breakout over the same agent-step budget: what each has learned, and in what wall time.
 
-Per seed, one after the other on this machine, each in a fresh interpreter, no early stop, one evaluation at the
-end of the budget:
+Per seed, one after the other on this machine, each in a fresh interpreter (``--quick``: this one), no early stop,
+one evaluation at the end of the budget:
 
 - IMPALA: the ``atari/impala`` entry as it ships, distributed with ``--collectors`` collector processes (2 by
   default) and no evaluator node; its learner records every full-game training episode the collectors report
@@ -86,7 +86,9 @@ def main() -> None:
     seeds = seeds_run(args)
     extra = ["--max-env-step", str(budget), "--collectors", str(args.collectors),
              *(word for pair in overrides for word in ("--set", pair))]
-    rows = per_seed(list(SIDES), sides, seeds, extra)
+    here = (lambda side, seed: SIDES[side](seed, budget, args.collectors, overrides if side == "impala" else [])) \
+        if args.quick else None  # in this process
+    rows = per_seed(list(SIDES), sides, seeds, extra, here)
     print(f"Breakout, {budget} agent steps: mean return of the last {TRAIN_EPISODES} full-game training episodes, "
           f"atari/impala with {args.collectors} collectors against atari/ppo in one process")
     print_pairs(rows, "impala", "ppo", ("IMPALA", "PPO"))

@@ -1,9 +1,9 @@
 """IMPALA on Breakout across processes: learner samples/s and env steps/s with 1 and 2 collectors, and policy lag.
 
 Each configuration trains the ``atari/impala`` zoo entry distributed as ``conveyor train atari/impala --collectors
-C`` runs it (1 learner and C collector processes, no evaluator process), in a fresh interpreter, with evaluation off
-after the learner's opening one (with no evaluator nodes the learner evaluates, so ``eval_freq`` is set past the
-run) and that one played on one env for one game. Figures, per configuration:
+C`` runs it (1 learner and C collector processes, no evaluator process), in a fresh interpreter (``--quick``: from
+this one), with evaluation off after the learner's opening one (with no evaluator nodes the learner evaluates, so
+``eval_freq`` is set past the run) and that one played on one env for one game. Figures, per configuration:
 
 - learner samples/s: env steps reaching the learner per second over a window from its second TensorBoard point
   (the learner logs at its first gradient step, then every ``policy.learn.log_freq``, 100: process start-up, the
@@ -24,7 +24,7 @@ processes share two cores, so expect little above 1 there.
 
     python -m benchmarks.impala_throughput                        # 40,000 agent steps a run, 1 round
     python -m benchmarks.impala_throughput --env-steps 64000 --rounds 2
-    python -m benchmarks.impala_throughput --quick    # 2 envs, 10-step unrolls one a batch, logs every 10, 150 steps
+    python -m benchmarks.impala_throughput --quick    # 2 envs, 10-step unrolls one a batch, logs every 10, 100 steps
 """
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ from benchmarks._harness import (add_worker_option, alternate, print_json_line, 
 
 ENTRY = "atari/impala"
 SIDES = ("1", "2")  # collector processes
-QUICK_ENV_STEPS = 150
+QUICK_ENV_STEPS = 100
 """The smoke run's agent steps a run: the quick learner logs at its first gradient step and every 10 after, and the
 figure needs 3 points. With the quick config the learner took 0.4 gradient steps an agent step in every run
-measured (1 and 2 collectors, 700 to 1,200 steps, load 2-6), its points at 28, 56, 84... agent steps: 150 give 3
-with room."""
+measured (1 and 2 collectors, 100 to 1,200 steps, load 2-15: 8 per 20-step unroll); 100 agent steps ran 6 unrolls,
+48 gradient steps, 5 points (gradient steps 1, 11, 21, 31, 41), two to spare. 150 took 111 s a run at load 15, and
+the 2-collector run did not end within the test's 240 s."""
 QUICK_LOG_FREQ = 10
 
 
@@ -110,7 +111,8 @@ def main() -> None:
     if worker_done(args, lambda side: measure(int(side), env_steps, args.quick, args.seed)):
         return
     flags = ["--env-steps", str(env_steps), "--seed", str(args.seed), *(["--quick"] if args.quick else [])]
-    results = alternate(SIDES, args.rounds, lambda side: run_worker(side, flags))
+    results = alternate(SIDES, args.rounds, lambda side: measure(int(side), env_steps, True, args.seed)
+                        if args.quick else run_worker(side, flags))  # quick: a smoke run, in this process
     report(args, env_steps, results)
 
 

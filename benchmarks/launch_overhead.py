@@ -72,6 +72,12 @@ if __name__ == "__main__":  # the zygote imports this main module again: it must
 """``conveyor`` as the runs see it: the CLI, reporting what each ``conveyor train`` process's nodes did."""
 
 
+def slurm_script_command(exp_name: str, port: int) -> List[str]:
+    """``conveyor slurm-script`` for the Slurm run: the job script sbatch is given, the same run as the others."""
+    return [sys.executable, "-m", "conveyor", "slurm-script", "cartpole/dqn", "--collectors", "2", "--nodes", "1",
+            "--port", str(port), "--exp-name", exp_name, *SETS, *BUDGET]
+
+
 class Launches:
     """Starts each launcher's command in ``workdir`` (marked processes: none outlives the benchmark) and times it."""
 
@@ -86,10 +92,8 @@ class Launches:
         log = self.workdir / f"{launcher}-{self.count}.out"
         if launcher == "slurm":
             script = self.workdir / f"job-{self.count}.sh"
-            script.write_text(subprocess.run(
-                [sys.executable, "-m", "conveyor", "slurm-script", "cartpole/dqn", "--collectors", "2", "--nodes", "1",
-                 "--port", str(free_ports(3)), "--exp-name", f"slurm-{self.count}", *SETS, *BUDGET],
-                env=self.jobs.env, capture_output=True, text=True, check=True).stdout)
+            script.write_text(subprocess.run(slurm_script_command(f"slurm-{self.count}", free_ports(3)),
+                                             env=self.jobs.env, capture_output=True, text=True, check=True).stdout)
         started = time.time()
         if launcher == "slurm" and self.cluster is not None:
             job_id = self.cluster.sbatch(script, self.jobs.env)

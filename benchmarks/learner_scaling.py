@@ -3,8 +3,9 @@
 Each learner is a process on one intra-op thread running ``PPOPolicy.learn_mode.forward`` on uint8 ``[4, 84, 84]``
 observations with the Nature CNN shared by actor and critic (4 actions). One update is one gradient step on the
 whole batch: one learner takes all ``--batch`` transitions, two learners (gloo, :class:`DataParallel`) take half
-each and all-reduce their gradients. The two layouts run alternately, ``--rounds`` times, in fresh processes; the
-figures are medians and their ratio (these machines are shared: absolute rates drift, the ratio holds better).
+each and all-reduce their gradients. The two layouts run alternately, ``--rounds`` times, in fresh processes
+(forked from the script's with ``--quick``); the figures are medians and their ratio (these machines are shared:
+absolute rates drift, the ratio holds better).
 A third layout, two independent learners (each on half the batch, no all-reduce, started together), is the ceiling
 the machine itself gives two processes: ``independent_ratio`` far below 2 says the cores are not two (SMT siblings
 of one core, a throttled share), whatever Conveyor does; ``ratio / independent_ratio`` is what the all-reduce
@@ -16,7 +17,7 @@ The gradients are all-reduced in buckets while the backward pass runs (:meth:`Da
 overlap did not hide, waiting for the other learner included).
 
     python -m benchmarks.learner_scaling            # batch 256, 20 timed steps, 3 rounds
-    python -m benchmarks.learner_scaling --quick    # batch 64, 4 timed steps, 1 round
+    python -m benchmarks.learner_scaling --quick    # batch 64, 4 timed steps, 1 round, learners forked
 """
 from __future__ import annotations
 
@@ -87,10 +88,12 @@ def learner(rank: int, world: int, batch_size: int, steps: int, port_queue: Any,
         group.close()
 
 
-def run(world: int, batch_size: int, steps: int, independent: bool = False) -> tuple[float, float]:
+def run(world: int, batch_size: int, steps: int, independent: bool = False,
+        start_method: str = "spawn") -> tuple[float, float]:
     """Updates/s and all-reduce ms per step of ``world`` learners (rank 0's clock); ``independent``: learners that
-    share nothing (no all-reduce), each on its share of the batch."""
-    ctx = mp.get_context("spawn")
+    share nothing (no all-reduce), each on its share of the batch. ``start_method``: multiprocessing's, ``spawn``
+    (fresh processes) but for the smoke run."""
+    ctx = mp.get_context(start_method)
     port_queue, results = ctx.Queue(), ctx.Queue()
     secret = secrets.token_bytes(32)
     start = ctx.Barrier(world) if independent else None
@@ -117,16 +120,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="transitions per update (over all learners)")
     parser.add_argument("--steps", type=int, default=20, help="timed updates per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each layout, alternately")
-    parser.add_argument("--quick", action="store_true", help="batch 64, 4 timed steps, 1 round")
+    parser.add_argument("--quick", action="store_true",
+                        help="batch 64, 4 timed steps, 1 round, learners forked from this process")
     args = parser.parse_args()
+    start_method = "spawn"
     if args.quick:
         args.batch, args.steps, args.rounds = 64, 4, 1
+        # The smoke run's learners are forked from this process, which has imported torch but run no op and
+        # started no Python thread (as Conveyor's zygote forks its workers), with torch._dynamo (imported by an
+        # optimizer's first use) already in: 5 processes importing neither.
+        import torch._dynamo  # noqa: F401
+
+        start_method = "fork"
     layouts = {"1 learner": (1, False), "2 learners": (2, False), "2 independent": (2, True)}
     rates: dict[str, list[float]] = {name: [] for name in layouts}
     allreduce: list[float] = []
     for _ in range(args.rounds):
         for name, (world, independent) in layouts.items():
-            rate, ms = run(world, args.batch, args.steps, independent)
+            rate, ms = run(world, args.batch, args.steps, independent, start_method)
             rates[name].append(rate)
             if name == "2 learners":
                 allreduce.append(ms)

@@ -1,7 +1,8 @@
 """MAPPO and QMIX on MPE's simple_spread against BenchMARL's, over the same env-step budget: team return and speed.
 
 Per seed (100-102 by default; mpe/mappo and mpe/qmix were tuned on seeds 0-2, never on these), four runs, each
-from scratch in a fresh interpreter on one torch thread, the order of the two sides reversed every other seed:
+from scratch in a fresh interpreter on one torch thread (``--quick``: ours in this process), the order of the two
+sides reversed every other seed:
 
 - ours: the ``mpe/mappo`` and ``mpe/qmix`` zoo entries as they ship (trained as ``conveyor train ENTRY --seed N
   --max-env-step B`` trains them, through ``benchmarks._training.run_seed``: no early stop), evaluated at the
@@ -48,7 +49,7 @@ in time (the load of a shared machine drifts over the whole benchmark far more t
 ``qmix_speed_ratio`` the same for QMIX. Targets: both return ratios >= 1.0, ``speed_ratio`` >= 1.5 on CPU.
 
     python -m benchmarks.marl_learning --max-env-step 12000    # 3 seeds x 4 runs: 22 min on 2 shared, loaded cores
-    python -m benchmarks.marl_learning --quick       # ours only, 1 seed, 1 rollout of each entry, no BenchMARL
+    python -m benchmarks.marl_learning --quick       # ours only, in this process, 1 seed, 1 rollout of each entry
 """
 from __future__ import annotations
 
@@ -243,10 +244,13 @@ def main() -> None:
         for algo in ENTRIES:
             sides = [algo] + ([f"benchmarl_{algo}"] if peer else [])
             for side in (sides if i % 2 == 0 else sides[::-1]):
-                extra = ["--seed", str(seed), "--max-env-step", str(budgets[algo]), "--eval-episodes",
-                         str(eval_episodes), "--settings", json.dumps(settings[algo])]
-                rows[side].append(run_worker(side, extra, timeout=3 * 3600,
-                                             python=peer if side.startswith("benchmarl") else None))
+                if args.quick:  # ours only, in this process: a smoke run of each entry
+                    rows[side].append(ours(algo, seed, budgets[algo], eval_episodes, settings[algo]))
+                else:
+                    extra = ["--seed", str(seed), "--max-env-step", str(budgets[algo]), "--eval-episodes",
+                             str(eval_episodes), "--settings", json.dumps(settings[algo])]
+                    rows[side].append(run_worker(side, extra, timeout=3 * 3600,
+                                                 python=peer if side.startswith("benchmarl") else None))
                 print(f"  {side} seed {seed}: {json.dumps(rows[side][-1])}", file=sys.stderr, flush=True)  # progress
 
     random_return = random_team_return(QUICK_EVAL_EPISODES if args.quick else RANDOM_EPISODES)

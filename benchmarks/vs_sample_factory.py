@@ -38,7 +38,8 @@ a collector per two), both >= 1.0.
     python -m benchmarks.vs_sample_factory                    # 150 s a run, 1 round: about 11 min on 2 cores
     python -m benchmarks.vs_sample_factory --rounds 2         # ours, theirs, theirs, ours: about 22 min
     python -m benchmarks.vs_sample_factory --device cuda                # on a GPU machine
-    python -m benchmarks.vs_sample_factory --quick      # ours only, tiny iterations, 25 s a run, no Sample Factory
+    python -m benchmarks.vs_sample_factory --quick      # ours only, tiny iterations, no Sample Factory: each run
+                                                        # stopped at its second progress line (at most 240 s)
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks._harness import PeerInstallError, device_name, peer_python, print_json_line, scratch_dir
 
@@ -103,9 +104,10 @@ bug worked around (the class docstring)."""
 FRAME_SKIP = 4
 """Emulator frames per agent step, both sides (ALE v5's frame skip on ours, Sample Factory's ``env_frameskip``)."""
 ENVS = 8
-QUICK = {"seconds": 25.0, "warmup": 0.0}
+QUICK = {"seconds": 240.0, "warmup": 0.0, "points": 2}
 """The smoke run: ours only, tiny iterations (2 envs; PPO rollouts of 2 x 32 steps and one epoch, IMPALA unrolls
-of 10 steps one a batch), so that a few progress lines come within its seconds."""
+of 10 steps one a batch), each run stopped as soon as it has written ``points`` progress lines (the fewest a window
+has; they come 5 s apart), ``seconds`` only bounding a run too slow to write them."""
 OUR_PROGRESS = re.compile(r"^train: (\d+)")
 SF_FPS = re.compile(r"Fps is \(10 sec: ([-\d.naninf]+).*?Total num frames: (\d+)")
 ALGOS = ("ppo", "appo")
@@ -165,24 +167,33 @@ def _stop(process: subprocess.Popen, grace: float) -> None:
             continue
 
 
-def timed_lines(command: Sequence[str], seconds: float, grace: float) -> Tuple[float, List[Tuple[float, str]], int]:
-    """Run ``command`` in a new session for at most ``seconds`` (SIGTERM to its group then, ``grace`` seconds to
-    finish); its start (``time.time()``), every output line stamped when read, and its exit code."""
+def timed_lines(command: Sequence[str], seconds: float, grace: float,
+                enough: Optional[Callable[[List[Tuple[float, str]]], bool]] = None
+                ) -> Tuple[float, List[Tuple[float, str]], int]:
+    """Run ``command`` in a new session for at most ``seconds``, or until ``enough(lines so far)`` holds (SIGTERM to
+    its group then, ``grace`` seconds to finish); its start (``time.time()``), every output line stamped when read,
+    and its exit code."""
     start = time.time()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     lines: List[Tuple[float, str]] = []
+    done = threading.Event()  # set once enough lines came, or the process ended
 
     def read() -> None:
         for line in process.stdout:
             lines.append((time.time(), line.rstrip("\n")))
+            if enough is not None and enough(lines):
+                done.set()
+
+    def watch() -> None:
+        process.wait()
+        done.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    threading.Thread(target=watch, daemon=True).start()
     try:
-        process.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        pass
+        done.wait(timeout=seconds)
     finally:
         _stop(process, grace)
     reader.join(timeout=10)
@@ -200,10 +211,14 @@ def window_rate(points: Sequence[Tuple[float, float]], since: float) -> Optional
 
 
 def ours(algo: str, device: str, seconds: float, warmup: float, quick: bool = False) -> Dict[str, Any]:
-    """Our side of ``algo`` for ``seconds``: env frames/s in the window after ``warmup``."""
+    """Our side of ``algo`` for ``seconds`` (``quick``: until :data:`QUICK`'s progress lines came): env frames/s in
+    the window after ``warmup``."""
     args = ours_command(algo, device, layout(device, quick), quick)
+    enough = (lambda lines: sum(bool(OUR_PROGRESS.search(line)) for _, line in lines) >= QUICK["points"]) \
+        if quick else None
     with scratch_dir():
-        start, lines, code = timed_lines([sys.executable, "-m", "conveyor", "train", *args], seconds, grace=120)
+        start, lines, code = timed_lines([sys.executable, "-m", "conveyor", "train", *args], seconds, grace=120,
+                                         enough=enough)
     points = [(wall, int(match.group(1))) for wall, line in lines for match in [OUR_PROGRESS.search(line)] if match]
     rate = window_rate(points, start + warmup)
     if rate is None:
@@ -257,7 +272,8 @@ def main() -> None:
     parser.add_argument("--algos", default="ppo,appo", help="'ppo', 'appo' or both")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true",
-                        help=f"ours only, tiny iterations, {QUICK['seconds']:.0f} s a run, no warm-up, 1 round")
+                        help=f"ours only, tiny iterations, each run until its {QUICK['points']} progress lines "
+                             f"(at most {QUICK['seconds']:.0f} s), no warm-up, 1 round")
     args = parser.parse_args()
     algos = [algo for algo in args.algos.split(",") if algo]
     if not algos or set(algos) - set(ALGOS):
@@ -297,8 +313,9 @@ def main() -> None:
                 rows[f"{side}_{algo}"].append(row)
                 print(f"  {row}", file=sys.stderr, flush=True)  # progress
 
-    print(f"Breakout, {shape['envs']} envs, {shape['cores']} cores, {device_name(args.device)}, {args.seconds:.0f} s a "
-          f"run, window from {args.warmup:.0f} s to the last progress point, {args.rounds} round(s): env frames/s "
+    length = f"each run until its {QUICK['points']} progress lines" if args.quick else f"{args.seconds:.0f} s a run"
+    print(f"Breakout, {shape['envs']} envs, {shape['cores']} cores, {device_name(args.device)}, {length}, "
+          f"window from {args.warmup:.0f} s to the last progress point, {args.rounds} round(s): env frames/s "
           f"(agent steps x {FRAME_SKIP})")
     print(f"{'algo':>5} {'ours (median)':>14} {'SF (median)':>12} {'ratio':>6}   rounds: ours | SF")
     summary: Dict[str, Any] = {"device": device_name(args.device), "seconds": args.seconds, "warmup_s": args.warmup,

@@ -46,8 +46,11 @@ CASES = {
                                     "steps_per_s", "benchmarl_steps_per_s", "speed_ratio"}),
     "vs_sample_factory": (["--quick"], {"ppo_fps_ratio", "appo_fps_ratio", "ours_ppo_fps", "sf_ppo_fps",
                                         "ours_appo_fps", "sf_appo_fps"}),
-    # Ray's own launch (about 40 s here) is left to tests/test_launcher_ray.py, which starts the same launcher
-    "launch_overhead": (["--quick", "--launchers", "local,slurm"],
+    # Local only: Ray's launch (about 40 s here) is left to tests/test_launcher_ray.py, which starts the same
+    # launcher, and Slurm's (a cluster started, the job, the cluster stopped: 45 s of the 80 this case took under
+    # load) to tests/test_slurm_cluster.py, which submits the job of the same `conveyor slurm-script` to the same
+    # Cluster; the benchmark's own Slurm command is checked below
+    "launch_overhead": (["--quick", "--launchers", "local"],
                         {"local_s", "slurm_s", "ray_s", "slurm_vs_local", "ray_vs_local", "slurm_mode"}),
     "soak": (["--quick"], {"rss_growth_mb_per_h", "fd_growth", "thread_growth", "shm_growth", "ended_cleanly"}),
     "chaos": (["--quick"], {"kills", "recoveries", "unaccounted_transitions", "solved", "wall_s", "transitions"}),
@@ -128,6 +131,20 @@ def test_the_device_path_benchmark_reports_cuda_against_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"device", "updates_per_s", "cuda_vs_cpu"} <= set(summary) and "CUDA" in summary["device"]
+
+
+def test_the_launch_overhead_benchmarks_slurm_job_is_its_run_of_one_learner_and_two_collectors(tmp_path):
+    """The job script the Slurm leg submits (its run is left out of the quick case above) is the one-node job of 3
+    tasks, with the tiny config and budget the other launchers' runs have."""
+    from benchmarks.launch_overhead import BUDGET, SETS, slurm_script_command
+
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run(slurm_script_command("slurm-1", 25000), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks=3\n" in out.stdout
+    srun = next(line for line in out.stdout.splitlines() if line.startswith("exec srun conveyor train cartpole/dqn"))
+    assert all(value.strip("'") in srun for value in [*SETS, *BUDGET]), srun
 
 
 def test_a_benchmark_imports_only_the_helper_modules_of_its_package_never_the_tests_and_patches_no_sys_path():
