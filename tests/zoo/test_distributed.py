@@ -24,6 +24,7 @@ from benchmarks._cluster import wait_until
 from benchmarks._harness import free_ports
 from tests.cli_helpers import TINY, assert_usage_error
 from tests.launcher_helpers import group_gone
+from tests.zoo._short_grace_entry import GRACE_S as SHORT_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -308,17 +309,19 @@ def test_with_auto_recover_a_killed_learner_resumes_from_the_latest_checkpoint_a
 
 
 GRACE_S = inspect.signature(ContextExchanger).parameters["grace_s"].default  # what the zoo's learner waits
+SHORT_GRACE = str(Path(__file__).with_name("_short_grace_entry.py"))  # cartpole/dqn whose learner waits SHORT_GRACE_S
 PEER_TIMEOUT_S = inspect.signature(Router).parameters["peer_timeout_s"].default
 MARGIN_S = 20  # the end of the run after the wait: a final checkpoint, closing four processes on a busy machine
 
 
 @pytest.fixture
 def launch(in_tmp):
-    """Start ``conveyor train cartpole/dqn --collectors 2`` in its own session; its group is killed at the end."""
+    """Start ``conveyor train ENTRY --collectors 2`` (cartpole/dqn by default) in its own session; its group is killed
+    at the end."""
     procs = []
 
-    def start(exp):
-        proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
+    def start(exp, entry="cartpole/dqn"):
+        proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", entry, "--collectors", "2",
                                  "--exp-name", exp, "--no-progress", "--ckpt-interval", "0.2"], cwd=in_tmp,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -351,13 +354,13 @@ def running(pid):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_when_every_collector_is_killed_the_learner_ends_within_grace_s_with_its_final_checkpoint(launch):
-    proc, run = launch("nocollector")
+    proc, run = launch("nocollector", SHORT_GRACE)  # the end of the wait, not its default length
     learner, *collectors = training_nodes(run)
     for row in collectors:
         os.kill(row["pid"], signal.SIGKILL)
     killed = time.monotonic()
-    out, err = proc.communicate(timeout=GRACE_S + MARGIN_S + 30)
-    assert time.monotonic() - killed < GRACE_S + MARGIN_S, err[-2000:]
+    out, err = proc.communicate(timeout=SHORT_GRACE_S + MARGIN_S + 30)
+    assert time.monotonic() - killed < SHORT_GRACE_S + MARGIN_S, err[-2000:]
     assert proc.returncode == 1 and (run / "ckpt" / "final.pth.tar").is_file(), err[-2000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("conveyor: error: ") and last.count("killed by SIGKILL") == 2, err[-2000:]
@@ -367,7 +370,7 @@ def test_when_every_collector_is_killed_the_learner_ends_within_grace_s_with_its
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_when_continued(launch):
-    proc, run = launch("stopped")
+    proc, run = launch("stopped", SHORT_GRACE)  # the end of the learner's wait, not its default length
     learner, *collectors = training_nodes(run)
     os.kill(learner["pid"], signal.SIGSTOP)
     stopped = time.monotonic()
@@ -376,8 +379,8 @@ def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_
     assert time.monotonic() - stopped < PEER_TIMEOUT_S + MARGIN_S
     os.kill(learner["pid"], signal.SIGCONT)
     continued = time.monotonic()
-    out, err = proc.communicate(timeout=GRACE_S + MARGIN_S + 30)
-    assert time.monotonic() - continued < GRACE_S + MARGIN_S, err[-2000:]
+    out, err = proc.communicate(timeout=SHORT_GRACE_S + MARGIN_S + 30)
+    assert time.monotonic() - continued < SHORT_GRACE_S + MARGIN_S, err[-2000:]
     assert proc.returncode == 0 and (run / "ckpt" / "final.pth.tar").is_file(), err[-2000:]
     assert "the learner (node 0) is lost" in err and "Traceback" not in err
 
