@@ -173,7 +173,6 @@ def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves
     assert final["ctx"]["env_step"] > 0
 
 
-@pytest.mark.slow
 def test_a_name_that_holds_a_run_is_refused_in_one_line(in_tmp, capsys):
     (in_tmp / "runs" / "taken").mkdir(parents=True)
     (in_tmp / "runs" / "taken" / "config.json").write_text("{}")
