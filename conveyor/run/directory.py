@@ -100,12 +100,22 @@ def prepare(main_config: Mapping[str, Any], policy: Type[Any], cfg: Optional[Map
     if seed is not None:
         raw.seed = seed
     compiled = compile_config(raw, policy=policy)
-    if (run_dir / FAILED_FILE).is_file() and not (run_dir / "ckpt" / LATEST).is_file():
+    if _failed_start(run_dir):
         return _start_over(run_dir, policy, compiled)
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        raise RunDirError(f"{run_dir} already holds a run: continue it with --resume, or choose another --exp-name")
+    check_new(run_dir)
     _write_config(run_dir, policy, compiled)
     return compiled
+
+
+def _failed_start(run_dir: Path) -> bool:
+    return (run_dir / FAILED_FILE).is_file() and not (run_dir / "ckpt" / LATEST).is_file()
+
+
+def check_new(run_dir: Path) -> None:
+    """Refuse to start a new run in ``run_dir`` when it already holds one; a start that failed before its first
+    checkpoint is not refused (:func:`prepare` starts it over). A launcher calls it before any process starts."""
+    if not _failed_start(run_dir) and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise RunDirError(f"{run_dir} already holds a run: continue it with --resume, or choose another --exp-name")
 
 
 def mark_failed(run_dir: Path, error: BaseException) -> None:

@@ -46,7 +46,7 @@ from conveyor.middleware.ledger import LEDGER_DIR, SendLedger, TakeLedger, trans
 from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
 from conveyor.middleware.distributed import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
-from conveyor.run.directory import NODES_FILE, check_layout, run_directory
+from conveyor.run.directory import NODES_FILE, check_layout, check_new, run_directory
 from conveyor.run.entries import entry_reference, import_entry
 
 log = logging.getLogger("conveyor.run")
@@ -206,10 +206,13 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
         from conveyor.run.learners import check_learner_gpus
         check_learner_gpus(str(configured_device(config.get("policy", {}))), sum(i < learners for i in ids),
                            torch.cuda.device_count)
-    if resume and 0 in ids:  # the learner's run directory is here: a one-process run is refused before any start
+    if 0 in ids:  # the learner's run directory is here: a taken name, or a one-process run, refused before any start
         run_dir = run_directory(cfg if cfg is not None else loaded.main_config, exp_name)
-        check_layout(run_dir, distributed=True)
-        _check_one_learner(run_dir)
+        if resume:
+            check_layout(run_dir, distributed=True)
+            _check_one_learner(run_dir)
+        elif restarts_before == 0:  # a restarted learner resumes the run it finds there
+            check_new(run_dir)
     options = {"cfg": None if cfg is None else EasyDict(copy.deepcopy(dict(cfg))), "seed": seed,
                "exp_name": exp_name, "max_env_step": max_env_step, "max_train_iter": max_train_iter, "resume": resume,
                "progress": progress,

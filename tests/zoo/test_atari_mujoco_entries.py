@@ -1,5 +1,5 @@
-"""The MuJoCo and Atari zoo entries: each builds and acts on every env it is meant for, and a smoke run of each
-trains in one process, in async mode and distributed (one collector process), from the same entry file."""
+"""The MuJoCo and Atari zoo entries: each builds and acts on every env it is meant for, a smoke run of each trains
+in one process and in async mode from the same entry file, and one entry of each family's pipeline distributed."""
 import copy
 
 import gymnasium as gym
@@ -16,8 +16,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 MUJOCO = {"mujoco/sac": SACPolicy, "mujoco/td3": TD3Policy, "mujoco/ppo": PPOPolicy}
 ATARI = ["atari/ppo", "atari/dqn", "atari/impala"]
-ENTRIES = [*MUJOCO, *ATARI]
 ENTRIES_MARKED = [*MUJOCO, *(pytest.param(name, marks=pytest.mark.slow) for name in ATARI)]  # Atari's take > 5 s
+DISTRIBUTED = ["mujoco/sac", "mujoco/ppo", "atari/impala"]
+"""One entry per family pipeline (off_policy.actor_critic, on_policy, actor_learner; the q_learning one is
+tests/zoo/test_distributed.py's cartpole/dqn), Atari's frames and Nature CNN among them: an entry adds a config to
+its family's pipeline, which every layout runs unchanged, and each entry's own smoke runs in one process above."""
 BUDGET = 128  # env steps of each smoke run
 
 
@@ -88,7 +91,7 @@ def test_smoke_run_in_async_mode(in_tmp, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ENTRIES)
+@pytest.mark.parametrize("name", DISTRIBUTED)
 def test_smoke_run_distributed_with_one_collector(in_tmp, name):
     run = train_distributed(load_entry(name), collectors=1, cfg=tiny(name), exp_name="dist", max_env_step=BUDGET, progress=False)
     assert run.env_step >= BUDGET and run.train_iter > 0

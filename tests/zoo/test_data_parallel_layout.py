@@ -95,14 +95,14 @@ def test_a_run_that_two_learners_trained_is_not_resumed_by_one(in_tmp, capsys):
 @pytest.mark.slow
 def test_two_learners_train_one_policy_on_disjoint_shares_and_rank0_alone_writes(in_tmp):
     run = train_distributed(load_entry("cartpole/dqn"), learners=2, collectors=2, evaluators=1, exp_name="dp",
-                            max_env_step=1500, progress=False)
+                            max_env_step=600, progress=False)
     learners = sorted((n for n in run.nodes if n["role"] == "learner"), key=lambda n: n["rank"])
     collectors = {str(n["node_id"]): n for n in run.nodes if n["role"] == "collector"}
     assert [n["rank"] for n in learners] == [0, 1] and sorted(collectors) == ["2", "3"]
     # one group: the same weights and optimizer state, the same gradient steps, the run's env steps on both
     assert learners[0]["params_sha256"] == learners[1]["params_sha256"]
     assert learners[0]["train_iter"] == learners[1]["train_iter"] == run.train_iter > 0
-    assert learners[0]["env_step"] == learners[1]["env_step"] == run.env_step >= 1500
+    assert learners[0]["env_step"] == learners[1]["env_step"] == run.env_step >= 600
     # collector 2 (the first) sends to rank 0 only, collector 3 to rank 1 only: nothing received twice
     assert list(learners[0]["received_from"]) == ["2"] and list(learners[1]["received_from"]) == ["3"]
     # the run trained on what the learners received, but for the batch a learner took as the run ended (at most
@@ -212,9 +212,11 @@ def _learners(run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entry, collectors", [("cartpole/ppo", 2), ("cartpole/impala", 2), ("cartpole/ppo", 3),
+@pytest.mark.parametrize("entry, collectors", [("cartpole/impala", 2), ("cartpole/ppo", 3),
                                                ("cartpole_masked/ppo_gru", 2)])
 def test_two_learners_train_an_on_policy_entry_in_step_and_rank0_alone_writes(in_tmp, entry, collectors):
+    """cartpole/ppo runs with 3 collectors only: every assertion of a 2-collector run holds there too, and rank 0,
+    fed by two collectors, must also drop what rank 1 lacks."""
     exp = entry.replace("/", "_")
     run = train_distributed(load_entry(entry), learners=2, collectors=collectors, exp_name=exp, max_env_step=2048,
                             progress=False)
