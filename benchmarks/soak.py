@@ -5,13 +5,13 @@
 - ``conveyor train atari/ppo --async --no-stop`` (the trainer and its collector process).
 
 Every ``--interval`` seconds (default 60) the benchmark samples each of their processes (found by a marker in their
-environment, ``benchmarks._cluster.processes_with``): resident memory (``VmRSS``), open file descriptors, threads,
-and the shared-memory files it maps (``/dev/shm``); and the number of files in ``/dev/shm``. After a warm-up
-(default ``M / 6`` minutes: replay buffers fill, allocators settle, the first checkpoints are written), it fits a
-least-squares line to each process's RSS and reports the steepest, in MB an hour; fds, threads and shared-memory
-files are compared between the first and the last sample after the warm-up (a leak of one per minute shows as
-growth, a steady count as 0). At the end both runs get SIGTERM (they write their final checkpoints) and must end
-within 120 s.
+environment, ``benchmarks._cluster.processes_with``): resident memory (``VmRSS``: the lowest of :data:`RSS_READS`
+reads since the last sample), open file descriptors, threads, and the shared-memory files it maps (``/dev/shm``);
+and the number of files in ``/dev/shm``. After a warm-up (default ``M / 6`` minutes: replay buffers fill, allocators
+settle, the first checkpoints are written), it fits a least-squares line to each process's RSS and reports the
+steepest, in MB an hour; fds, threads and shared-memory files are compared between the first and the last sample
+after the warm-up (a leak of one per minute shows as growth, a steady count as 0). At the end both runs get SIGTERM
+(they write their final checkpoints) and must end within 120 s.
 
     python -m benchmarks.soak --minutes 30            # the issue's figure: rss_growth_mb_per_h <= 20, the rest 0
     python -m benchmarks.soak --quick                 # 24 s, a sample every 3 s: a smoke run of the script
@@ -47,6 +47,10 @@ RUNS = {
 QUICK_SETTINGS = {"ppo_async": ["--set", "env.collector_env_num=2", "--set", "policy.collect.n_sample=64",
                                  "--set", "policy.learn.batch_size=32"]}
 """Smaller Atari rollouts for ``--quick`` (the run updates within the smoke run)."""
+RSS_READS = 12
+"""RSS reads per process between two samples; a sample's RSS is their lowest. A trainer's RSS is a sawtooth (a
+rollout's and an update's buffers come and go: +-50 MB for atari/ppo), and a slope fitted to points read at
+arbitrary phases of it is noise of tens of MB an hour over 30 minutes; the floor is what a leak raises."""
 END_S = 120.0
 """How long the runs get to end after SIGTERM (a final checkpoint each)."""
 
@@ -65,6 +69,15 @@ def sample(pid: int) -> Optional[Dict[str, Any]]:
         return None
     return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024, "fds": fds, "threads": int(status["Threads"]),
             "shm": len(shm), "name": name}
+
+
+def rss_mb(pid: int) -> Optional[float]:
+    """A process's resident memory in MB, or None when it has ended."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None)
 
 
 def shm_files() -> int:
@@ -113,6 +126,7 @@ def soak(minutes: float, interval: float, warmup: float, quick: bool) -> Dict[st
              for name, argv in RUNS.items()}
     series: Dict[int, Dict[str, Any]] = {}  # pid -> its run, name and samples (t, sample)
     shm_total: List[tuple] = []
+    floors: Dict[int, float] = {}  # pid -> its lowest RSS read since its last sample
     began = time.monotonic()
     try:
         while True:
@@ -121,6 +135,7 @@ def soak(minutes: float, interval: float, warmup: float, quick: bool) -> Dict[st
                 for pid in processes_with(mark):
                     got = sample(pid)
                     if got is not None:
+                        got["rss_mb"] = min(got["rss_mb"], floors.pop(pid, got["rss_mb"]))
                         entry = series.setdefault(pid, {"run": run, "name": got["name"], "samples": []})
                         entry["samples"].append((now, got))
             shm_total.append((now, shm_files()))
@@ -131,6 +146,12 @@ def soak(minutes: float, interval: float, warmup: float, quick: bool) -> Dict[st
                                    + " | ".join(tail))
             if now >= minutes * 60:
                 break
+            for _ in range(RSS_READS - 1):  # the floor of the sawtooth between two samples
+                time.sleep(max(0.0, now + interval * (_ + 1) / RSS_READS - (time.monotonic() - began)))
+                for pid in series:
+                    rss = rss_mb(pid)
+                    if rss is not None:
+                        floors[pid] = min(rss, floors.get(pid, rss))
             time.sleep(max(0.0, interval - (time.monotonic() - began - now)))
     finally:
         clean = stop(procs)
