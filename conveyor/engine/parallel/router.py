@@ -269,8 +269,7 @@ class Router:
         full queue waits at most ``send_timeout_s`` for a slow peer; a message that finds no room in that time
         is counted in ``send_timeouts`` and skipped. Raises ``OversizeError`` for a message over
         ``max_message_size``. ``to_lost``: also send it, without waiting and uncounted, to the subscribed peers
-        lost while their connection stayed open (a stopped process reads it when it continues): a run's last words.
-        """
+        lost while their connection stayed open (a stopped process reads it when it continues): a run's last words."""
         self._check_topic(topic)
         frames = self._encode(payload)
         with self._lock:
@@ -298,9 +297,11 @@ class Router:
             return queued
 
     def _send_batch(self, link: Link, messages: List[bytearray]) -> None:
-        """The outbox's send: ``messages`` (from :meth:`publish`) sealed as one batch for ``link``'s peer."""
-        to = link.peer_inc
-        if to is not None:  # None: its peer was lost since; what was queued for it goes as a lost link's would
+        """The outbox's send: ``messages`` (from :meth:`publish`) sealed as one batch for ``link``'s live peer."""
+        with self._lock:  # a peer lost since gets no more, as from publish: its socket keeps room for to_lost's words
+            peer = self._members.peers.get(link.peer_id)
+            to = link.peer_inc if peer is not None and peer.alive and peer.incarnation == link.peer_inc else None
+        if to is not None:
             self._send(link, messages[0] if len(messages) == 1 else join(messages), to, count=len(messages))
 
     def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True, count: int = 0) -> bool:
