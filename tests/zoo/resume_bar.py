@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
@@ -14,12 +12,6 @@ import torch
 from conveyor.cli import main as cli
 from conveyor.middleware import load_checkpoint
 from tests.cli_helpers import run_conveyor
-
-
-def train(cwd, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``conveyor train ...`` in a subprocess (its own session, stopped if it outlives ``timeout``)."""
-    cmd = [sys.executable, "-m", "conveyor", "train", *args, "--no-progress"]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
 def straight_and_split(cwd: Path, entry: str, options: Sequence[str], n: int) -> Tuple[Any, Any]:
