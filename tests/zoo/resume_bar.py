@@ -2,35 +2,32 @@
 from __future__ import annotations
 
 import concurrent.futures
-import subprocess
-import sys
+import contextlib
 from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from conveyor.cli import main as cli
 from conveyor.middleware import load_checkpoint
-
-
-def train(cwd, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``conveyor train ...`` in a subprocess (its own session, stopped if it outlives ``timeout``)."""
-    cmd = [sys.executable, "-m", "conveyor", "train", *args, "--no-progress"]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+from tests.cli_helpers import run_conveyor
 
 
 def straight_and_split(cwd: Path, entry: str, options: Sequence[str], n: int) -> Tuple[Any, Any]:
     """The final checkpoints of a run of ``entry`` straight to ``2 * n`` env steps (``runs/straight``) and of one
-    stopped at ``n`` and resumed to ``2 * n`` in a new process (``runs/split``; the resume adds no option). The
-    straight run and the split's first part run side by side (two processes of their own)."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        straight = pool.submit(train, cwd, entry, *options, "--exp-name", "straight", "--max-env-step", str(2 * n))
-        first = pool.submit(train, cwd, entry, *options, "--exp-name", "split", "--max-env-step", str(n))
-        straight, first = straight.result(), first.result()
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    assert first.returncode == 0, first.stderr[-2000:]
-    second = train(cwd, entry, "--exp-name", "split", "--resume", "--max-env-step", str(2 * n))
-    assert second.returncode == 0, second.stderr[-2000:]
+    stopped at ``n`` and resumed to ``2 * n`` (``runs/split``; the resume adds no option). The split's first part
+    runs in a ``conveyor`` process of its own, which ends at its stop; the straight run (beside it) and the resume
+    run in this process, which never held the first part's memory and has torch loaded already."""
+    argv = ["train", entry, *options, "--no-progress"]
+    with contextlib.chdir(cwd), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run_conveyor, ["conveyor", *argv, "--exp-name", "split", "--max-env-step", str(n)], cwd,
+                            timeout=300)
+        assert cli(argv + ["--exp-name", "straight", "--max-env-step", str(2 * n)]) == 0
+        first = first.result()
+        assert first.returncode == 0, first.stderr[-2000:]
+        assert cli(["train", entry, "--exp-name", "split", "--resume", "--max-env-step", str(2 * n),
+                    "--no-progress"]) == 0
     return (load_checkpoint(cwd / "runs" / "straight" / "ckpt" / "final.pth.tar"),
             load_checkpoint(cwd / "runs" / "split" / "ckpt" / "final.pth.tar"))
 

@@ -12,6 +12,7 @@ import torch
 from conveyor.data import SequenceBuffer
 from easydict import EasyDict
 
+from conveyor.cli import main as cli
 from conveyor.engine import OnlineRLContext
 from conveyor.middleware import OffPolicyLearner, StepCollector, data_pusher, eps_greedy_handler
 from conveyor.policy import QMIXPolicy
@@ -19,7 +20,7 @@ from conveyor.zoo import load_entry
 
 from tests.policy.policy_testing import TeamMatching, greedy_reward
 
-from .resume_bar import differences, straight_and_split, train
+from .resume_bar import differences, straight_and_split
 
 T, N, AGENTS = 6, 2, 3
 
@@ -134,9 +135,10 @@ def evaluations(run_dir):
     pytest.param(["--async"], id="async"),
     pytest.param(["--collectors", "2"], id="collectors"),
 ])
-def test_mpe_qmix_trains_and_evaluates_the_team(tmp_path, layout):
-    done = train(tmp_path, "mpe/qmix", *TINY, *layout, "--exp-name", "smoke", "--max-env-step", "300")
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_mpe_qmix_trains_and_evaluates_the_team(tmp_path, monkeypatch, capsys, layout):
+    monkeypatch.chdir(tmp_path)  # `conveyor train` in this process, which has torch loaded already
+    done = cli(["train", "mpe/qmix", *TINY, *layout, "--exp-name", "smoke", "--max-env-step", "300", "--no-progress"])
+    assert done == 0, capsys.readouterr().err[-3000:]
     from conveyor.middleware import load_checkpoint
     final = load_checkpoint(tmp_path / "runs" / "smoke" / "ckpt" / "final.pth.tar")
     assert final["ctx"]["env_step"] >= 300 and final["ctx"]["train_iter"] > 0

@@ -31,12 +31,14 @@ def in_tmp(tmp_path, monkeypatch):
 
 # --- item 11: the resume bar ---------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("entry, n, options", [
-    ("cartpole/dqn", 768, ()), ("cartpole/ppo", 1024, ()),
-    ("pendulum/sac", 400, ("--set", "policy.model.hidden_sizes=[32,32]", "--set", "policy.learn.learning_starts=256",
-                           "--set", "policy.collect.random_collect_size=256")),  # exactness, not width or length, is
-    # under test: the split comes after 144 updates
-    ("cartpole_masked/ppo_gru", 1024, ()),  # mid-episode at the split: the GRU's hidden state must carry over
+@pytest.mark.parametrize("entry, n, options", [  # exactness, not width, length or epochs, is under test
+    ("cartpole/dqn", 384, ("--set", "policy.eval.evaluator.eval_freq=250")),  # 160 updates before the split, an
+    # evaluation after it
+    ("cartpole/ppo", 1024, ()),
+    ("pendulum/sac", 200, ("--set", "policy.model.hidden_sizes=[32,32]", "--set", "policy.learn.learning_starts=128",
+                           "--set", "policy.collect.random_collect_size=128")),  # 72 updates before the split
+    ("cartpole_masked/ppo_gru", 1024, ("--set", "policy.learn.epoch_per_collect=2")),  # every env mid-episode at the
+    # split: the GRU's hidden state must carry over
 ])
 def test_stopping_and_resuming_ends_exactly_where_a_straight_run_ends(in_tmp, entry, n, options):
     a, b = straight_and_split(in_tmp, entry, (*options, "--seed", "3"), n)
