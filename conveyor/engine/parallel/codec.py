@@ -366,7 +366,7 @@ def _tuples(descr: Any) -> Any:
 
 def _tensor_node(t: Any, buffers: List[Frame]) -> List[Any]:
     t = t.detach()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
     t = t.resolve_conj().resolve_neg().contiguous()
     import torch  # loaded already: t is one of its tensors
