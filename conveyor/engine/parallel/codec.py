@@ -59,6 +59,16 @@ _NDARRAY, _NPSCALAR, _TENSOR, _TREE, _CUSTOM, _PICKLE = "n", "s", "T", "tt", "x"
 # built once: json.dumps with options builds an encoder per call. No circular check: the tree is made here.
 _JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 _JSON_DECODER = json.JSONDecoder()
+# json's C encoder made once (JSONEncoder.encode builds it anew for every call); the pure-Python json has none
+_c_encode = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
+    None, _JSON_ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+
+
+def _to_json(tree: Any) -> str:
+    """``tree`` as compact JSON text, as ``_JSON_ENCODER.encode`` writes it, through the prebuilt C encoder."""
+    if _c_encode is None:
+        return _JSON_ENCODER.encode(tree)
+    return "".join(_c_encode(tree, 0))
 
 
 class DecodeError(ValueError):
@@ -110,8 +120,9 @@ class Codec:
         except _Unsupported as e:
             where = "payload" + "".join(reversed(e.path))
             raise TypeError(f"cannot encode {e.what} at {where}: {e.fix}").with_traceback(None) from None
-        text = _JSON_ENCODER.encode(tree)
-        header, items = text.encode(), _items(text)
+        text = _to_json(tree)
+        header = text.encode()
+        items = _items(text)
         if len(header) > MAX_HEADER_BYTES or items > MAX_HEADER_ITEMS:
             raise TypeError(f"cannot encode a payload whose structure takes {len(header)} bytes and {items} "
                             f"items, over the limit of {MAX_HEADER_BYTES} bytes or {MAX_HEADER_ITEMS} items: send "
@@ -129,9 +140,13 @@ class Codec:
             return self._items(obj, buffers, depth)
         if t is dict:
             if all(type(k) is str for k in obj):
-                out = {}
-                for k, v in obj.items():
-                    out[k] = self._child(v, buffers, depth, f"[{k!r}]")
+                out, node = {}, self._node
+                try:
+                    for k, v in obj.items():
+                        out[k] = node(v, buffers, depth)
+                except _Unsupported as e:
+                    e.path.append(f"[{k!r}]")
+                    raise
                 return {_STR_DICT: out}
             return {_DICT: [[self._child(k, buffers, depth, f".keys()[{i}]"), self._child(v, buffers, depth, f"[{k!r}]")]
                             for i, (k, v) in enumerate(obj.items())]}
@@ -143,9 +158,10 @@ class Codec:
         if t in self._by_type:
             name, to_wire = self._by_type[t]
             return {_CUSTOM: [name, self._child(to_wire(obj), buffers, depth, "")]}
-        np, torch, ttorch = sys.modules.get("numpy"), sys.modules.get("torch"), sys.modules.get("treetensor.torch")
+        np = sys.modules.get("numpy")
         if np is not None and t is np.ndarray and not obj.dtype.hasobject:
             return {_NDARRAY: _array_node(np, obj, buffers)}
+        torch, ttorch = sys.modules.get("torch"), sys.modules.get("treetensor.torch")
         if np is not None and isinstance(obj, np.generic) and not isinstance(obj, np.object_):
             return {_NPSCALAR: _array_node(np, np.asarray(obj), buffers)}
         if ttorch is not None and t is ttorch.Tensor:
@@ -194,9 +210,11 @@ class Codec:
             raise DecodeError(f"payload header holds up to {items} containers and items, over the limit of "
                               f"{MAX_HEADER_ITEMS}")
         try:
-            tree = _JSON_DECODER.decode(text)
+            tree, end = _JSON_DECODER.raw_decode(text)  # what encode writes: no whitespace around the value
         except (ValueError, RecursionError) as e:
             raise DecodeError(f"payload header is not valid JSON: {e}") from None
+        if end != len(text):
+            raise DecodeError(f"payload header is not valid JSON: {len(text) - end} bytes after its value")
         try:
             return self._value(tree, _Buffers(frames), copy)
         except DecodeError:
@@ -214,6 +232,10 @@ class Codec:
         (tag, body), = node.items()
         if tag == _STR_DICT:
             return {k: self._value(v, frames, copy) for k, v in body.items()}
+        if tag == _NDARRAY:
+            return _array(body, frames, copy)
+        if tag == _TENSOR:
+            return _tensor(body, frames, copy)
         if tag == _DICT:
             return {self._value(k, frames, copy): self._value(v, frames, copy) for k, v in body}
         if tag == _TUPLE:
@@ -222,14 +244,10 @@ class Codec:
             return bytes(frames.take(body))
         if tag == _BYTEARRAY:
             return bytearray(frames.take(body))
-        if tag == _NDARRAY:
-            return _array(body, frames, copy)
         if tag == _NPSCALAR:
             return _array(body, frames, True)[()]
-        if tag == _TENSOR:
-            return _tensor(body, frames, copy)
         if tag == _TREE:
-            ttorch = importlib.import_module("treetensor.torch")
+            ttorch = _module("treetensor.torch")
             return ttorch.Tensor(self._tree_dict(body, frames, copy))
         if tag == _CUSTOM:
             name, inner = body
@@ -251,7 +269,10 @@ class Codec:
 
 
 def _items(header: str) -> int:
-    """An upper bound on the containers and items a JSON header parses into (see :data:`MAX_HEADER_ITEMS`)."""
+    """An upper bound on the containers and items a JSON header parses into (see :data:`MAX_HEADER_ITEMS`).
+    A header has at most one per character, so one no longer than the limit is not counted."""
+    if len(header) <= MAX_HEADER_ITEMS:
+        return len(header)
     return header.count("[") + header.count("{") + header.count(",")
 
 
@@ -280,22 +301,31 @@ class _Buffers:
         return memoryview(self.frames[index])
 
 
+def _module(name: str) -> Any:
+    """The module ``name``, from ``sys.modules`` once loaded (``import_module`` costs microseconds per call)."""
+    module = sys.modules.get(name)
+    return module if module is not None else importlib.import_module(name)
+
+
 def _raw(frames: _Buffers, index: Any, nbytes: int, copy: bool) -> Union[memoryview, bytearray]:
-    view = frames.take(index).cast("B")
+    view = frames.take(index)
+    if view.ndim != 1 or view.format != "B" or not view.c_contiguous:
+        view = view.cast("B")
     if view.nbytes != nbytes:
         raise DecodeError(f"malformed payload: buffer {index} has {view.nbytes} bytes, its header says {nbytes}")
     return bytearray(view) if copy or view.readonly else view
 
 
 def _array_node(np: Any, a: Any, buffers: List[Frame]) -> List[Any]:
-    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-    flat = (a.T if order == "F" else np.ascontiguousarray(a)).reshape(-1)
+    flags = a.flags
+    order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
+    flat = (a.T if order == "F" else a if flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1)
     buffers.append(memoryview(flat.view(np.uint8)) if flat.dtype.itemsize else b"")
     return [_descr(a.dtype), list(a.shape), order, len(buffers)]
 
 
 def _array(body: List[Any], frames: _Buffers, copy: bool) -> Any:
-    np = importlib.import_module("numpy")
+    np = _module("numpy")
     descr, shape, order, index = body
     dtype = _dtype(descr) if type(descr) is str else np.lib.format.descr_to_dtype(_tuples(descr))
     if dtype.hasobject:
@@ -318,12 +348,12 @@ def _element_count(shape: Any, what: str) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _descr(dtype: Any) -> Any:
-    return importlib.import_module("numpy").lib.format.dtype_to_descr(dtype)
+    return _module("numpy").lib.format.dtype_to_descr(dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _dtype(descr: str) -> Any:
-    return importlib.import_module("numpy").lib.format.descr_to_dtype(descr)
+    return _module("numpy").lib.format.descr_to_dtype(descr)
 
 
 def _tuples(descr: Any) -> Any:
@@ -336,7 +366,7 @@ def _tuples(descr: Any) -> Any:
 
 def _tensor_node(t: Any, buffers: List[Frame]) -> List[Any]:
     t = t.detach()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
     t = t.resolve_conj().resolve_neg().contiguous()
     import torch  # loaded already: t is one of its tensors
@@ -345,7 +375,7 @@ def _tensor_node(t: Any, buffers: List[Frame]) -> List[Any]:
 
 
 def _tensor(body: List[Any], frames: _Buffers, copy: bool) -> Any:
-    torch = importlib.import_module("torch")
+    torch = _module("torch")
     name, shape, index = body
     dtype = getattr(torch, name, None) if type(name) is str else None
     if not isinstance(dtype, torch.dtype):

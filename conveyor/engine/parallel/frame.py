@@ -75,9 +75,9 @@ HELLO = bytes(INCARNATION_BYTES)
 _LINK = struct.Struct("<4s16s16sQ")  # magic, sender incarnation, receiver incarnation, counter: picks the key
 _BATCH = struct.Struct("<IHHQ")  # n_msgs, sender_len, 0, body_len
 _HEAD = struct.Struct("<QHHI")  # one message: seq, topic_len, 0, n_frames
+_PREFIX = struct.Struct(f"<{_LINK.size}x{_BATCH.format.lstrip('<')}")  # the link part left zero for sign()
 _MIN_SIZE = _LINK.size + _BATCH.size + TAG_BYTES
 _PADDING = bytes(ALIGN)
-_LINK_PLACEHOLDER = bytes(_LINK.size)
 _TAG_PLACEHOLDER = bytes(TAG_BYTES)
 _KDF_SALT = b"conveyor/2 link key"
 
@@ -173,13 +173,17 @@ def pack(topic: str, seq: int, sender: str, payload: Sequence[Buffer], max_size:
         raise ValueError(f"topic and sender must be under 64 KiB encoded (topic {topic[:40]!r}, sender {sender[:40]!r})")
     if not 0 <= seq < 1 << 64:
         raise ValueError(f"seq must be in [0, 2**64), got {seq}")
-    views = [memoryview(p).cast("B") for p in payload]
-    lengths = [v.nbytes for v in views]
-    head = _HEAD.pack(seq, len(topic_b), 0, len(views)) + topic_b + struct.pack(f"<{len(views)}Q", *lengths)
-    parts: List[Buffer] = [head, _PADDING[:_pad(len(head))]]
+    # bytes and bytearrays as they are; any other buffer as a flat byte view, so that len() is its size
+    views = [p if type(p) is bytes or type(p) is bytearray else memoryview(p).cast("B") for p in payload]
+    lengths = [len(v) for v in views]
+    head = _HEAD.pack(seq, len(topic_b), 0, len(views)) + topic_b + _lengths(len(views)).pack(*lengths)
+    pad = _pad(len(head))
+    parts: List[Buffer] = [head, _PADDING[:pad]]
+    body = len(head) + pad
     for v, n in zip(views, lengths):
-        parts += (v, _PADDING[:_pad(n)])
-    body = sum(len(p) for p in parts)
+        pad = _pad(n)
+        parts += (v, _PADDING[:pad])
+        body += n + pad
     prefix = _prefix(1, sender_b, body)
     size = len(prefix) + body + TAG_BYTES
     if max_size is not None and size > max_size:
@@ -190,8 +194,13 @@ def pack(topic: str, seq: int, sender: str, payload: Sequence[Buffer], max_size:
 
 def _prefix(n_msgs: int, sender_b: bytes, body_len: int) -> bytes:
     """The header of a batch, up to its first message, with the link part left for :func:`sign`."""
-    head = _LINK_PLACEHOLDER + _BATCH.pack(n_msgs, len(sender_b), 0, body_len) + sender_b
-    return head + _PADDING[:_pad(len(head))]
+    return _PREFIX.pack(n_msgs, len(sender_b), 0, body_len) + sender_b + _PADDING[:_pad(_PREFIX.size + len(sender_b))]
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(n_frames: int) -> struct.Struct:
+    """The struct of a message's ``n_frames`` frame lengths, made once per count."""
+    return struct.Struct(f"<{n_frames}Q")
 
 
 def join(messages: Sequence[bytearray]) -> bytearray:
@@ -308,7 +317,7 @@ def _parse(body: memoryview, at: int) -> tuple:
         topic = str(body[at:at + topic_len], "utf-8")
     except UnicodeDecodeError:
         raise MalformedFrame("message topic is not UTF-8") from None
-    lengths = struct.unpack_from(f"<{n_frames}Q", body, at + topic_len)
+    lengths = _lengths(n_frames).unpack_from(body, at + topic_len)
     at = end + _pad(end)
     payload = []
     for n in lengths:

@@ -271,3 +271,35 @@ def test_long_honest_structures_still_decode_and_longer_ones_are_refused_when_en
     assert decode(encode(value)) == value
     with pytest.raises(TypeError, match="numpy arrays or tensors"):
         encode([[]] * MAX_HEADER_ITEMS)
+
+
+def test_the_header_is_the_compact_json_of_the_structure_whatever_the_value():
+    value = {"é": [1, -0.0, float("inf"), float("nan"), "\u2603\n\"", None, True], "n": np.arange(3), "t": (b"x",)}
+    header = bytes(encode(value)[0])
+    reference = b'{"D":{"\\u00e9":[1,-0.0,Infinity,NaN,"\\u2603\\n\\"",null,true],"n":{"n":["<i8",[3],"C",1]},' \
+                b'"t":{"t":[{"b":2}]}}}'
+    assert header == reference
+    assert_same(roundtrip(value)["é"][:3], value["é"][:3])
+
+
+@pytest.mark.parametrize("header", [b'{"D":{}} ', b' {"D":{}}', b'{"D":{}}{"D":{}}', b'{"D":{}}\x00'],
+                         ids=["trailing_space", "leading_space", "two_values", "trailing_nul"])
+def test_a_header_with_anything_around_its_value_is_a_decode_error(header):
+    assert decode([b'{"D":{}}']) == {}
+    with pytest.raises(DecodeError, match="not valid JSON"):
+        decode([header])
+
+
+@pytest.mark.parametrize("frame", [lambda b: memoryview(np.frombuffer(b, np.float32)),
+                                   lambda b: memoryview(bytearray(b)).cast("B", (4, len(b) // 4)),
+                                   lambda b: memoryview(bytearray(b + b))[::2]],
+                         ids=["float_view", "two_dimensional_view", "strided_view"])
+def test_array_buffers_given_as_any_memoryview_decode_or_raise_decode_error(frame):
+    a = np.arange(8, dtype=np.float32)
+    header, raw = encode({"a": a})
+    view = frame(bytes(raw))
+    if view.c_contiguous:
+        assert_same(decode([header, view])["a"], a)
+    else:
+        with pytest.raises(DecodeError):
+            decode([header, view])

@@ -48,6 +48,18 @@ def test_unicode_topic_and_sender_and_empty_payload_survive():
     assert (f.topic, f.seq, f.sender, f.payload) == ("tøpic/ü", 2 ** 64 - 1, "nœud", [])
 
 
+def test_every_kind_of_payload_buffer_comes_back_as_its_bytes():
+    parts = [b"abc", bytearray(b"de" * 9), memoryview(np.arange(6, dtype=np.int32).reshape(2, 3)),
+             np.arange(5.0), memoryview(b"x" * 16), b""]
+    f = open_frame(SECRET, seal(SECRET, "t", 1, "n", parts), LIMIT)
+    assert [bytes(p) for p in f.payload] == [bytes(memoryview(p).cast("B")) for p in parts]
+
+
+def test_a_non_contiguous_payload_buffer_is_refused_when_packing():
+    with pytest.raises(TypeError):
+        seal(SECRET, "t", 1, "n", [memoryview(np.arange(8))[::2]])
+
+
 def flipped(data, index):
     out = bytearray(data)
     out[index] ^= 0x01
