@@ -153,6 +153,7 @@ def test_without_a_secret_file_the_script_makes_one_readable_by_its_owner_only_o
     (["--gpus-per-learner", "-1"], "--gpus-per-learner must be >= 0"),
     (["--port", "65535"], "--port 65535"),
     (["--ckpt-interval", "0"], "--ckpt-interval must be a number of seconds > 0"),
+    (["--peer-timeout", "0"], "--peer-timeout 0.0: must be a number of seconds > 0"),
     (["--account", "a;b"], "--account 'a;b': expected an account name"),
     (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1, got 0"),
     (["--mem", "16 GB"], "--mem '16 GB': expected a size such as 16G"),
@@ -219,6 +220,17 @@ def test_the_manifest_is_a_headless_service_and_an_indexed_job_of_one_pod_per_no
     assert container["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
 
 
+def test_the_job_files_pass_the_peer_timeout_to_every_nodes_train_command(capsys):
+    import yaml
+    script = printed(capsys, "slurm-script", "cartpole/dqn", "--collectors", "2", "--nodes", "1", "--peer-timeout", "2")
+    assert script.rstrip().splitlines()[-1].endswith("--peer-timeout 2.0")
+    _, job = yaml.safe_load_all(printed(capsys, *SAMPLE, "--peer-timeout", "30"))
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--peer-timeout") + 1] == "30.0"
+    args = train_args("--collectors", "2", "--peer-timeout", "2")
+    assert distributed.requested(args) and args.peer_timeout == 2.0
+
+
 def test_failed_pods_are_retried_and_the_manifest_says_where_checkpoints_live(capsys):
     import yaml
     text = printed(capsys, *SAMPLE)
@@ -246,6 +258,7 @@ def test_pods_of_the_manifest_read_the_layout_the_local_one_has(capsys):
     (["--secret-name", "My_Secret"], "--secret-name 'My_Secret'"),
     (["--backoff-limit", "-1"], "--backoff-limit must be >= 0, got -1"),
     (["--learners", "2", "--backoff-limit", "1"], "--backoff-limit 1 with --learners 2"),
+    (["--peer-timeout", "-2"], "--peer-timeout -2.0: must be a number of seconds > 0"),
 ])
 def test_bad_k8s_manifest_input_is_one_line(argv, fragment, capsys):
     assert_usage_error(cli_main([*SAMPLE, *argv]), capsys, fragment)

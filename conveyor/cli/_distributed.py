@@ -46,12 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="with --launcher ray: the running cluster to join (e.g. 10.0.0.1:6379, or auto); "
                             "default: a local one started for this run")
+    group.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long a node tolerates a silent peer (a stopped or unreachable process) before it "
+                            "is lost: longer for slow networks or long pauses, shorter to notice a lost node sooner "
+                            "(default 5; the heartbeat is a quarter of it under 2)")
     add_launch_arguments(group)
 
 
 def requested(args: argparse.Namespace) -> bool:
     """Whether the command line asks for a distributed run."""
-    return args.collectors is not None or args.evaluators != 0 or args.learners != 1 or args.launcher != "local"
+    return args.collectors is not None or args.evaluators != 0 or args.learners != 1 or args.launcher != "local" \
+        or args.peer_timeout is not None
 
 
 def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
@@ -68,12 +73,15 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
     returns its :class:`~conveyor.run.DistributedRun`. A launch that cannot start (an address, a secret, a
     flag) is a ``ConfigError`` with its one-line reason."""
     from conveyor.engine.parallel.runner import RemoteTraceback
+    from conveyor.run.nodes import check_peer_timeout
     from conveyor.schema import ConfigError
 
     if args.collectors is None:
         given = f"--evaluators {args.evaluators}" if args.evaluators else f"--learners {args.learners}" \
-            if args.learners != 1 else f"--launcher {args.launcher}"
+            if args.learners != 1 else f"--launcher {args.launcher}" if args.launcher != "local" \
+            else f"--peer-timeout {args.peer_timeout:g}"
         raise ConfigError(f"{given} needs --collectors N (a distributed run's collectors)")
+    check_peer_timeout(args.peer_timeout)
     if args.async_mode:
         raise ConfigError("--async is for one process; with --collectors, collection already runs beside training")
     if args.ray_address is not None and args.launcher != "ray":

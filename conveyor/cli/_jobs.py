@@ -30,8 +30,8 @@ def add_job_parser(commands: "argparse._SubParsersAction", name: str, write: Cal
                    help: str, description: str, exp_name_help: str) -> argparse.ArgumentParser:
     """Add the job subcommand ``name``, which prints what ``write(args)`` writes (:func:`print_job`): its parser with
     the entry, the layout (``--learners``, ``--collectors``, ``--evaluators``), what the run is given (``--set``,
-    ``--seed``, ``--max-env-step``, ``--ckpt-interval``, ``--port``) and ``--exp-name``; returns it for the options
-    of that scheduler alone."""
+    ``--seed``, ``--max-env-step``, ``--ckpt-interval``, ``--peer-timeout``, ``--port``) and ``--exp-name``;
+    returns it for the options of that scheduler alone."""
     parser = commands.add_parser(name, help=help, description=description)
     parser.set_defaults(run=functools.partial(print_job, write))
     parser.add_argument("entry", help="zoo entry as <env>/<algo> (`conveyor list` shows them), or an entry file's "
@@ -52,6 +52,9 @@ def add_job_parser(commands: "argparse._SubParsersAction", name: str, write: Cal
     parser.add_argument("--ckpt-interval", type=float, default=None, metavar="SECONDS",
                         help="passed to conveyor train: write latest.pth.tar every this many seconds (default 300), "
                              "the most a lost node or a preemption costs")
+    parser.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
+                        help="passed to conveyor train: how long a node tolerates a silent peer before it is lost "
+                             "(default 5)")
     parser.add_argument("--port", type=int, default=None, metavar="P",
                         help="node r listens on port P + r (default 29650)")
     parser.add_argument("--exp-name", default=None, metavar="NAME", help=exp_name_help)
@@ -64,7 +67,7 @@ def checked_layout(args: argparse.Namespace) -> Any:
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
     from conveyor.run import Layout
-    from conveyor.run.nodes import check_learners, is_offline
+    from conveyor.run.nodes import check_learners, check_peer_timeout, is_offline
 
     layout = Layout(args.collectors, args.evaluators, args.learners)
     for flag, value, least in (("--max-env-step", args.max_env_step, 1), ("--port", args.port, 1)):
@@ -72,6 +75,7 @@ def checked_layout(args: argparse.Namespace) -> Any:
             raise ConfigError(f"{flag} must be >= {least}, got {value}")
     if args.ckpt_interval is not None and not args.ckpt_interval > 0:
         raise ConfigError(f"--ckpt-interval must be a number of seconds > 0, got {args.ckpt_interval}")
+    check_peer_timeout(args.peer_timeout)
     if args.port is not None and args.port + layout.n_nodes > 65536:
         raise ConfigError(f"--port {args.port}: node r listens on it + r, so it must be at most "
                           f"{65536 - layout.n_nodes} for {layout.n_nodes} nodes")
@@ -107,7 +111,8 @@ def train_command(args: argparse.Namespace, launcher: str, exp_name: str, secret
     for override in args.overrides:
         command += ["--set", override]
     for flag, value in (("--seed", args.seed), ("--max-env-step", args.max_env_step),
-                        ("--ckpt-interval", args.ckpt_interval), ("--ports", args.port)):
+                        ("--ckpt-interval", args.ckpt_interval), ("--peer-timeout", args.peer_timeout),
+                        ("--ports", args.port)):
         if value is not None:
             command += [flag, str(value)]
     return command

@@ -29,7 +29,8 @@ def run_nodes(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any
                              seed=args.seed, exp_name=args.exp_name, max_env_step=args.max_env_step,
                              max_train_iter=args.max_train_iter, resume=args.resume,
                              progress=args.progress, ckpt_interval=args.ckpt_interval, no_stop=args.no_stop,
-                             evaluation_hook=getattr(args, "evaluation_hook", None), **where)
+                             evaluation_hook=getattr(args, "evaluation_hook", None),
+                             peer_timeout_s=getattr(args, "peer_timeout", None), **where)
 
 
 def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,

@@ -51,8 +51,8 @@ from conveyor.run.entries import entry_reference, import_entry
 
 log = logging.getLogger("conveyor.run")
 
-__all__ = ["DistributedRun", "Layout", "Node", "check_learners", "collector_share", "current_node", "is_offline",
-           "learner_share", "train_distributed", "use_node_links"]
+__all__ = ["DistributedRun", "Layout", "Node", "check_learners", "check_peer_timeout", "collector_share",
+           "current_node", "is_offline", "learner_share", "train_distributed", "use_node_links"]
 
 
 def is_offline(config: Mapping[str, Any]) -> bool:
@@ -173,7 +173,8 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
                       node_ids: Optional[Sequence[int]] = None, attach_to: Optional[Sequence[str]] = None,
                       secret: Optional[bytes] = None, auto_recover: bool = False,
                       max_retries: Optional[int] = None, ready_timeout_s: float = 60.0,
-                      grace_s: float = 30.0, restarts_before: int = 0) -> DistributedRun:
+                      grace_s: float = 30.0, restarts_before: int = 0,
+                      peer_timeout_s: Optional[float] = None) -> DistributedRun:
     """Train ``entry`` (an entry module: ``conveyor.zoo.load_entry("cartpole/dqn")``) with ``learners``
     data-parallel learners (conveyor/run/learners.py), ``collectors`` collectors and ``evaluators`` evaluators,
     each its own process; the other arguments are the entry ``main()``'s
@@ -189,10 +190,13 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     here were restarted before this call, by whatever started it again (``--launcher ray``: Ray restarting the
     node's actor); a learner among them above 0 resumes as a restarted one does. ``evaluation_hook`` (it must
     pickle) goes to node 0's ``main()`` alone: the :class:`~conveyor.run.Run` option, where the run is owned.
+    ``peer_timeout_s``: how long every node's router tolerates a silent peer before it is lost (None: the
+    :class:`~conveyor.engine.parallel.router.Router`'s 5 s; its heartbeat is a quarter of one under 2 s).
     """
     from conveyor.engine import Parallel
 
     layout = Layout(collectors, evaluators, learners)
+    check_peer_timeout(peer_timeout_s)
     ids = list(range(layout.n_nodes)) if node_ids is None else list(node_ids)
     for node_id in ids:
         layout.role(node_id)
@@ -218,11 +222,13 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
                "progress": progress,
                "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop, "started_here": ids,
                "evaluation_hook": evaluation_hook}
+    router_options = None if peer_timeout_s is None else {"peer_timeout_s": peer_timeout_s}
     topology = "star" if learners == 1 else "mesh"  # collectors send to every learner's rank, not node 0's alone
     results = Parallel.runner(len(ids), topology=topology, protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
                               max_retries=max_retries, ready_timeout_s=ready_timeout_s, grace_s=grace_s,
-                              restarts_before=restarts_before)(_node_main, entry, layout, options)
+                              restarts_before=restarts_before, router_options=router_options)(_node_main, entry,
+                                                                                              layout, options)
     nodes = [r for r in results if r is not None]
     told = [n for n in nodes if n["node_id"] == 0] or nodes  # else: as the nodes here heard it
     newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)
@@ -349,6 +355,17 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
                                 agree_rows=not buffered)
         task.use(node.sync)
     return clock
+
+
+def check_peer_timeout(peer_timeout_s: Optional[float]) -> None:
+    """Refuse, in one line, a peer timeout (``--peer-timeout``, ``peer_timeout_s``) that is not a finite number of
+    seconds > 0; None (the router's default) passes."""
+    if peer_timeout_s is None:
+        return
+    if isinstance(peer_timeout_s, bool) or not isinstance(peer_timeout_s, (int, float)) \
+            or not 0 < peer_timeout_s < math.inf:
+        raise ConfigError(f"--peer-timeout {peer_timeout_s!r}: must be a number of seconds > 0, how long a silent peer "
+                          f"is tolerated before it is lost (e.g. --peer-timeout 2; default 5)")
 
 
 def check_learners(entry: str, config: Mapping[str, Any], *, resume: bool, auto_recover: bool,

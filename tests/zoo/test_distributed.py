@@ -251,11 +251,21 @@ def test_roles_follow_node_ids():
     (["--collectors", "2", "--secret-file", "/no/such/secret"], "cannot read the secret file"),
     (["--collectors", "2", "--max-retries", "2"], "restarts need --auto-recover"),
     (["--collectors", "2", "--auto-recover", "--max-retries", "-1"], "--max-retries -1: must be >= 0"),
+    (["--collectors", "2", "--peer-timeout", "0"], "--peer-timeout 0.0: must be a number of seconds > 0"),
+    (["--collectors", "2", "--peer-timeout", "-1"], "--peer-timeout -1.0: must be a number of seconds > 0"),
+    (["--peer-timeout", "2"], "--peer-timeout 2 needs --collectors N"),
 ])
 def test_bad_distributed_flags_are_one_line_errors_before_any_process_starts(in_tmp, capsys, argv, fragment):
     assert cli_main(["train", "cartpole/dqn", *argv]) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1
+    assert not (in_tmp / "runs").exists()
+
+
+def test_a_peer_timeout_that_is_not_a_positive_number_is_refused_by_train_distributed_before_any_start(in_tmp):
+    for bad in (0, -1.5, float("nan"), True, "2"):
+        with pytest.raises(ConfigError, match="must be a number of seconds > 0"):
+            train_distributed(load_entry("cartpole/dqn"), collectors=2, peer_timeout_s=bad)
     assert not (in_tmp / "runs").exists()
 
 
@@ -319,6 +329,7 @@ def test_with_auto_recover_a_killed_learner_resumes_from_the_latest_checkpoint_a
 
 SHORT_GRACE = str(Path(__file__).with_name("_short_grace_entry.py"))  # cartpole/dqn whose learner waits SHORT_GRACE_S
 PEER_TIMEOUT_S = inspect.signature(Router).parameters["peer_timeout_s"].default
+SHORT_PEER_TIMEOUT_S = 2  # --peer-timeout of the tests that wait for a lost node but are not about the default
 MARGIN_S = 20  # the end of the run after the wait: a final checkpoint, closing four processes on a busy machine
 
 
@@ -328,9 +339,9 @@ def launch(in_tmp):
     at the end."""
     procs = []
 
-    def start(exp, entry="cartpole/dqn"):
+    def start(exp, entry="cartpole/dqn", *extra):
         proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", entry, "--collectors", "2",
-                                 "--exp-name", exp, "--no-progress", "--ckpt-interval", "0.2"], cwd=in_tmp,
+                                 "--exp-name", exp, "--no-progress", "--ckpt-interval", "0.2", *extra], cwd=in_tmp,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(proc)
@@ -378,13 +389,13 @@ def test_when_every_collector_is_killed_the_learner_ends_within_grace_s_with_its
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_when_continued(launch):
-    proc, run = launch("stopped", SHORT_GRACE)  # the end of the learner's wait, not its default length
+    proc, run = launch("stopped", SHORT_GRACE, "--peer-timeout", str(SHORT_PEER_TIMEOUT_S))  # not the defaults
     learner, *collectors = training_nodes(run)
     os.kill(learner["pid"], signal.SIGSTOP)
     stopped = time.monotonic()
-    wait_until(lambda: not any(running(row["pid"]) for row in collectors), PEER_TIMEOUT_S + MARGIN_S,
-             "the collectors' end")
-    assert time.monotonic() - stopped < PEER_TIMEOUT_S + MARGIN_S
+    wait_until(lambda: not any(running(row["pid"]) for row in collectors), SHORT_PEER_TIMEOUT_S + MARGIN_S,
+               "the collectors' end")
+    assert time.monotonic() - stopped < SHORT_PEER_TIMEOUT_S + MARGIN_S
     os.kill(learner["pid"], signal.SIGCONT)
     continued = time.monotonic()
     out, err = proc.communicate(timeout=SHORT_GRACE_S + MARGIN_S + 30)
@@ -443,27 +454,41 @@ def watched(in_tmp):
         launch.stop()
 
 
-def a_collector_stopped_past_the_peer_timeout(watched, exp, max_env_step):
-    """A :class:`Watched` launch to ``max_env_step`` whose collector 1, once the learner trains, is SIGSTOPped until
-    the learner has lost it; (the launch, the learner's and that collector's rows of nodes.json)."""
-    launch = watched(exp, "--max-env-step", str(max_env_step))
+def a_collector_stopped_past_the_peer_timeout(watched, exp, max_env_step, *extra):
+    """A :class:`Watched` launch to ``max_env_step`` with ``--peer-timeout`` :data:`SHORT_PEER_TIMEOUT_S` whose
+    collector 1, once the learner trains, is SIGSTOPped until the learner has lost it; (the launch, the learner's and
+    that collector's rows of nodes.json)."""
+    launch = watched(exp, "--max-env-step", str(max_env_step), "--peer-timeout", str(SHORT_PEER_TIMEOUT_S), *extra)
     learner, stopped, _ = training_nodes(launch.run)
     os.kill(stopped["pid"], signal.SIGSTOP)
-    wait_until(lambda: launch.said("router 0: peer 1 lost (silent"), PEER_TIMEOUT_S + MARGIN_S,
+    wait_until(lambda: launch.said("router 0: peer 1 lost (silent"), SHORT_PEER_TIMEOUT_S + MARGIN_S,
                "the learner losing the stopped collector")
     return launch, learner, stopped
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_a_collector_stopped_is_lost_within_the_peer_timeout_given_on_the_command_line_not_the_default(watched):
+    launch = watched("short", "--max-env-step", "100000", "--no-stop", "--peer-timeout", str(SHORT_PEER_TIMEOUT_S))
+    _, stopped, _ = training_nodes(launch.run)
+    os.kill(stopped["pid"], signal.SIGSTOP)
+    since = time.monotonic()
+    wait_until(lambda: launch.said("router 0: peer 1 lost (silent"), PEER_TIMEOUT_S + MARGIN_S,
+               "the learner losing the stopped collector")
+    assert time.monotonic() - since < PEER_TIMEOUT_S, "".join(launch.err)[-3000:]  # 2 s and a heartbeat, not 5
+    assert launch.said(f"router 0: peer 1 lost (silent for {float(SHORT_PEER_TIMEOUT_S)}s)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_a_collector_stopped_past_the_peer_timeout_feeds_the_learner_again_when_continued(watched):
-    launch, _, stopped = a_collector_stopped_past_the_peer_timeout(watched, "rejoin", 4000)
+    launch, _, stopped = a_collector_stopped_past_the_peer_timeout(watched, "rejoin", 4000, "--no-stop")  # its budget
     before = launch.taken(1)
     os.kill(stopped["pid"], signal.SIGCONT)
     wait_until(lambda: launch.taken(1) > before or launch.proc.poll() is not None, 120, "its batches taken again")
     assert launch.taken(1) > before, "the run ended before the continued collector fed the learner again"
     wait_until(lambda: (launch.run / "ckpt" / "final.pth.tar").is_file(), 300, "the learner's end at its budget")
-    assert launch.ended(PEER_TIMEOUT_S + MARGIN_S) == 0 and "".join(launch.out).startswith("budget reached")
+    assert launch.ended(SHORT_PEER_TIMEOUT_S + MARGIN_S) == 0 and "".join(launch.out).startswith("budget reached")
     err = "".join(launch.err)
     assert "waiting up to" not in err and "router 1: peer 0 lost" not in err and "Traceback" not in err, err[-3000:]
     assert transition_account(launch.run)["unaccounted"] == 0
@@ -478,7 +503,7 @@ def test_a_collector_stopped_past_the_learners_end_learns_the_run_is_over_when_c
     os.kill(stopped["pid"], signal.SIGCONT)
     continued = time.monotonic()
     assert launch.ended(EXCHANGE_TIMEOUT_S / 2) == 0, "".join(launch.err)[-3000:]
-    assert time.monotonic() - continued < PEER_TIMEOUT_S + MARGIN_S  # told, not left to wait for a rejoin
+    assert time.monotonic() - continued < SHORT_PEER_TIMEOUT_S + MARGIN_S  # told, not left to wait for a rejoin
     assert "Traceback" not in "".join(launch.err)
     assert transition_account(launch.run)["unaccounted"] == 0  # what it offered while out is counted by its reason
 

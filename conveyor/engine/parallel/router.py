@@ -87,23 +87,25 @@ class Router:
 
     ``secret``: the shared secret (bytes, same on every node), or None for a single-host run (see the
     module docstring). ``listen``: this node's inbox address (None: ipc in a temporary directory).
-    ``peers``: inbox addresses to dial. Every timeout is in seconds. ``codec`` encodes payloads
-    (default: :mod:`codec`'s; a ``PickleCodec`` opts into pickle on every node). The bounds of the
-    receive path (``max_connections``, ``max_pending_bytes``, ``max_backlog_bytes``, ``auth_timeout_s``,
-    default ``peer_timeout_s``) and ``batch_bytes`` (default 1 MiB, at most ``max_message_size``) are in the
-    module docstring.
+    ``peers``: inbox addresses to dial. Every timeout is in seconds (``heartbeat_s``: 0.5, or a quarter of a
+    ``peer_timeout_s`` under 2). ``codec`` encodes payloads (default: :mod:`codec`'s; a ``PickleCodec`` opts into
+    pickle on every node). The bounds of the receive path (``max_connections``, ``max_pending_bytes``,
+    ``max_backlog_bytes``, ``auth_timeout_s``, default ``peer_timeout_s``) and ``batch_bytes`` (default 1 MiB, at
+    most ``max_message_size``) are in the module docstring.
     """
 
     def __init__(self, node_id: str, secret: Optional[bytes] = None, *, listen: Optional[str] = None,
                  peers: Iterable[str] = (), advertise: Optional[str] = None, max_message_size: int = 64 << 20,
-                 heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, send_timeout_s: float = 10.0,
+                 heartbeat_s: Optional[float] = None, peer_timeout_s: float = 5.0, send_timeout_s: float = 10.0,
                  codec: Optional[_codec.Codec] = None, max_connections: int = 64,
                  max_pending_bytes: int = 1 << 30, max_backlog_bytes: Optional[int] = None,
                  auth_timeout_s: Optional[float] = None, batch_bytes: int = 1 << 20) -> None:
         if not isinstance(node_id, str) or not node_id or node_id.startswith("\x00"):
             raise ValueError(f"Router(node_id={node_id!r}): the node id must be a non-empty string")
         auth_timeout_s = peer_timeout_s if auth_timeout_s is None else auth_timeout_s
-        for name, value in (("heartbeat_s", heartbeat_s), ("peer_timeout_s", peer_timeout_s),
+        if heartbeat_s is None:  # at least four heartbeats before a peer is lost
+            heartbeat_s = min(0.5, peer_timeout_s / 4) if isinstance(peer_timeout_s, (int, float)) else 0.5
+        for name, value in (("peer_timeout_s", peer_timeout_s), ("heartbeat_s", heartbeat_s),
                             ("send_timeout_s", send_timeout_s), ("auth_timeout_s", auth_timeout_s)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"Router({name}={value!r}): must be a number of seconds > 0")
@@ -124,9 +126,8 @@ class Router:
                     raise ValueError(f"Router {node_id!r}: refusing {url} without a secret: a node reachable from "
                                      f"other hosts must authenticate them. Give every node the same secret "
                                      f"(--secret-file FILE or $CONVEYOR_SECRET), or use ipc:// or tcp://127.0.0.1")
-        self.max_message_size = max_message_size
+        self.max_message_size, self.auth_timeout_s = max_message_size, auth_timeout_s
         self.heartbeat_s, self.peer_timeout_s, self.send_timeout_s = heartbeat_s, peer_timeout_s, send_timeout_s
-        self.auth_timeout_s = auth_timeout_s
         self._encode = codec.encode if codec is not None else _codec.encode
         self._inc = new_incarnation()
 

@@ -146,6 +146,17 @@ def test_a_killed_peer_is_declared_dead_within_the_timeout(make_router, spawn_pe
     assert hub.publish("ping", 1) == 0
 
 
+def test_a_peer_timeout_under_the_default_heartbeat_works_alone_with_a_heartbeat_of_a_quarter_of_it():
+    with Router("a", SECRET, peer_timeout_s=0.4) as a, Router("b", SECRET, peers=[a.address], peer_timeout_s=0.4) as b:
+        lost = queue.Queue()
+        a.on_peer_lost(lost.put)
+        a.wait_for_peers(1, WAIT)
+        b.wait_for_peers(1, WAIT)
+        with pytest.raises(queue.Empty):  # five timeouts long, the heartbeats keep each side alive
+            lost.get(timeout=5 * 0.4)
+        assert (a.heartbeat_s, a.peers(), b.peers()) == (0.1, ["b"], ["a"])
+
+
 def test_a_closed_peer_is_dropped_at_once(make_router):
     a = make_router("a", peer_timeout_s=60)
     b = make_router("b", peers=[a.address])
