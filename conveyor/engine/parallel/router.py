@@ -130,7 +130,6 @@ class Router:
         self.heartbeat_s, self.peer_timeout_s, self.send_timeout_s = heartbeat_s, peer_timeout_s, send_timeout_s
         self._encode = codec.encode if codec is not None else _codec.encode
         self._inc = new_incarnation()
-
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._wake = threading.Event()
@@ -301,9 +300,9 @@ class Router:
         """The outbox's send: ``messages`` (from :meth:`publish`) sealed as one batch for ``link``'s live peer."""
         with self._lock:  # a peer lost since gets no more, as from publish: its socket keeps room for to_lost's words
             peer = self._members.peers.get(link.peer_id)
-            to = link.peer_inc if peer is not None and peer.alive and peer.incarnation == link.peer_inc else None
-        if to is not None:
-            self._send(link, messages[0] if len(messages) == 1 else join(messages), to, count=len(messages))
+            live = peer is not None and peer.alive and peer.incarnation == link.peer_inc
+        if live:
+            self._send(link, messages[0] if len(messages) == 1 else join(messages), link.peer_inc, count=len(messages))
 
     def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True, count: int = 0) -> bool:
         """Seal ``message`` for incarnation ``to`` (None: a hello) and send it on ``link``; ``count``: the data
