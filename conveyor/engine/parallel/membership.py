@@ -22,7 +22,10 @@ the lost callbacks called. Two faster paths need no timeout: a closing router sa
 whose connection closes (the peer's process died) loses its peer half a heartbeat later. A lost peer
 that speaks again is live again: a process stopped (SIGSTOP) or cut off past the timeout rejoins when it
 continues. The link we dialed back to a lost peer stays while its connection does, so what we queue for it there
-(:meth:`Router.publish`'s ``to_lost``, our goodbye) is read when it continues; and a node that itself stood still
+(:meth:`Router.publish`'s ``to_lost``, our goodbye) is read when it continues. A link whose connection closed says
+hello on its next one even where it knows an incarnation there again (a late state of one that died, read after the
+closing, names it): a restarted peer at that address refuses what is sealed for the dead one, and learns of us only
+from a hello. A node that itself stood still
 (:class:`~conveyor.engine.parallel.peers.Pause`) gives its peers a fresh timeout instead of losing them all. A peer is
 *ready* when its state lists this node among those it heard.
 A node waiting for its peers while an address keeps failing authentication stops waiting at once, naming it.
@@ -122,6 +125,7 @@ class Membership(Readiness):
                 link.dropped_at = time.monotonic()
                 link.connected = link.hello_sent = False
                 link.peer_inc = None  # whoever answers the reconnect proves itself afresh (it may have restarted)
+                link.greet = True  # also if a late state of the one that died names its incarnation again meanwhile
             self._wake.set()  # the control thread loses its peer (nng's thread must not run the callbacks)
 
         sock.add_post_pipe_connect_cb(connected)
@@ -183,12 +187,16 @@ class Membership(Readiness):
                     continue
                 incs = [inc for (_, inc), (address, _) in self._candidates.items()
                         if address == url and inc != link.peer_inc]
-                targets.append((link, [link.peer_inc] if link.peer_inc is not None else [], incs))
+                proven = [link.peer_inc] if link.peer_inc is not None else []
+                targets.append((link, proven, incs + [None] * (link.greet and bool(proven))))
         for link in stale:
             close_socket(link.sock)  # outside the lock: nng runs the link's callbacks, which take it, before returning
         for link, proven, others in targets:
             for to in proven + others or [None]:
                 ok = self._router._send(link, self._state(), to, block=False)
+                if ok and to is None:
+                    with self._lock:
+                        link.greet = False
                 if ok and proven and to == proven[0]:
                     with self._lock:
                         link.hello_sent = link.connected and link.peer_inc == to

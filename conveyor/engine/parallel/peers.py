@@ -78,6 +78,7 @@ class Link:
         self.dropped_at = 0.0  # when its connection closed, until the control thread judged it (0: not so)
         self.learned = False  # dialed back after a peer's hello, not asked for with connect()
         self.for_hello = False  # dialed for a hello only, not yet for a proven peer: closed when it expires
+        self.greet = False  # its connection closed since its last hello: the next one gets a hello whatever it knows
         self.warned = False  # told that nothing authentic came back from it
         self.peer_id: Optional[str] = None
         self.peer_inc: Optional[bytes] = None  # the proven incarnation of the peer behind it

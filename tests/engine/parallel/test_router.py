@@ -19,9 +19,9 @@ import pytest
 from conveyor.engine import Task
 from conveyor.engine.parallel import generate_secret
 from conveyor.engine.parallel.guard import close_socket
-from conveyor.engine.parallel.router import Router
+from conveyor.engine.parallel.router import CONTROL_TOPIC, Router
 from tests.engine.parallel._groups import kill_group
-from tests.engine.parallel._wire import FAST, SECRET, WAIT, eventually, join_as, raw_sender
+from tests.engine.parallel._wire import FAST, SECRET, WAIT, as_peer, eventually, join_as, raw_sender
 
 PEER_SCRIPT = Path(__file__).with_name("_router_peer.py")
 ROOT = Path(__file__).resolve().parents[3]
@@ -261,6 +261,32 @@ def test_a_node_restarted_at_the_same_address_is_heard_again_by_those_dialing_it
     got = queue.Queue()
     restarted = make_router("learner", listen=address)
     restarted.on("data", got.put)
+    collector.wait_for_subscribers("data", 1, WAIT)
+    assert collector.publish("data", "to the new one") == 1
+    assert got.get(timeout=WAIT) == "to the new one"
+
+
+def test_a_late_state_of_a_dead_incarnation_does_not_keep_its_restarted_node_from_hearing_those_dialing_it(
+        make_router, tmp_path):
+    # chaos (issue 34): a stopped collector read its dead learner's last states after their connection closed, so its
+    # link named that incarnation again and its reconnection to the restarted learner carried no hello: never heard
+    address = f"ipc://{tmp_path}/learner.ipc"
+    learner = make_router("learner", listen=address)
+    collector = make_router("collector", peers=[address])
+    learner.on("data", lambda payload: None)
+    collector.wait_for_subscribers("data", 1, WAIT)
+    late = as_peer(learner, collector, SECRET)  # what the learner sent before it ended, read afterwards
+    learner.close()
+    eventually(lambda: "learner" not in collector.peers() and collector.stats()["connections"] == 0,
+               "the collector handles the goodbye and the closed connections")
+    with raw_sender(collector.address) as raw:
+        raw.send(late(CONTROL_TOPIC, 1 << 20, {"kind": "state", "address": address, "topics": ["data"],
+                                               "heard": ["collector"]}))
+        eventually(lambda: "learner" in collector.peers(), "the collector takes the late state")
+    got = queue.Queue()
+    restarted = make_router("learner", listen=address, auth_timeout_s=60.0)  # its inbox never drops the collector
+    restarted.on("data", got.put)
+    eventually(lambda: "collector" in restarted.peers(), "the restarted learner hears the collector")
     collector.wait_for_subscribers("data", 1, WAIT)
     assert collector.publish("data", "to the new one") == 1
     assert got.get(timeout=WAIT) == "to the new one"
