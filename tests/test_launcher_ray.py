@@ -380,6 +380,27 @@ def test_several_learners_with_auto_recover_are_refused_before_ray_starts(cluste
     assert not cluster.ray.is_initialized()
 
 
+def test_a_local_cluster_that_does_not_start_is_a_one_line_error_with_the_way_out(cluster, monkeypatch, capsys):
+    assert not any(driver.is_alive() for driver in DRIVERS), "a hung driver of an earlier test still runs in Ray"
+    cluster.stop()  # the shared one, if it runs
+    before = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    private = []
+
+    def overloaded(**kwargs):  # as Ray's node.py raises it when its helpers miss the raylet's fixed wait
+        private.append(Path(kwargs["_temp_dir"]).parent)
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.\n(more of Ray's words)")
+
+    monkeypatch.setattr(cluster.ray, "init", overloaded)
+    code = train(*TINY)
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("conveyor: error: the local Ray cluster did not start (The current node timed out during "
+                          "startup.") and "ray start --head" in err and "--ray-address" in err, err
+    assert private and not private[0].exists() and not cluster.ray.is_initialized()
+    assert {name: os.environ.get(name) for name in before} == before
+
+
 def test_without_ray_the_launcher_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
     real_import = builtins.__import__
 

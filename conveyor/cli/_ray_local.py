@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-__all__ = ["LocalCluster", "TOKEN_FILE"]
+__all__ = ["ClusterStartError", "LocalCluster", "TOKEN_FILE"]
 
 TOKEN_FILE = "auth_token"
 """The token's file in the cluster's temporary directory."""
@@ -27,6 +27,10 @@ TOKEN_FILE = "auth_token"
 _AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 """What tells Ray whether to authenticate and where its token is (``RAY_AUTH_TOKEN``, the token itself, would take
 precedence over the file: it is unset while the cluster runs)."""
+
+
+class ClusterStartError(RuntimeError):
+    """The local Ray cluster did not start; the message says why in Ray's words and what to do."""
 
 
 class LocalCluster:
@@ -59,6 +63,13 @@ class LocalCluster:
             context = self.ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
                                     _temp_dir=str(self.private / "ray"))
             self.address = context.address_info["gcs_address"]
+        except Exception as exc:  # Ray's own, a bare Exception among them: one line that says what to do
+            self.stop()
+            said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ClusterStartError(
+                f"the local Ray cluster did not start ({said}); Ray waits a fixed 30 s for its own helper processes, "
+                f"which a busy machine can miss (ray-project/ray#65983): retry on a less loaded machine, or start a "
+                f"cluster with `ray start --head` and pass its address with --ray-address") from exc
         except BaseException:
             self.stop()
             raise

@@ -23,6 +23,7 @@ from typing import Any, Optional, Tuple
 
 from conveyor.cli import _distributed as distributed
 from conveyor.cli._common import message, number, os_message, usage_error
+from conveyor.cli._ray_local import ClusterStartError
 
 __all__ = ["register", "run", "trained", "stop_reason", "CKPT_INTERVAL"]
 
@@ -130,7 +131,7 @@ def _train(args: argparse.Namespace) -> Tuple[int, Any]:
         return usage_error(message(exc)), None
     except OSError as exc:  # disk errors: the path and the cause
         return usage_error(os_message(exc)), None
-    except (EnvCrashedError, EvaluationError, DataParallelError) as exc:  # the last: a learner of several failed
+    except (EnvCrashedError, EvaluationError, DataParallelError, ClusterStartError) as exc:  # faults, not usage
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
         return 1, None
     except WorkerError as exc:  # a node died; the others ended their runs without it (docs/distributed.md)
