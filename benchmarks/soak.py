@@ -178,6 +178,10 @@ def report(series: Dict[int, Dict[str, Any]], shm_total: List[tuple], minutes: f
         print(f"{r['run']:<10} {r['pid']:>7} {r['rss_first']:>12.1f} {r['rss_last']:>8.1f} {r['rss_mb_per_h']:>8.1f} "
               f"{r['fds']:>5} {r['fd_growth']:>5} {r['threads']:>4} {r['thread_growth']:>5} {r['shm_growth']:>5}  "
               f"{r['name']}")
+    if rows:  # the series behind the figure: a leak climbs, a warm-up levels off
+        steep = max(rows, key=lambda r: r["rss_mb_per_h"])
+        floors = [round(s["rss_mb"]) for t, s in series[steep["pid"]]["samples"] if t >= warmup * 60]
+        print(f"steepest: pid {steep['pid']} ({steep['run']}), RSS MB a sample after the warm-up: {floors}")
     after = [n for t, n in shm_total if t >= warmup * 60]
     shm_dir_growth = after[-1] - after[0] if len(after) >= 2 else 0
     print(f"/dev/shm files: {after[0] if after else '-'} -> {after[-1] if after else '-'}")
