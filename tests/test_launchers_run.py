@@ -19,10 +19,9 @@ from tests.launcher_helpers import SETS, WAIT, ended_at, slurm_script
 pytestmark = pytest.mark.slow
 
 under_real_slurm = pytest.mark.skipif(
-    unavailable() is None, reason="Slurm runs here: tests/test_slurm_cluster.py runs the same script's jobs on a real "
-                                  "cluster (sbatch then requeue, scancel with both signals) and resumes the run")
-"""For machines without Slurm; where it runs, the real cluster's tests cover the same and more (Slurm's own job
-states, requeue and both signals of scancel)."""
+    unavailable() is None, reason="Slurm runs here: tests/test_slurm_cluster.py scancels the same script's jobs on a real "
+                                  "cluster and resumes the run")
+"""For machines without Slurm; where it runs, the real cluster's test covers the same and more (both signals)."""
 
 @pytest.fixture
 def jobs(tmp_path):
@@ -32,7 +31,6 @@ def jobs(tmp_path):
         yield start
 
 
-@under_real_slurm
 def test_the_slurm_script_trains_to_its_final_checkpoint_and_a_requeued_job_resumes_the_run(tmp_path, capsys, jobs):
     path = slurm_script(tmp_path, capsys, "--max-env-step", "300")
     job = stand_in_sbatch(jobs, path, "101")

@@ -5,14 +5,13 @@ slurmd stopped by their pids at the end): 1 learner and 2 collectors on cartpole
 Where Slurm is missing (``apt-get install slurm-wlm``; ``.ci/run`` installs it), or where this is not root
 (slurmd starts a job's tasks as their user), the tests are skipped, except under CI (``$CI`` set): there
 they fail, saying why."""
-import json
 import os
 import re
 
 import pytest
 
 from benchmarks._cluster import Cluster, marked_jobs, processes_with, unavailable, wait_until
-from tests.launcher_helpers import WAIT, ended_at, slurm_script
+from tests.launcher_helpers import WAIT, slurm_script
 
 UNAVAILABLE = unavailable()
 pytestmark = [pytest.mark.slow,
@@ -36,11 +35,7 @@ def jobs(tmp_path):
         yield start
 
 
-@pytest.mark.timeout(2 * WAIT)  # two jobs, each bounded by WAIT
-def test_sbatch_of_the_slurm_script_trains_to_its_final_checkpoint_and_the_requeued_job_resumes_the_run(
-        tmp_path, capsys, cluster, jobs):
-    """The job completes its run (final checkpoint, the learner's node evaluating, the job's secret in a file of
-    mode 0600); ``scontrol requeue`` starts the same job again: its run resumes, with the job's secret."""
+def test_sbatch_of_the_slurm_script_trains_to_its_final_checkpoint(tmp_path, capsys, cluster, jobs):
     path = slurm_script(tmp_path, capsys, "--max-env-step", "300")
     job_id = cluster.sbatch(path, jobs.env)
     output = tmp_path / f"slurm-{job_id}.out"
@@ -49,19 +44,8 @@ def test_sbatch_of_the_slurm_script_trains_to_its_final_checkpoint_and_the_reque
     assert (run_dir / "ckpt" / "final.pth.tar").is_file()
     ended = re.findall(r"run ended at env_step=(\d+) train_iter=(\d+)", (run_dir / "log.txt").read_text())
     assert len(ended) == 1 and int(ended[0][0]) >= 300 and int(ended[0][1]) > 0
-    roles = [row["roles"] for row in json.loads((run_dir / "nodes.json").read_text())]
-    assert roles == [["evaluator", "learner"], ["collector"], ["collector"]]  # no evaluator node: the learner evaluates
-    secret = tmp_path / ".conveyor" / f"job-{job_id}" / "secret"
-    assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_bytes()) == 64
-    first = secret.read_bytes()
+    assert (tmp_path / ".conveyor" / f"job-{job_id}" / "secret").stat().st_mode & 0o777 == 0o600
     wait_until(lambda: processes_with(jobs.mark) == [], 30, "every process of the job to end")
-    cluster.command("scontrol", "requeue", job_id)  # Slurm holds a requeued job back 121 s: let it start now
-    cluster.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    wait_until(lambda: len(ended_at(run_dir)) == 2, WAIT, f"the run of job {job_id}, requeued, to end")
-    assert cluster.wait_ended(job_id, WAIT) == ("COMPLETED", "0:0"), output.read_text()
-    assert "resumed" in (run_dir / "log.txt").read_text() and secret.read_bytes() == first
-    assert len(ended_at(run_dir)) == 2 and ended_at(run_dir)[1] >= ended_at(run_dir)[0] >= 300
-    wait_until(lambda: processes_with(jobs.mark) == [], 30, "every process of the requeued job to end")
 
 
 def scancel_after_checkpoint(cluster, jobs, job_id, run_dir, seen, *options):
