@@ -44,11 +44,12 @@ signs), ``return_ratio`` and ``qmix_return_ratio`` the medians over seeds. ``ran
 beside them for scale. ``steps_per_s`` and ``benchmarl_steps_per_s`` are MAPPO's, the median over seeds of the
 run's env steps / its wall seconds (setting up its envs, training and both evaluations; not the interpreter's
 start nor imports); ``speed_ratio`` the median over seeds of ours / theirs, the two runs of a seed being adjacent
-in time (the load of a shared machine drifts over the whole benchmark far more than between them);
-``qmix_steps_per_s``, ``benchmarl_qmix_steps_per_s`` and
+in time (the load of a shared machine drifts over the whole benchmark far more than between them), or, with
+``--jobs 2``, running at the same time on a core each; ``qmix_steps_per_s``, ``benchmarl_qmix_steps_per_s`` and
 ``qmix_speed_ratio`` the same for QMIX. Targets: both return ratios >= 1.0, ``speed_ratio`` >= 1.5 on CPU.
 
     python -m benchmarks.marl_learning --max-env-step 12000    # 3 seeds x 4 runs: 22 min on 2 shared, loaded cores
+    python -m benchmarks.marl_learning --max-env-step 80000 --jobs 2   # each seed's two sides at once
     python -m benchmarks.marl_learning --quick       # ours only, in this process, 1 seed, 1 rollout of each entry
 """
 from __future__ import annotations
@@ -58,6 +59,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 from benchmarks._harness import (PeerInstallError, add_worker_option, peer_python, print_json_line, run_worker,
@@ -214,6 +216,12 @@ def main() -> None:
     parser.add_argument("--max-env-step", type=int, default=12_000,
                         help="env steps per run, both sides (a multiple of 800: whole rollouts of either algorithm)")
     parser.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES)
+    parser.add_argument("--algos", nargs="+", choices=sorted(ENTRIES), default=list(ENTRIES),
+                        help="the comparisons to run (default both); the JSON line has the keys of those run")
+    parser.add_argument("--jobs", type=int, choices=(1, 2), default=1,
+                        help="2: the two sides of a seed run at the same time, one core each (half the wall time on "
+                             "2 idle cores; their speeds are then measured side by side rather than one after the "
+                             "other)")
     parser.add_argument("--quick", action="store_true",
                         help=f"ours only, 1 seed, {QUICK['mappo']} env steps of mpe/mappo and {QUICK['qmix']} of "
                              f"mpe/qmix, {QUICK_EVAL_EPISODES} evaluation and random-action episodes")
@@ -238,20 +246,27 @@ def main() -> None:
         except PeerInstallError as exc:
             peer_error = str(exc)
             print(f"BenchMARL's side is left out: {peer_error}", file=sys.stderr, flush=True)
-    settings = {algo: benchmarl_settings(algo) for algo in ENTRIES}
+    settings = {algo: benchmarl_settings(algo) for algo in args.algos}
     rows: Dict[str, List[Dict[str, Any]]] = {side: [] for side in SIDES}
     for i, seed in enumerate(seeds):
-        for algo in ENTRIES:
+        for algo in args.algos:
             sides = [algo] + ([f"benchmarl_{algo}"] if peer else [])
-            for side in (sides if i % 2 == 0 else sides[::-1]):
-                if args.quick:  # ours only, in this process: a smoke run of each entry
-                    rows[side].append(ours(algo, seed, budgets[algo], eval_episodes, settings[algo]))
-                else:
-                    extra = ["--seed", str(seed), "--max-env-step", str(budgets[algo]), "--eval-episodes",
-                             str(eval_episodes), "--settings", json.dumps(settings[algo])]
-                    rows[side].append(run_worker(side, extra, timeout=3 * 3600,
-                                                 python=peer if side.startswith("benchmarl") else None))
-                print(f"  {side} seed {seed}: {json.dumps(rows[side][-1])}", file=sys.stderr, flush=True)  # progress
+            if args.quick:  # ours only, in this process: a smoke run of each entry
+                results = {algo: ours(algo, seed, budgets[algo], eval_episodes, settings[algo])}
+            else:
+                extra = ["--seed", str(seed), "--max-env-step", str(budgets[algo]), "--eval-episodes",
+                         str(eval_episodes), "--settings", json.dumps(settings[algo])]
+
+                def run_side(side: str) -> Dict[str, Any]:
+                    return run_worker(side, extra, timeout=3 * 3600,
+                                      python=peer if side.startswith("benchmarl") else None)
+
+                order = sides if i % 2 == 0 else sides[::-1]
+                with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # --jobs 2: both sides of a seed at once
+                    results = dict(zip(order, pool.map(run_side, order)))
+            for side in sides:
+                rows[side].append(results[side])
+                print(f"  {side} seed {seed}: {json.dumps(results[side])}", file=sys.stderr, flush=True)  # progress
 
     random_return = random_team_return(QUICK_EVAL_EPISODES if args.quick else RANDOM_EPISODES)
     print(f"MPE simple_spread_v3 (N=3, 25 steps, local_ratio 0.5, discrete): mean team return of {eval_episodes} "
@@ -262,7 +277,7 @@ def main() -> None:
     summary: Dict[str, Any] = {"seeds": seeds, "max_env_step": budgets, "eval_episodes": eval_episodes,
                                "scenario": SCENARIO, "random_return": round(random_return, 2),
                                "benchmarl_requirements": list(BENCHMARL), "benchmarl_error": peer_error}
-    for algo in ENTRIES:
+    for algo in args.algos:
         mine, theirs = rows[algo], rows[f"benchmarl_{algo}"] or [None] * len(seeds)
         ratios = [None if b is None else return_ratio(a["final_return"], b["final_return"])
                   for a, b in zip(mine, theirs)]
@@ -285,9 +300,9 @@ def main() -> None:
             f"{prefix}speed_ratio": median_or_none([b and a["steps_per_s"] / b["steps_per_s"]
                                                     for a, b in zip(mine, theirs)]),
             f"{algo}_wall_s": [a["wall_s"] for a in mine], f"benchmarl_{algo}_wall_s": [b and b["wall_s"] for b in theirs]})
-    print(f"MAPPO: return ratio {summary['return_ratio']} (target >= 1.0), speed ratio {summary['speed_ratio']} "
-          f"(target >= 1.5); QMIX: return ratio {summary['qmix_return_ratio']} (target >= 1.0), speed ratio "
-          f"{summary['qmix_speed_ratio']}")
+    print(f"MAPPO: return ratio {summary.get('return_ratio', '-')} (target >= 1.0), speed ratio "
+          f"{summary.get('speed_ratio', '-')} (target >= 1.5); QMIX: return ratio "
+          f"{summary.get('qmix_return_ratio', '-')} (target >= 1.0), speed ratio {summary.get('qmix_speed_ratio', '-')}")
     print_json_line(summary)
 
 
