@@ -283,10 +283,10 @@ class Router:
             self._seq[topic] = seq
             message = pack(topic, seq, self.node_id, frames, self.max_message_size)  # the one copy of the payload
             for link in lost:
-                self._send(link, bytearray(message), link.peer_inc, block=False)
+                self._send(link, message, link.peer_inc, block=False)
             queued = 0
-            for i, link in enumerate(links):  # each link's thread seals its own copy
-                if self._outbox.put(link, message if i == len(links) - 1 else bytearray(message)):
+            for link in links:  # shared: each link's thread lays its batch out, and seals it, in its own nng message
+                if self._outbox.put(link, message):
                     queued += 1
                 else:
                     self._count("send_timeouts")
