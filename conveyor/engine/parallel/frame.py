@@ -50,10 +50,11 @@ from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 __all__ = ["AuthError", "Frame", "HELLO", "INCARNATION_BYTES", "MIN_SECRET_BYTES", "MalformedFrame",
            "MAX_BATCH_MESSAGES", "OversizeError", "RejectedMessage", "ReplayError", "SECRET_ENV", "SecretError",
-           "VersionError", "generate_secret", "check_secret_strength", "incarnation_started", "join", "load_secret",
+           "VersionError", "batch_parts", "generate_secret", "check_secret_strength", "incarnation_started", "join", "load_secret",
            "new_incarnation", "open_batch", "open_frame", "pack", "seal", "sign"]
 
 Buffer = Union[bytes, bytearray, memoryview]
+WritableBuffer = Union[bytearray, memoryview]
 
 MAGIC = b"CNV3"
 _OLD_MAGIC = {b"CNV2": "Conveyor before batched messages"}
@@ -206,6 +207,12 @@ def _lengths(n_frames: int) -> struct.Struct:
 def join(messages: Sequence[bytearray]) -> bytearray:
     """One unsigned batch of several :func:`pack`-ed messages (or batches) of one sender, in their order: one
     header, one counter and one tag for all of them. :func:`open_batch` gives them back."""
+    return bytearray().join(batch_parts(messages))
+
+
+def batch_parts(messages: Sequence[Buffer]) -> List[Buffer]:
+    """The pieces that, laid end to end, make :func:`join` of ``messages``: a header, views of the messages' bodies
+    and the tag's place; for a caller that writes the batch straight where it is sent."""
     n_msgs, body_len, sender_b, bodies = 0, 0, None, []
     for message in messages:
         n, sender_len, _, length = _BATCH.unpack_from(message, _LINK.size)
@@ -218,11 +225,11 @@ def join(messages: Sequence[bytearray]) -> bytearray:
         bodies.append(memoryview(message)[len(message) - TAG_BYTES - length:len(message) - TAG_BYTES])
     if sender_b is None or n_msgs > MAX_BATCH_MESSAGES:
         raise ValueError(f"join: a batch carries 1 to {MAX_BATCH_MESSAGES} messages, got {n_msgs}")
-    return bytearray().join([_prefix(n_msgs, sender_b, body_len), *bodies, _TAG_PLACEHOLDER])
+    return [_prefix(n_msgs, sender_b, body_len), *bodies, _TAG_PLACEHOLDER]
 
 
-def sign(message: bytearray, secret: bytes, sender_incarnation: bytes, receiver_incarnation: bytes,
-         counter: int) -> bytearray:
+def sign(message: WritableBuffer, secret: bytes, sender_incarnation: bytes, receiver_incarnation: bytes,
+         counter: int) -> WritableBuffer:
     """Address a :func:`pack`-ed message to ``receiver_incarnation`` (:data:`HELLO` for a hello) and write its
     tag in place; ``counter`` must never repeat for one (sender, receiver) pair of incarnations."""
     _check_secret(secret)

@@ -53,7 +53,7 @@ class Outbox:
 
     def put(self, link: Any, message: bytearray) -> bool:
         """Queue ``message`` for ``link``; waits up to ``timeout_s`` for room. False: no room came (or the outbox
-        is closed), and the message was not queued."""
+        is closed), and the message was not queued. ``message`` is only read, so one may be queued on several links."""
         deadline = time.monotonic() + self.timeout_s
         with self._changed:
             queue = self._queues.setdefault(link, _Queue())

@@ -17,10 +17,11 @@ to its topic, and each link's messages arrive in order.
 
 Batches (:mod:`~conveyor.engine.parallel.outbox` has the queues and their bounds): :meth:`Router.publish` packs a
 message once and queues it on each subscribed link; each link's sender thread sends what piled up meanwhile as one
-batch (one header, counter, tag and socket send), so many small messages cost one send and one tag check. A full
-queue makes publish wait at most ``send_timeout_s``, then drop that message for that link (``send_timeouts``);
-``sent`` counts messages as their batch leaves; :meth:`Router.close` sends what is queued first. Membership messages
-skip the queue: their counters may reach a peer out of order with the batches', which its replay window accepts.
+batch (one header, counter, tag and socket send; laid out once, in the nng message that is sent), so many small
+messages cost one send and one tag check. A full queue makes publish wait at most ``send_timeout_s``, then drop that
+message for that link (``send_timeouts``); ``sent`` counts messages as their batch leaves; :meth:`Router.close`
+sends what is queued first. Membership messages skip the queue: their counters may reach a peer out of order with
+the batches', which its replay window accepts.
 
 Trust (:mod:`~conveyor.engine.parallel.frame` has the message format). Each router draws a random
 *incarnation* when it starts. A message is tagged with a key derived from the shared secret and the
@@ -32,22 +33,20 @@ in its name through another connection is refused. Refusals are counted: ``rejec
 ``rejected_auth``, ``rejected_replay``, ``malformed`` (a counter or seq that jumps further than its sender
 could have counted, too), ``rejected_foreign_pipe``, ``rejected_impersonation``, ``rejected_peers``.
 
-Membership (:mod:`~conveyor.engine.parallel.membership`): a node's state (address, topics, peers heard)
-goes to its peers when it changes and every ``heartbeat_s``. A peer silent for ``peer_timeout_s``, one
-that says goodbye, and one whose connection closes is lost: its subscriptions dropped and the
-:meth:`Router.on_peer_lost` callbacks called. A peer is *ready* (:meth:`Router.wait_for_peers`) when it
-has heard this node too. Messages are numbered per (sender, topic): gaps count as ``lost``, repeats as
-``duplicated``.
+Membership (:mod:`~conveyor.engine.parallel.membership`): a node's state (address, topics, peers heard) goes to its
+peers when it changes and every ``heartbeat_s``. A peer silent for ``peer_timeout_s``, one that says goodbye, and
+one whose connection closes is lost: its subscriptions dropped and the :meth:`Router.on_peer_lost` callbacks called.
+A peer is *ready* (:meth:`Router.wait_for_peers`) when it has heard this node too. Messages are numbered per
+(sender, topic): gaps count as ``lost``, repeats as ``duplicated``.
 
-Bounds: nng refuses a message over twice ``max_message_size`` (dropping that connection); the inbox
-admits ``max_connections`` connections, of which only as many not yet authenticated as keep their
-partial messages under ``max_pending_bytes``, each for at most ``auth_timeout_s``; on tcp, connections
-that have not sent nng's handshake (which nng holds 10 s unseen) wait in the kernel, and of those it hands
-nng at most ``max_connections`` (an eighth of the file descriptor limit, if less) are kept, each for at
-most ``auth_timeout_s`` (:class:`~conveyor.engine.parallel.guard.HandshakeGuard`); the delivery queue
-holds at most ``max_backlog_bytes`` (the receive thread waits for room, and judges no peer silent while
-it waits). No input ends the receive loop: every exception there is counted in ``receive_errors`` and
-logged at most once per kind per minute.
+Bounds: nng refuses a message over twice ``max_message_size`` (dropping that connection); the inbox admits
+``max_connections`` connections, of which only as many not yet authenticated as keep their partial messages under
+``max_pending_bytes``, each for at most ``auth_timeout_s``; on tcp, connections that have not sent nng's handshake
+(which nng holds 10 s unseen) wait in the kernel, and of those it hands nng at most ``max_connections`` (an eighth
+of the file descriptor limit, if less) are kept, each for at most ``auth_timeout_s``
+(:class:`~conveyor.engine.parallel.guard.HandshakeGuard`); the delivery queue holds at most ``max_backlog_bytes``
+(the receive thread waits for room, and judges no peer silent while it waits). No input ends the receive loop: every
+exception there is counted in ``receive_errors`` and logged at most once per kind per minute.
 
 No secret (``secret=None``): the router generates one (:attr:`Router.secret`; a local launcher hands it
 to the children it starts, privately) and stays on this host: it listens only on ``ipc://`` or tcp
@@ -55,26 +54,25 @@ loopback and dials only such addresses; anything else is refused with the reason
 node must load the same secret (``--secret-file``, ``$CONVEYOR_SECRET``; see :func:`frame.load_secret`).
 
 Addresses: ``listen=None`` listens on ``ipc://`` in a private temporary directory (removed on close);
-``tcp://127.0.0.1:0`` takes a port from the OS (:attr:`Router.address` has it). Peers must be given
-the address a node advertises (``advertise=``, default its listen address, needed when listening on
-``0.0.0.0``).
-"""
+``tcp://127.0.0.1:0`` takes a port from the OS (:attr:`Router.address` has it). Peers must be given the address a
+node advertises (``advertise=``, default its listen address, needed when listening on ``0.0.0.0``)."""
 from __future__ import annotations
 
 import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import pynng
 
 from conveyor.engine.parallel import codec as _codec
-from conveyor.engine.parallel.frame import HELLO, Frame, generate_secret, join, new_incarnation, pack, sign
+from conveyor.engine.parallel.frame import HELLO, Frame, batch_parts, generate_secret, new_incarnation, pack, sign
 from conveyor.engine.parallel.guard import close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, Inbox
 from conveyor.engine.parallel.membership import Link, Membership, is_local_address
+from conveyor.engine.parallel.nngmsg import Outgoing
 from conveyor.engine.parallel.outbox import Outbox
 
 __all__ = ["CONTROL_TOPIC", "Router", "is_local_address"]
@@ -285,10 +283,10 @@ class Router:
             self._seq[topic] = seq
             message = pack(topic, seq, self.node_id, frames, self.max_message_size)  # the one copy of the payload
             for link in lost:
-                self._send(link, bytearray(message), link.peer_inc, block=False)
+                self._send(link, message, link.peer_inc, block=False)
             queued = 0
-            for i, link in enumerate(links):  # each link's thread seals its own copy
-                if self._outbox.put(link, message if i == len(links) - 1 else bytearray(message)):
+            for link in links:  # shared: each link's thread lays its batch out, and seals it, in its own nng message
+                if self._outbox.put(link, message):
                     queued += 1
                 else:
                     self._count("send_timeouts")
@@ -301,19 +299,21 @@ class Router:
         with self._lock:  # a peer lost since gets no more, as from publish: its socket keeps room for to_lost's words
             peer = self._members.peers.get(link.peer_id)
             live = peer is not None and peer.alive and peer.incarnation == link.peer_inc
-        if live:
-            self._send(link, messages[0] if len(messages) == 1 else join(messages), link.peer_inc, count=len(messages))
+        if live:  # laid out once, in the nng message that is sent
+            self._send(link, Outgoing.join(batch_parts(messages)), link.peer_inc, count=len(messages))
 
-    def _send(self, link: Link, message: bytearray, to: Optional[bytes], block: bool = True, count: int = 0) -> bool:
-        """Seal ``message`` for incarnation ``to`` (None: a hello) and send it on ``link``; ``count``: the data
+    def _send(self, link: Link, message: Union[bytearray, Outgoing], to: Optional[bytes], block: bool = True,
+              count: int = 0) -> bool:
+        """Seal ``message`` for incarnation ``to`` (None: a hello) in place and send it on ``link``; ``count``: the data
         messages it carries, counted in ``sent`` or ``send_timeouts`` (0: a membership message, not counted)."""
         to = HELLO if to is None else to
+        out = message if type(message) is Outgoing else Outgoing.join([message])
         with self._lock:
             counter = self._counter.get(to, 0)
             self._counter[to] = counter + 1
-        sign(message, self.secret, self._inc, to, counter)
+        sign(out.body, self.secret, self._inc, to, counter)
         try:
-            link.sock.send(pynng.ffi.from_buffer(message), block=block)  # nng copies it: no bytes() of our own
+            out.send(link.sock, block=block)
         except pynng.Timeout:
             if count:
                 self._count("send_timeouts", count)

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.engine.parallel import AuthError, MalformedFrame, decode, encode
-from conveyor.engine.parallel.frame import (MAX_BATCH_MESSAGES, VersionError, join, new_incarnation, open_batch,
-                                            open_frame, pack, seal, sign)
+from conveyor.engine.parallel.frame import (MAX_BATCH_MESSAGES, VersionError, batch_parts, join, new_incarnation,
+                                            open_batch, open_frame, pack, seal, sign)
 
 SECRET = b"k" * 32
 LIMIT = 1 << 20
@@ -112,3 +112,9 @@ def test_random_bytes_over_a_valid_header_and_tag_only_ever_raise_malformed(at, 
     except MalformedFrame:
         return
     assert 1 <= len(frames) <= 3 + len(junk)
+
+
+def test_the_parts_of_a_batch_laid_end_to_end_are_the_joined_batch():
+    messages = [pack("a", 1, "s", encode(np.arange(5))), pack("b", 2, "s", encode("x")), pack("c", 3, "s", [])]
+    assert b"".join(bytes(p) for p in batch_parts(messages)) == join(messages)
+    assert b"".join(bytes(p) for p in batch_parts(messages[:1])) == join(messages[:1])

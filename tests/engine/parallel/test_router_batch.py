@@ -3,6 +3,8 @@ queued; a slow peer makes publish wait, then drop and count, as a direct send di
 import queue
 import threading
 
+import numpy as np
+
 from conveyor.engine.parallel.router import CONTROL_TOPIC
 from tests.engine.parallel._wire import WAIT, eventually, join_as, raw_sender
 
@@ -71,3 +73,20 @@ def test_a_peers_batch_is_delivered_whole_and_one_mixing_in_a_membership_message
         raw.send(sealed("x", 5, "f"))
         assert got.get(timeout=WAIT) == "f"  # neither mixed batch was delivered, nor did one say goodbye
     assert hub.stats()["received"] == 4 and "injector" in hub.peers()
+
+
+def test_one_publish_to_several_peers_reaches_each_whole_and_in_order(make_router):
+    hub = make_router("hub", listen="tcp://127.0.0.1:0", max_message_size=8 << 20)
+    got = {}
+    for name in ("p1", "p2", "p3"):
+        peer = make_router(name, peers=[hub.address], max_message_size=8 << 20)
+        got[name] = queue.Queue()
+        peer.on("x", got[name].put)
+    hub.wait_for_subscribers("x", 3, WAIT)
+    sent = [{"n": n, "data": np.full((1 << 16) if n % 3 else 4, n, np.float32)} for n in range(60)]
+    for payload in sent:
+        assert hub.publish("x", payload) == 3
+    for name, q in got.items():
+        for payload in sent:
+            value = q.get(timeout=WAIT)
+            assert value["n"] == payload["n"] and np.array_equal(value["data"], payload["data"]), name
