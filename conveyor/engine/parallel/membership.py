@@ -49,10 +49,10 @@ from conveyor.engine.parallel.guard import AuthFailures, close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
 from conveyor.engine.parallel.readiness import Readiness
-from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, REFUSALS, Link, Pause, Peer, PeerTable,
+from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, PEER_TIMEOUT_S, REFUSALS, Link, Pause, Peer, PeerTable,
                                            is_local_address)
 
-__all__ = ["Link", "Membership", "Peer", "is_local_address"]  # the first, second and last live in peers.py
+__all__ = ["Link", "Membership", "PEER_TIMEOUT_S", "Peer", "is_local_address"]  # all but Membership: peers.py's
 
 _SEND_BUFFER = 8  # messages a link queues before a send waits: room for a heartbeat beside data
 _MAX_CANDIDATES = 64  # hellos of incarnations not proven fresh yet, answered until they expire

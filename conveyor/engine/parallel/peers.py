@@ -31,8 +31,11 @@ from urllib.parse import urlsplit
 from conveyor.engine.parallel.frame import incarnation_started
 from conveyor.engine.parallel.guard import ReplayWindow
 
-__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "Pause", "Peer", "PeerTable", "REFUSALS",
-           "RETIRED_PER_NODE", "is_local_address"]
+__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "PEER_TIMEOUT_S", "Pause", "Peer", "PeerTable",
+           "REFUSALS", "RETIRED_PER_NODE", "is_local_address"]
+
+PEER_TIMEOUT_S = 5.0
+"""A router's default ``peer_timeout_s``: how long a peer may stay silent before it is lost."""
 
 MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
 RETIRED_PER_NODE = 16  # replaced incarnations of one node id kept with their windows; older ones refused by age

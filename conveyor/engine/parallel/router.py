@@ -74,7 +74,7 @@ from conveyor.engine.parallel.frame import HELLO, Frame, generate_secret, join, 
 from conveyor.engine.parallel.guard import close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, Inbox
-from conveyor.engine.parallel.membership import Link, Membership, is_local_address
+from conveyor.engine.parallel.membership import PEER_TIMEOUT_S, Link, Membership, is_local_address
 from conveyor.engine.parallel.outbox import Outbox
 
 __all__ = ["CONTROL_TOPIC", "Router", "is_local_address"]
@@ -96,7 +96,7 @@ class Router:
 
     def __init__(self, node_id: str, secret: Optional[bytes] = None, *, listen: Optional[str] = None,
                  peers: Iterable[str] = (), advertise: Optional[str] = None, max_message_size: int = 64 << 20,
-                 heartbeat_s: Optional[float] = None, peer_timeout_s: float = 5.0, send_timeout_s: float = 10.0,
+                 heartbeat_s: Optional[float] = None, peer_timeout_s: float = PEER_TIMEOUT_S, send_timeout_s: float = 10.0,
                  codec: Optional[_codec.Codec] = None, max_connections: int = 64,
                  max_pending_bytes: int = 1 << 30, max_backlog_bytes: Optional[int] = None,
                  auth_timeout_s: Optional[float] = None, batch_bytes: int = 1 << 20) -> None:
