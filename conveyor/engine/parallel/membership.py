@@ -334,12 +334,13 @@ class Membership(Readiness):
             peer = self.peers[sender]
             peer.pipe = pipe  # bound to the connection it speaks through (released if it is lost)
             if bye:
-                new_link = False
+                new_link, back = False, None
             else:
                 self._candidates.pop((sender, inc), None)
                 was_alive, peer.alive = peer.alive, True
                 peer.address = message["address"]
                 peer.topics, peer.heard = frozenset(message["topics"]), frozenset(message["heard"])
+                back = None if was_alive or new is not None else time.monotonic() - peer.last_seen  # lost, not died
                 peer.last_seen = time.monotonic()
                 link = self.links.get(peer.address)
                 new_link = link is None
@@ -350,6 +351,9 @@ class Membership(Readiness):
         if bye:
             self._lose(peer, "it closed")
             return True
+        if back is not None:
+            self._log.logger.warning("router %s: peer %s is back, heard again after %.1fs; taken back",
+                                     self._router.node_id, sender, back)
         if new_link:
             self._dial_back(peer.address, inc)
         if not was_alive or self._router.node_id not in peer.heard or new_link:

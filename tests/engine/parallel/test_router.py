@@ -329,7 +329,7 @@ def stopped_past_the_timeout(node, proc, peer_id):
 
 
 def test_a_peer_stopped_past_the_peer_timeout_is_taken_back_when_continued_and_loses_nobody_itself(make_router,
-                                                                                                   spawn_peer):
+                                                                                                   spawn_peer, caplog):
     learner = make_router("learner")
     pongs = collect(learner, "pong")
     proc, _ = spawn_peer("collector", "tcp://127.0.0.1:0", learner.address)
@@ -343,6 +343,7 @@ def test_a_peer_stopped_past_the_peer_timeout_is_taken_back_when_continued_and_l
     # the continued node's own silence is no loss of its peers: it never lost the learner
     assert lines_until(proc, "peers_lost") == ["peers_lost 0"]
     assert learner.stats()["peers_lost"] == 1 and learner.peers() == ["collector"]
+    assert "router learner: peer collector is back, heard again after" in caplog.text  # one line, as its loss
 
 
 def test_a_closing_node_leaves_its_last_words_and_goodbye_for_a_peer_it_lost_while_that_one_was_stopped(make_router,
