@@ -1,4 +1,5 @@
 """The router: topic delivery to subscribers only, authentication, sequence counting, membership, binding."""
+import contextlib
 import errno
 import gc
 import logging
@@ -344,6 +345,31 @@ def test_a_peer_stopped_past_the_peer_timeout_is_taken_back_when_continued_and_l
     assert lines_until(proc, "peers_lost") == ["peers_lost 0"]
     assert learner.stats()["peers_lost"] == 1 and learner.peers() == ["collector"]
     assert "router learner: peer collector is back, heard again after" in caplog.text  # one line, as its loss
+
+
+def open_sockets():
+    """This process's open socket descriptors (the pipes to a spawned peer's stdin and stdout are not sockets)."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            found += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return found
+
+
+def test_a_link_kept_for_a_peer_lost_while_stopped_is_closed_after_rejoin_s_leaving_no_descriptor_or_thread(
+        make_router, spawn_peer, caplog):
+    caplog.set_level(logging.INFO, logger="conveyor.engine.parallel.router")
+    learner = make_router("learner", rejoin_s=2.0)
+    sockets, threads = open_sockets(), threading.active_count()  # the node before it had a peer
+    proc, _ = spawn_peer("collector", "tcp://127.0.0.1:0", learner.address)
+    learner.wait_for_subscribers("ping", 1, WAIT)
+    assert learner.publish("ping", "a link's sender thread starts") == 1
+    stopped_past_the_timeout(learner, proc, "collector")  # never continued: its host might be gone
+    assert open_sockets() > sockets  # the link dialed back to it is kept for it to come back (rejoin_s)
+    eventually(lambda: open_sockets() == sockets and threading.active_count() == threads, "the kept link closed, and "
+               "the node back to its descriptors and threads without a peer")
+    assert "router learner: closed the link kept for the peer at tcp://127.0.0.1:" in caplog.text
+    assert learner.publish("ping", "to nobody", to_lost=True) == 0
 
 
 def test_a_closing_node_leaves_its_last_words_and_goodbye_for_a_peer_it_lost_while_that_one_was_stopped(make_router,
