@@ -96,6 +96,7 @@ class Membership(Readiness):
         self._auth_failures = AuthFailures()
         self._control_seq = -1
         self._pause = Pause(router.peer_timeout_s / 2)
+        self._leaving = False  # our goodbye is numbered: no state follows it (one would make us live again there)
 
     # --- links -------------------------------------------------------------------------------------
     def dial(self, url: str, learned: bool) -> None:
@@ -161,9 +162,11 @@ class Membership(Readiness):
         return links
 
     # --- what we send ------------------------------------------------------------------------------
-    def _state(self) -> bytearray:
+    def _state(self) -> Optional[bytearray]:
         r = self._router
         with self._lock:
+            if self._leaving:
+                return None
             state = {"kind": "state", "address": r.address, "topics": r.topics(),
                      "heard": sorted(p.node_id for p in self.peers.values() if p.alive)}
             self._control_seq += 1
@@ -195,7 +198,10 @@ class Membership(Readiness):
             close_socket(link.sock)  # outside the lock: nng runs the link's callbacks, which take it, before returning
         for link, proven, others in targets:
             for to in proven + others or [None]:
-                ok = self._router._send(link, self._state(), to, block=False)
+                state = self._state()
+                if state is None:
+                    return
+                ok = self._router._send(link, state, to, block=False)
                 if ok and to is None:
                     with self._lock:
                         link.greet = False
@@ -210,7 +216,8 @@ class Membership(Readiness):
         r = self._router
         with self._lock:
             links = [link for link in self.links.values() if link.hello_sent and link.peer_inc is not None]
-            seq = self._control_seq + 1
+            self._leaving, self._control_seq = True, self._control_seq + 1
+            seq = self._control_seq  # a state numbered before it and read after it is refused as older
         for link in links:
             link.sock.send_timeout = int(min(r.heartbeat_s, r.send_timeout_s) * 1000)
             r._send(link, pack(CONTROL_TOPIC, seq, r.node_id, _codec.encode({"kind": "bye"})), link.peer_inc)

@@ -308,6 +308,26 @@ def test_a_goodbye_is_not_logged_as_a_loss_even_when_the_closing_connection_is_s
     assert all(r.levelno == logging.INFO and "it closed" in r.getMessage() for r in lost())
 
 
+def test_a_peer_that_said_goodbye_is_not_taken_back_by_a_state_it_sent_after_it(make_router, caplog):
+    """A closing node's goodbye is its last word: a state its control thread announces meanwhile (woken by the loss
+    of peers that close at the same time, as a run's nodes do at its end) must not follow it and revive it."""
+    caplog.set_level(logging.INFO, logger="conveyor.engine.parallel.router")
+    for _ in range(10):
+        hub = make_router("hub")
+        leaves = [make_router(f"leaf-{j}", peers=[hub.address]) for j in range(3)]
+        hub.on("x", lambda payload: None)
+        for leaf in leaves:
+            leaf.on("x", lambda payload: None)
+            leaf.wait_for_subscribers("x", 1, WAIT)
+        hub.wait_for_subscribers("x", 3, WAIT)
+        closing = [threading.Thread(target=router.close) for router in [hub, *leaves]]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join(WAIT)
+    assert "lost (it closed)" in caplog.text and "is back" not in caplog.text
+
+
 def lines_until(proc, last, unread={}):
     """The lines ``proc`` prints (after its address; blank ones skipped) up to the first that starts with ``last``,
     bounded by WAIT; read from its pipe unbuffered (``unread`` keeps what came after that line, per process)."""
