@@ -413,7 +413,8 @@ class Watched:
         self.run = cwd / "runs" / exp
         self.proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
                                       *["--auto-recover"] * recover, "--exp-name", exp, "--no-progress",
-                                      "--ckpt-interval", "0.2", *extra], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                      "--ckpt-interval", "0.2", *extra], cwd=cwd,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)},
                                      start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out, self.err = [], []
         self._readers = [threading.Thread(target=lines.extend, args=(stream,), daemon=True)
