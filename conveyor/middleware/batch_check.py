@@ -1,4 +1,5 @@
-"""Batches received from other nodes checked against the env's spaces before they reach a buffer or a loss.
+"""Batches received from other nodes: counted, merged (several collectors' into one), and checked against the
+env's spaces before they reach a buffer or a loss.
 
 A peer with the secret can send batches in the right layout holding values no env could have produced: an
 action a ``Discrete(2)`` space does not have (the learner's indexing would end the run), NaN observations or
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from conveyor.middleware.messages import BadMessage
 
-__all__ = ["SpaceCheck", "count_transitions", "end_indices", "held_transitions"]
+__all__ = ["SpaceCheck", "count_transitions", "end_indices", "held_transitions", "merge_batches", "merge_end_idx"]
 
 OBSERVATION_KEYS = ("obs", "next_obs")
 """The keys of a batch that hold observations (:mod:`conveyor.data.batch`)."""
@@ -62,6 +63,37 @@ def end_indices(value: Any) -> Any:
     is_indices = np is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
         and (value.size == 0 or int(value.min()) >= 0)
     return value if is_indices else None
+
+
+def merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
+    """The received ``trajectory_end_idx`` as flat indices into the merged trajectories (each collector's shifted
+    by the transitions before its own), a list of ints with DI-engine's lists of transitions, else an array; None
+    unless every batch of trajectories came with them."""
+    sent = [p for p in payloads if p["trajectories"] is not None]
+    if not sent or any(p.get("trajectory_end_idx") is None for p in sent):
+        return None
+    np = sys.modules["numpy"]  # the arrays received are numpy's (a list of indices became one on receipt)
+    offsets = np.cumsum([0] + [count_transitions(p["trajectories"]) for p in sent[:-1]])
+    merged = np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
+    return merged.tolist() if isinstance(sent[0]["trajectories"], list) else merged
+
+
+def merge_batches(batches: List[Any], by_sample_dim: bool = False) -> Any:
+    """The collectors' batches joined on their first dim, or (``by_sample_dim``: training data) on their sample dim
+    (:func:`conveyor.data.batch.sample_dim`: a recurrent policy's sequences ``[L, B]`` side by side)."""
+    if len(batches) <= 1:
+        return batches[0] if batches else None
+    if isinstance(batches[0], list):  # DI-engine's lists of transitions (every batch is one: same layout)
+        return [item for batch in batches for item in batch]
+    import treetensor.torch as ttorch  # here: these modules import no torch until data arrives
+
+    from conveyor.data.batch import sample_dim
+    dim = sample_dim(batches[0]) if by_sample_dim else 0
+    try:
+        return ttorch.cat(batches, dim=dim)
+    except Exception as e:
+        raise ValueError(f"ContextExchanger: trajectories from several collectors do not concatenate along their "
+                         f"dim {dim} ({type(e).__name__}: {e}); give every collector the same env count") from None
 
 
 def _leaves(value: Any, path: Tuple[str, ...] = ()) -> Iterator[Tuple[Tuple[str, ...], Any]]:

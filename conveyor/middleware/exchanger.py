@@ -46,13 +46,13 @@ Faults (membership comes from the router: a peer that dies, disconnects or close
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set
 
 from conveyor.engine import OnlineRLContext, declares, task
 from conveyor.middleware.exchange_base import (COLLECTOR_TOPIC, DATA_TOPIC, MODEL_REQUEST_TOPIC, MODEL_TOPIC,
                                                TRAIN_ITER_TOPIC, ExchangeTimeout, Exchanger, anything, seconds)
-from conveyor.middleware.batch_check import SpaceCheck, count_transitions, end_indices, held_transitions
+from conveyor.middleware.batch_check import (SpaceCheck, count_transitions, end_indices, held_transitions,
+                                             merge_batches, merge_end_idx)
 from conveyor.middleware.ledger import TakeLedger
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.middleware.model_exchanger import ModelExchanger
@@ -80,37 +80,6 @@ def _ignore(payload: Any) -> None:
 
 def _empty_list(value: Any) -> bool:
     return isinstance(value, list) and not value
-
-
-def _merge_end_idx(payloads: List[Dict[str, Any]]) -> Any:
-    """The received ``trajectory_end_idx`` as flat indices into the merged trajectories (each collector's shifted
-    by the transitions before its own), a list of ints with DI-engine's lists of transitions, else an array; None
-    unless every batch of trajectories came with them."""
-    sent = [p for p in payloads if p["trajectories"] is not None]
-    if not sent or any(p.get("trajectory_end_idx") is None for p in sent):
-        return None
-    np = sys.modules["numpy"]  # the arrays received are numpy's (a list of indices became one on receipt)
-    offsets = np.cumsum([0] + [count_transitions(p["trajectories"]) for p in sent[:-1]])
-    merged = np.concatenate([p["trajectory_end_idx"] + offset for p, offset in zip(sent, offsets)])
-    return merged.tolist() if isinstance(sent[0]["trajectories"], list) else merged
-
-
-def _merge_trajectories(batches: List[Any], by_sample_dim: bool = False) -> Any:
-    """The collectors' batches joined on their first dim, or (``by_sample_dim``: training data) on their sample dim
-    (:func:`conveyor.data.batch.sample_dim`: a recurrent policy's sequences ``[L, B]`` side by side)."""
-    if len(batches) <= 1:
-        return batches[0] if batches else None
-    if isinstance(batches[0], list):  # DI-engine's lists of transitions (every batch is one: same layout)
-        return [item for batch in batches for item in batch]
-    import treetensor.torch as ttorch  # here: these modules import no torch until data arrives
-
-    from conveyor.data.batch import sample_dim
-    dim = sample_dim(batches[0]) if by_sample_dim else 0
-    try:
-        return ttorch.cat(batches, dim=dim)
-    except Exception as e:
-        raise ValueError(f"ContextExchanger: trajectories from several collectors do not concatenate along their "
-                         f"dim {dim} ({type(e).__name__}: {e}); give every collector the same env count") from None
 
 
 @declares(reads=("train_iter", "env_step", "env_episode", "total_step"),
@@ -151,7 +120,9 @@ class ContextExchanger(Exchanger):
     waits at most ``timeout_s`` for a learner to subscribe before its first send (less when its run is told to end
     meanwhile, as a learner that finished first does: the batch is then dropped), and ends its run when
     the learners it sent to are gone, after waiting ``rejoin_s`` (default 0) for one to (re)subscribe
-    unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch).
+    unless its run was told to stop (a learner restarted by ``auto_recover`` then gets the batch). A learner still
+    live but out of reach for a moment (its link reconnecting, as after this collector stood still past the peer
+    timeout) is not gone: the collector waits up to ``timeout_s`` for it and sends the batch then.
 
     ``shard``: with data-parallel learners (conveyor/run/learners.py), the rank of the learner this
     collector sends to, or of this learner: each rank has its own data and collector topics
@@ -190,6 +161,7 @@ class ContextExchanger(Exchanger):
         self._finished: Set[str] = set()  # learner: nodes that finished (gone for good)
         self._layouts: Dict[str, Any] = {}  # learner: the layout of the first batch accepted, by field
         self._had_learner = False  # collector: a send reached a learner
+        self._sent_to: Set[str] = set()  # collector: the learners its last send reached
         self.shard = shard
         self._data_topic, self._collector_topic = shard_topics(shard)
         self.received: Dict[str, int] = {}  # learner: env steps taken from each collector's batches, by node id
@@ -369,10 +341,10 @@ class ContextExchanger(Exchanger):
             self.ledger.take_batch(p)
         ctx.env_step += sum(p["env_step"] for p in got)
         ctx.env_episode += sum(p["env_episode"] for p in got)
-        ctx.trajectories = _merge_trajectories([p["trajectories"] for p in got if p["trajectories"] is not None])
+        ctx.trajectories = merge_batches([p["trajectories"] for p in got if p["trajectories"] is not None])
         if hasattr(ctx, "trajectory_end_idx"):
-            ctx.trajectory_end_idx = _merge_end_idx(got)
-        ctx.train_data = _merge_trajectories([p["train_data"] for p in got if p.get("train_data") is not None],
+            ctx.trajectory_end_idx = merge_end_idx(got)
+        ctx.train_data = merge_batches([p["train_data"] for p in got if p.get("train_data") is not None],
                                              by_sample_dim=True)
         episodes = [ep for p in got if p["episodes"] is not None for ep in p["episodes"]]
         ctx.episodes = episodes or None
@@ -414,9 +386,10 @@ class ContextExchanger(Exchanger):
             payload.update(offered_before=self.ledger.offer(n), incarnation=self.ledger.incarnation)
         if self._router.publish(self._data_topic, payload) > 0:
             self._had_learner = True
+            self._sent_to = set(self._router.subscribers(self._data_topic))
             return
-        if self._had_learner:  # every learner it sent to has left: unsubscribed (finished), or lost
-            if self._rejoined() and self._router.publish(self._data_topic, payload) > 0:
+        if self._had_learner:  # every learner it sent to is out of reach: finished, lost, or its link reconnecting
+            if self._reached() and self._router.publish(self._data_topic, payload) > 0:
                 return
             log.info("node %s: no learner left to send collected data to; the collector stops",
                      self._router.node_id)
@@ -440,10 +413,18 @@ class ContextExchanger(Exchanger):
             self.ledger.drop()
         task.finish = True
 
-    def _rejoined(self) -> bool:
-        """Whether a learner (re)subscribed within ``rejoin_s``; none is awaited once the run is told to stop."""
-        if not self.rejoin_s or task.finish or self._stopping:
+    def _reached(self) -> bool:
+        """Whether a learner it can send to came within its wait: a learner it sent to that is still a live peer (its
+        link reconnecting: this node stood still past the peer timeout, and the learner closed its connection) is
+        waited for ``timeout_s``; with ``rejoin_s``, one that (re)subscribes is waited for that long. None is awaited
+        once the run is told to stop."""
+        if task.finish or self._stopping:
+            return False
+        live = bool(self._sent_to & set(self._router.peers()))
+        if not live and not self.rejoin_s:
             return False
         with self._cond:  # the learner's stop heard meanwhile (its last words to a collector it lost) ends it
-            self._wait(lambda: bool(self._router.subscribers(self._data_topic)) or task.finish, self.rejoin_s)
+            self._wait(lambda: bool(self._router.subscribers(self._data_topic)) or task.finish or (
+                not self.rejoin_s and not self._sent_to & set(self._router.peers())),
+                max(self.rejoin_s, self.timeout_s if live else 0.0))
         return not task.finish and bool(self._router.subscribers(self._data_topic))

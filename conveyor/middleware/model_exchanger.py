@@ -184,7 +184,8 @@ class ModelExchanger(Exchanger):
             self._heard, self._newest, self._loaded = -1, None, None
             got = self._wait(lambda: self._heard >= 0 or task.finish, self.rejoin_s, self._request)
         if not (got and self._heard >= 0):
-            log.warning("node %s: no learner rejoined within rejoin_s=%ss", self._router.node_id, self.rejoin_s)
+            if got is None:
+                log.warning("node %s: no learner rejoined within rejoin_s=%ss", self._router.node_id, self.rejoin_s)
             return False
         log.info("node %s: a learner rejoined with version %s", self._router.node_id, self._heard)
         self._learners_gone = False  # it answered; the next _note_learners lists it

@@ -191,7 +191,9 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     node's actor); a learner among them above 0 resumes as a restarted one does. ``evaluation_hook`` (it must
     pickle) goes to node 0's ``main()`` alone: the :class:`~conveyor.run.Run` option, where the run is owned.
     ``peer_timeout_s``: how long every node's router tolerates a silent peer before it is lost (None: the
-    :class:`~conveyor.engine.parallel.router.Router`'s 5 s; its heartbeat is a quarter of one under 2 s).
+    :class:`~conveyor.engine.parallel.router.Router`'s 5 s; its heartbeat is a quarter of one under 2 s). The learners
+    end the launch: a node here still running a peer timeout after they returned (it missed the run's end: stopped,
+    or cut off) is stopped as on SIGTERM (``Parallel.runner``'s ``ends_with``).
     """
     from conveyor.engine import Parallel
 
@@ -227,8 +229,8 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     results = Parallel.runner(len(ids), topology=topology, protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
                               max_retries=max_retries, ready_timeout_s=ready_timeout_s, grace_s=grace_s,
-                              restarts_before=restarts_before, router_options=router_options)(_node_main, entry,
-                                                                                              layout, options)
+                              restarts_before=restarts_before, router_options=router_options,
+                              ends_with=range(layout.learners))(_node_main, entry, layout, options)
     nodes = [r for r in results if r is not None]
     told = [n for n in nodes if n["node_id"] == 0] or nodes  # else: as the nodes here heard it
     newest = max(told, key=lambda n: (n["env_step"], n["last_eval_value"] is not None), default=None)

@@ -619,3 +619,63 @@ def test_the_exchangers_import_no_torch():
     """A process that exchanges context only (or has not made its policy yet) pays no torch import for it."""
     out = subprocess.run([sys.executable, "-c", IMPORT_THE_EXCHANGERS], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["none"], out.stderr[-2000:]
+
+
+@pytest.mark.timeout(30)
+def test_a_collector_whose_learner_is_live_but_out_of_reach_for_a_moment_sends_again_once_it_is_reachable(fake_router):
+    """As after this collector stood still past the peer timeout (the learner closed its connection): its link to the
+    learner reconnects, and until the learner is proven there again a publish reaches nobody. The learner is still a
+    live peer, so the collector waits for it (up to ``timeout_s``) instead of ending for want of a learner, also
+    without ``rejoin_s`` (no --auto-recover)."""
+    reachable, looks = [True], []
+    fake_router.peers = lambda: ["0"]
+
+    def subscribers(topic):
+        if not reachable[0]:
+            looks.append(topic)
+            reachable[0] = len(looks) >= 3  # reachable again after a few looks
+        return ["0"] if reachable[0] else []
+
+    def publish(topic, payload):
+        fake_router.sent.append((topic, payload))
+        return 1 if reachable[0] else 0
+
+    fake_router.subscribers, fake_router.publish = subscribers, publish
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+        exchanger = ContextExchanger(timeout_s=WAIT)
+
+        def collect(ctx):
+            ctx.episodes, ctx.env_step = [ctx.total_step], ctx.env_step + 1
+            if ctx.total_step == 1:
+                reachable[0] = False  # its link to the learner reconnecting as the second batch goes out
+
+        task.use(exchanger).use(collect)
+        task.run(max_step=3)
+        assert not task.finish
+    delivered = [p["episodes"] for t, p in fake_router.sent if t == DATA_TOPIC]
+    assert delivered == [[0], [1], [1], [2]]  # the second batch again, once reachable
+
+
+@pytest.mark.timeout(30)
+def test_a_collector_without_rejoin_s_whose_learners_are_lost_ends_its_run_at_once(fake_router):
+    reached = [1]
+    fake_router.subscribers = lambda topic: ["0"] if reached[0] else []
+    fake_router.peers = lambda: ["0"] if reached[0] else []  # lost: no longer a live peer
+
+    def publish(topic, payload):
+        fake_router.sent.append((topic, payload))
+        return reached[0]
+
+    fake_router.publish = publish
+    with task.start(ctx=OnlineRLContext()):
+        task.add_role(task.role.COLLECTOR)
+
+        def collect(ctx):
+            ctx.episodes, ctx.env_step = [ctx.total_step], ctx.env_step + 1
+            reached[0] = 0 if ctx.total_step == 1 else reached[0]
+
+        task.use(ContextExchanger(timeout_s=WAIT)).use(collect)
+        started = time.monotonic()
+        task.run(max_step=5)
+        assert task.finish and task.ctx.total_step == 2 and time.monotonic() - started < WAIT / 2

@@ -405,14 +405,16 @@ def test_collectors_end_within_the_peer_timeout_of_a_stopped_learner_which_ends_
 
 
 class Watched:
-    """A launch of ``conveyor train cartpole/dqn --collectors 2 --auto-recover``, its output read as it comes."""
+    """A launch of ``conveyor train cartpole/dqn --collectors 2 --auto-recover`` (``recover=False``: without it), its
+    output read as it comes."""
 
-    def __init__(self, cwd, exp, *extra):
+    def __init__(self, cwd, exp, *extra, recover=True):
         import threading
         self.run = cwd / "runs" / exp
         self.proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", "cartpole/dqn", "--collectors", "2",
-                                      "--auto-recover", "--exp-name", exp, "--no-progress", "--ckpt-interval", "0.2",
-                                      *extra], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                      *["--auto-recover"] * recover, "--exp-name", exp, "--no-progress",
+                                      "--ckpt-interval", "0.2", *extra], cwd=cwd,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)},
                                      start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out, self.err = [], []
         self._readers = [threading.Thread(target=lines.extend, args=(stream,), daemon=True)
@@ -449,16 +451,17 @@ class Watched:
 def watched(in_tmp):
     """Start :class:`Watched` launches; each one's process group is killed at the end."""
     started = []
-    yield lambda exp, *extra: started.append(Watched(in_tmp, exp, *extra)) or started[-1]
+    yield lambda exp, *extra, recover=True: started.append(Watched(in_tmp, exp, *extra, recover=recover)) or started[-1]
     for launch in started:
         launch.stop()
 
 
-def a_collector_stopped_past_the_peer_timeout(watched, exp, max_env_step, *extra):
+def a_collector_stopped_past_the_peer_timeout(watched, exp, max_env_step, *extra, recover=True):
     """A :class:`Watched` launch to ``max_env_step`` with ``--peer-timeout`` :data:`SHORT_PEER_TIMEOUT_S` whose
     collector 1, once the learner trains, is SIGSTOPped until the learner has lost it; (the launch, the learner's and
     that collector's rows of nodes.json)."""
-    launch = watched(exp, "--max-env-step", str(max_env_step), "--peer-timeout", str(SHORT_PEER_TIMEOUT_S), *extra)
+    launch = watched(exp, "--max-env-step", str(max_env_step), "--peer-timeout", str(SHORT_PEER_TIMEOUT_S), *extra,
+                     recover=recover)
     learner, stopped, _ = training_nodes(launch.run)
     os.kill(stopped["pid"], signal.SIGSTOP)
     wait_until(lambda: launch.said("router 0: peer 1 lost (silent"), SHORT_PEER_TIMEOUT_S + MARGIN_S,
@@ -481,8 +484,12 @@ def test_a_collector_stopped_is_lost_within_the_peer_timeout_given_on_the_comman
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_collector_stopped_past_the_peer_timeout_feeds_the_learner_again_when_continued(watched):
-    launch, _, stopped = a_collector_stopped_past_the_peer_timeout(watched, "rejoin", 4000, "--no-stop")  # its budget
+@pytest.mark.parametrize("recover", [True, False], ids=["auto-recover", "no-auto-recover"])
+def test_a_collector_stopped_past_the_peer_timeout_feeds_the_learner_again_when_continued(watched, recover):
+    """With or without --auto-recover (which restarts processes that died: this one did not), the continued collector
+    rejoins: the learner takes it back, saying so in one line."""
+    launch, _, stopped = a_collector_stopped_past_the_peer_timeout(watched, "rejoin", 4000, "--no-stop",  # its budget
+                                                                   recover=recover)
     before = launch.taken(1)
     os.kill(stopped["pid"], signal.SIGCONT)
     wait_until(lambda: launch.taken(1) > before or launch.proc.poll() is not None, 120, "its batches taken again")
@@ -491,6 +498,7 @@ def test_a_collector_stopped_past_the_peer_timeout_feeds_the_learner_again_when_
     assert launch.ended(SHORT_PEER_TIMEOUT_S + MARGIN_S) == 0 and "".join(launch.out).startswith("budget reached")
     err = "".join(launch.err)
     assert "waiting up to" not in err and "router 1: peer 0 lost" not in err and "Traceback" not in err, err[-3000:]
+    assert "router 0: peer 1 is back" in err and "collector stops" not in err
     assert transition_account(launch.run)["unaccounted"] == 0
 
 

@@ -14,10 +14,11 @@ import subprocess
 import sys
 import time
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set
 
 from conveyor.engine.compose import note
 from conveyor.engine.parallel.frame import SECRET_ENV, generate_secret, load_secret
+from conveyor.engine.parallel.peers import PEER_TIMEOUT_S
 from conveyor.engine.parallel.worker import WorkerRouter
 from conveyor.processes import (Forked, RemoteTraceback, UnguardedStart, Zygote, describe_exit, importing_main,
                                 preparation, private_dir, sigterm_raises, signals_ignored, stop, unlink_quietly,
@@ -184,7 +185,8 @@ class _Worker:
         self.spec, self.node_id, self.proc, self.conn = spec, spec["node_id"], proc, conn
         self.restarts: int = spec["restarts"]
         self.address: Any = _Worker  # not reported yet
-        self.ready = self.finished = self.ended = False
+        self.ready = self.returned = self.finished = self.ended = False
+        self.stopped_at: Optional[float] = None  # when the launcher stopped it, the run having ended
         self.deadline = time.monotonic() + ready_timeout_s  # to be ready by
         self.result: Any = None
 
@@ -205,13 +207,16 @@ def _supervise(plan: Any, workers: List[_Worker], program: bytes, zygote: Zygote
     re-raise an exception, restart or note a worker that died; restarted ones join on their own."""
     planned = started = False  # every first worker has been told whom to dial / to go
     dead: List[str] = []
+    end = _RunEnd(plan)
     while True:
         by_conn = {w.conn: w for w in workers if not w.ended}
         if not by_conn:
             break
         waiting = [w for w in workers if not w.ended and not w.ready]
-        timeout = max(0.0, min(w.deadline for w in waiting) - time.monotonic()) if waiting else None
+        timeouts = [w.deadline - time.monotonic() for w in waiting] + [end.due(workers)]
+        timeout = max(0.0, min(t for t in timeouts if t is not None)) if any(t is not None for t in timeouts) else None
         answered = mp_connection.wait(list(by_conn), timeout)
+        end.act(workers)
         late = [w.node_id for w in waiting if w.deadline <= time.monotonic()]
         if not answered and late:
             raise TimeoutError(f"Parallel.runner: workers {late} not ready after ready_timeout_s="
@@ -225,7 +230,9 @@ def _supervise(plan: Any, workers: List[_Worker], program: bytes, zygote: Zygote
                 worker.ended = True
                 conn.close()
                 why = _ended(plan, worker, started)
-                if why is not None and not _restart(plan, workers, worker, why, program, zygote):
+                if why is not None and worker.stopped_at is not None:
+                    log.warning("Parallel.runner: %s, stopped once the run had ended", why)
+                elif why is not None and not _restart(plan, workers, worker, why, program, zygote):
                     dead.append(why)
                 continue
             kind = message[0]
@@ -239,6 +246,8 @@ def _supervise(plan: Any, workers: List[_Worker], program: bytes, zygote: Zygote
                 worker.ready = True
                 if started:
                     worker.conn.send(("go",))
+            elif kind == "returned":
+                worker.returned = True
             elif kind == "result":
                 worker.result, worker.finished = message[1], True
                 for other in workers:  # a restarted worker still joining would wait for peers that are ending
@@ -276,6 +285,50 @@ def _dial_plan(plan: Any, i: int, workers: List[_Worker]) -> tuple:
         local = [j for j in range(len(workers)) if j != i]
         dial = [addresses[j] for j in local]
     return "peers", dial + plan.attach_to, sum(running[j] for j in local) + len(plan.attach_to)
+
+
+class _RunEnd:
+    """The end of a run whose owners (``plan.ends_with``) have returned: the workers still running get the routers'
+    peer timeout to end by themselves, then SIGTERM, then SIGKILL ``plan.grace_s`` later (the module docstring of
+    :mod:`~conveyor.engine.parallel.runner`)."""
+
+    def __init__(self, plan: Any) -> None:
+        self.owners, self.grace_s = set(plan.ends_with), plan.grace_s
+        self.wait_s = float(plan.router_options.get("peer_timeout_s", PEER_TIMEOUT_S))
+        self.ended_at: Optional[float] = None
+        self.killed: Set[int] = set()  # ids of the workers killed
+
+    def due(self, workers: List[_Worker]) -> Optional[float]:
+        """Seconds until :meth:`act` has something to do (None: nothing until a worker says something)."""
+        if self.ended_at is None:
+            owners = [w for w in workers if w.node_id in self.owners]
+            if not owners or not all(w.returned for w in owners):
+                return None
+            self.ended_at = time.monotonic()
+        running = [w for w in workers if not w.ended and id(w) not in self.killed and w.node_id not in self.owners]
+        if not running:
+            return None
+        stops = [self.ended_at + self.wait_s if w.stopped_at is None else w.stopped_at + self.grace_s for w in running]
+        return min(stops) - time.monotonic()
+
+    def act(self, workers: List[_Worker]) -> None:
+        """Stop the workers whose time after the end ran out, as on SIGTERM; kill those stopped ``grace_s`` ago."""
+        if self.ended_at is None:
+            return
+        now = time.monotonic()
+        for w in workers:
+            if w.ended or id(w) in self.killed or w.node_id in self.owners:
+                continue
+            if w.stopped_at is None and now >= self.ended_at + self.wait_s:
+                log.warning("Parallel.runner: node %s returned %.1fs ago and %s still runs (it missed the end of the "
+                            "run: stopped, or cut off); it is stopped as on SIGTERM", ", ".join(map(str, sorted(
+                                self.owners))), now - self.ended_at, w)
+                w.stopped_at = now
+                w.proc.terminate()
+            elif w.stopped_at is not None and now >= w.stopped_at + self.grace_s:
+                log.warning("Parallel.runner: %s did not stop within %ss of its SIGTERM; killing it", w, self.grace_s)
+                self.killed.add(id(w))
+                w.proc.kill()
 
 
 def _ended(plan: Any, worker: _Worker, started: bool) -> Optional[str]:

@@ -22,12 +22,13 @@ the lost callbacks called. Two faster paths need no timeout: a closing router sa
 whose connection closes (the peer's process died) loses its peer half a heartbeat later. A lost peer
 that speaks again is live again: a process stopped (SIGSTOP) or cut off past the timeout rejoins when it
 continues. The link we dialed back to a lost peer stays while its connection does, so what we queue for it there
-(:meth:`Router.publish`'s ``to_lost``, our goodbye) is read when it continues. A link whose connection closed says
-hello on its next one even where it knows an incarnation there again (a late state of one that died, read after the
-closing, names it): a restarted peer at that address refuses what is sealed for the dead one, and learns of us only
-from a hello. A node that itself stood still
-(:class:`~conveyor.engine.parallel.peers.Pause`) gives its peers a fresh timeout instead of losing them all. A peer is
-*ready* when its state lists this node among those it heard.
+(:meth:`Router.publish`'s ``to_lost``, our goodbye) is read when it continues; one whose peer is not back within
+``rejoin_s`` is closed (a half-open connection to a host gone holds a descriptor and nng's buffers). A link whose
+connection closed says hello on its next one even where it knows an incarnation there again (a late state of one that
+died, read after the closing, names it): a restarted peer at that address refuses what is sealed for the dead one, and
+learns of us only from a hello. A node that itself stood still (:class:`~conveyor.engine.parallel.peers.Pause`) gives
+its peers a fresh timeout instead of losing them all. A peer is *ready* when its state lists this node among those it
+heard.
 A node waiting for its peers while an address keeps failing authentication stops waiting at once, naming it.
 Messages are numbered per (sender, topic): gaps count as ``lost``, repeats as ``duplicated``.
 
@@ -49,10 +50,10 @@ from conveyor.engine.parallel.guard import AuthFailures, close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, nng_os_error
 from conveyor.engine.parallel.readiness import Readiness
-from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, REFUSALS, Link, Pause, Peer, PeerTable,
-                                           is_local_address)
+from conveyor.engine.parallel.peers import (MAX_SEQ_JUMP, PEER_TIMEOUT_S, REFUSALS, REJOIN_S, Link, Pause, Peer,
+                                           PeerTable, is_local_address)
 
-__all__ = ["Link", "Membership", "Peer", "is_local_address"]  # the first, second and last live in peers.py
+__all__ = ["Link", "Membership", "PEER_TIMEOUT_S", "Peer", "REJOIN_S", "is_local_address"]  # but one: peers.py's
 
 _SEND_BUFFER = 8  # messages a link queues before a send waits: room for a heartbeat beside data
 _MAX_CANDIDATES = 64  # hellos of incarnations not proven fresh yet, answered until they expire
@@ -68,6 +69,7 @@ class _Router(Protocol):
     peer_timeout_s: float
     send_timeout_s: float
     auth_timeout_s: float
+    rejoin_s: float
 
     @property
     def closed(self) -> bool: ...
@@ -94,6 +96,7 @@ class Membership(Readiness):
         self._auth_failures = AuthFailures()
         self._control_seq = -1
         self._pause = Pause(router.peer_timeout_s / 2)
+        self._leaving = False  # our goodbye is numbered: no state follows it (one would make us live again there)
 
     # --- links -------------------------------------------------------------------------------------
     def dial(self, url: str, learned: bool) -> None:
@@ -159,9 +162,11 @@ class Membership(Readiness):
         return links
 
     # --- what we send ------------------------------------------------------------------------------
-    def _state(self) -> bytearray:
+    def _state(self) -> Optional[bytearray]:
         r = self._router
         with self._lock:
+            if self._leaving:
+                return None
             state = {"kind": "state", "address": r.address, "topics": r.topics(),
                      "heard": sorted(p.node_id for p in self.peers.values() if p.alive)}
             self._control_seq += 1
@@ -193,7 +198,10 @@ class Membership(Readiness):
             close_socket(link.sock)  # outside the lock: nng runs the link's callbacks, which take it, before returning
         for link, proven, others in targets:
             for to in proven + others or [None]:
-                ok = self._router._send(link, self._state(), to, block=False)
+                state = self._state()
+                if state is None:
+                    return
+                ok = self._router._send(link, state, to, block=False)
                 if ok and to is None:
                     with self._lock:
                         link.greet = False
@@ -208,7 +216,8 @@ class Membership(Readiness):
         r = self._router
         with self._lock:
             links = [link for link in self.links.values() if link.hello_sent and link.peer_inc is not None]
-            seq = self._control_seq + 1
+            self._leaving, self._control_seq = True, self._control_seq + 1
+            seq = self._control_seq  # a state numbered before it and read after it is refused as older
         for link in links:
             link.sock.send_timeout = int(min(r.heartbeat_s, r.send_timeout_s) * 1000)
             r._send(link, pack(CONTROL_TOPIC, seq, r.node_id, _codec.encode({"kind": "bye"})), link.peer_inc)
@@ -236,6 +245,8 @@ class Membership(Readiness):
             dead += [(p, "its connection closed") for p in self.peers.values()
                      if p.alive and p.address in dropped and not self.links[p.address].connected]
             gone = [self.links.pop(url) for url in dropped if self._kept_for_lost(url)]
+            expired = [url for url, kept in self.links.items() if kept.kept_since and now - kept.kept_since > r.rejoin_s]
+            gone += [self.links.pop(url) for url in expired]  # its peer never came back: a half-open link
             # a silent one's connection is closed; a closed one's is read to its end (its last words, its goodbye)
             pipes = [p.pipe for p, why in dead if p.pipe is not None and why.startswith("silent")]
         if paused:
@@ -243,6 +254,9 @@ class Membership(Readiness):
                           "peers get a fresh peer timeout", r.node_id, paused)
         for link in gone:
             close_socket(link.sock)
+        for url in expired:
+            self._log.logger.info("router %s: closed the link kept for the peer at %s: not back within rejoin_s=%ss",
+                                  r.node_id, url, r.rejoin_s)
         for peer, why in dead:
             self._lose(peer, why)
         for pipe in pipes:  # half open, or silent: whatever comes back reconnects and binds afresh
@@ -268,6 +282,8 @@ class Membership(Readiness):
             closed = link is not None and link.learned and not link.connected
             if closed:
                 del self.links[peer.address]
+            elif link is not None and link.learned:
+                link.kept_since = time.monotonic()  # closed after rejoin_s unless its peer comes back
             callbacks = list(self.lost_callbacks)
         if closed:
             close_socket(link.sock)
@@ -334,15 +350,18 @@ class Membership(Readiness):
             peer = self.peers[sender]
             peer.pipe = pipe  # bound to the connection it speaks through (released if it is lost)
             if bye:
-                new_link = False
+                new_link, back = False, None
             else:
                 self._candidates.pop((sender, inc), None)
                 was_alive, peer.alive = peer.alive, True
                 peer.address = message["address"]
                 peer.topics, peer.heard = frozenset(message["topics"]), frozenset(message["heard"])
+                back = None if was_alive or new is not None else time.monotonic() - peer.last_seen  # lost, not died
                 peer.last_seen = time.monotonic()
                 link = self.links.get(peer.address)
                 new_link = link is None
+                if link is not None:
+                    link.kept_since = 0.0  # its peer is back
                 if link is not None and link.peer_inc != inc:
                     link.peer_inc, link.hello_sent, link.peer_id, link.unproven_since = inc, False, sender, 0.0
                     link.for_hello = False
@@ -350,6 +369,9 @@ class Membership(Readiness):
         if bye:
             self._lose(peer, "it closed")
             return True
+        if back is not None:
+            self._log.logger.warning("router %s: peer %s is back, heard again after %.1fs; taken back",
+                                     self._router.node_id, sender, back)
         if new_link:
             self._dial_back(peer.address, inc)
         if not was_alive or self._router.node_id not in peer.heard or new_link:

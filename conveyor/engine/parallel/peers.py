@@ -31,8 +31,14 @@ from urllib.parse import urlsplit
 from conveyor.engine.parallel.frame import incarnation_started
 from conveyor.engine.parallel.guard import ReplayWindow
 
-__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "Pause", "Peer", "PeerTable", "REFUSALS",
-           "RETIRED_PER_NODE", "is_local_address"]
+__all__ = ["Link", "MAX_PEERS", "MAX_SEQ_JUMP", "MAX_TOPICS_PER_PEER", "PEER_TIMEOUT_S", "Pause", "Peer", "PeerTable",
+           "REFUSALS", "REJOIN_S", "RETIRED_PER_NODE", "is_local_address"]
+
+PEER_TIMEOUT_S = 5.0
+"""A router's default ``peer_timeout_s``: how long a peer may stay silent before it is lost."""
+REJOIN_S = 120.0
+"""A router's default ``rejoin_s``: how long the link to a peer lost while its connection stayed open (stopped, cut
+off) is kept for it to come back (and read what was queued for it) before it is closed."""
 
 MAX_SEQ_JUMP = 1 << 32  # a sender's seq moves by one per message: a bigger jump is a bad message
 RETIRED_PER_NODE = 16  # replaced incarnations of one node id kept with their windows; older ones refused by age
@@ -80,6 +86,7 @@ class Link:
         self.for_hello = False  # dialed for a hello only, not yet for a proven peer: closed when it expires
         self.greet = False  # its connection closed since its last hello: the next one gets a hello whatever it knows
         self.warned = False  # told that nothing authentic came back from it
+        self.kept_since = 0.0  # when its peer was lost with the link kept for it to come back (0: not so)
         self.peer_id: Optional[str] = None
         self.peer_inc: Optional[bytes] = None  # the proven incarnation of the peer behind it
 

@@ -9,11 +9,10 @@ Design (one socket per pattern, as nng's examples keep them):
   ``peers`` are dialed at once; a node that hears from a peer it has no link to dials back the address
   that peer announces, so a star (collectors given the learner's address) becomes two-way by itself.
 
-Why Push/Pull and not one Bus0 or Pair1-polyamorous socket: both of those drop a message silently when
-the peer's queue is full (best effort, no back-pressure), so a fast publisher would lose trajectories;
-Bus0 also floods every peer. A Push0 link has back-pressure (a send waits, at most ``send_timeout_s``,
-for a slow receiver) and reaches exactly one peer, so a message goes only to the peers that subscribed
-to its topic, and each link's messages arrive in order.
+Why Push/Pull and not one Bus0 or Pair1-polyamorous socket: both of those drop a message silently when the peer's queue
+is full (best effort, no back-pressure), so a fast publisher would lose trajectories; Bus0 also floods every peer. A
+Push0 link has back-pressure (a send waits, at most ``send_timeout_s``, for a slow receiver) and reaches exactly one
+peer, so a message goes only to the peers that subscribed to its topic, and each link's messages arrive in order.
 
 Batches (:mod:`~conveyor.engine.parallel.outbox` has the queues and their bounds): :meth:`Router.publish` packs a
 message once and queues it on each subscribed link; each link's sender thread sends what piled up meanwhile as one
@@ -48,10 +47,10 @@ of the file descriptor limit, if less) are kept, each for at most ``auth_timeout
 (the receive thread waits for room, and judges no peer silent while it waits). No input ends the receive loop: every
 exception there is counted in ``receive_errors`` and logged at most once per kind per minute.
 
-No secret (``secret=None``): the router generates one (:attr:`Router.secret`; a local launcher hands it
-to the children it starts, privately) and stays on this host: it listens only on ``ipc://`` or tcp
-loopback and dials only such addresses; anything else is refused with the reason. Across hosts every
-node must load the same secret (``--secret-file``, ``$CONVEYOR_SECRET``; see :func:`frame.load_secret`).
+No secret (``secret=None``): the router generates one (:attr:`Router.secret`; a local launcher hands it to the children
+it starts, privately) and stays on this host: it listens only on ``ipc://`` or tcp loopback and dials only such
+addresses; anything else is refused with the reason. Across hosts every node must load the same secret
+(``--secret-file``, ``$CONVEYOR_SECRET``; see :func:`frame.load_secret`).
 
 Addresses: ``listen=None`` listens on ``ipc://`` in a private temporary directory (removed on close);
 ``tcp://127.0.0.1:0`` takes a port from the OS (:attr:`Router.address` has it). Peers must be given the address a
@@ -71,7 +70,7 @@ from conveyor.engine.parallel.frame import HELLO, Frame, batch_parts, generate_s
 from conveyor.engine.parallel.guard import close_socket
 from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.engine.parallel.inbox import CONTROL_TOPIC, Inbox
-from conveyor.engine.parallel.membership import Link, Membership, is_local_address
+from conveyor.engine.parallel.membership import PEER_TIMEOUT_S, REJOIN_S, Link, Membership, is_local_address
 from conveyor.engine.parallel.nngmsg import Outgoing
 from conveyor.engine.parallel.outbox import Outbox
 
@@ -89,21 +88,22 @@ class Router:
     ``peer_timeout_s`` under 2). ``codec`` encodes payloads (default: :mod:`codec`'s; a ``PickleCodec`` opts into
     pickle on every node). The bounds of the receive path (``max_connections``, ``max_pending_bytes``,
     ``max_backlog_bytes``, ``auth_timeout_s``, default ``peer_timeout_s``) and ``batch_bytes`` (default 1 MiB, at
-    most ``max_message_size``) are in the module docstring.
+    most ``max_message_size``) are in the module docstring. ``rejoin_s``: how long the link to a peer lost with its
+    connection open (stopped, cut off) is kept for it to come back, and read what was queued there, before it closes.
     """
 
     def __init__(self, node_id: str, secret: Optional[bytes] = None, *, listen: Optional[str] = None,
                  peers: Iterable[str] = (), advertise: Optional[str] = None, max_message_size: int = 64 << 20,
-                 heartbeat_s: Optional[float] = None, peer_timeout_s: float = 5.0, send_timeout_s: float = 10.0,
-                 codec: Optional[_codec.Codec] = None, max_connections: int = 64,
-                 max_pending_bytes: int = 1 << 30, max_backlog_bytes: Optional[int] = None,
-                 auth_timeout_s: Optional[float] = None, batch_bytes: int = 1 << 20) -> None:
+                 heartbeat_s: Optional[float] = None, peer_timeout_s: float = PEER_TIMEOUT_S,
+                 send_timeout_s: float = 10.0, codec: Optional[_codec.Codec] = None, max_connections: int = 64,
+                 max_pending_bytes: int = 1 << 30, max_backlog_bytes: Optional[int] = None, batch_bytes: int = 1 << 20,
+                 auth_timeout_s: Optional[float] = None, rejoin_s: float = REJOIN_S) -> None:
         if not isinstance(node_id, str) or not node_id or node_id.startswith("\x00"):
             raise ValueError(f"Router(node_id={node_id!r}): the node id must be a non-empty string")
         auth_timeout_s = peer_timeout_s if auth_timeout_s is None else auth_timeout_s
         if heartbeat_s is None:  # at least four heartbeats before a peer is lost
             heartbeat_s = min(0.5, peer_timeout_s / 4) if isinstance(peer_timeout_s, (int, float)) else 0.5
-        for name, value in (("peer_timeout_s", peer_timeout_s), ("heartbeat_s", heartbeat_s),
+        for name, value in (("peer_timeout_s", peer_timeout_s), ("heartbeat_s", heartbeat_s), ("rejoin_s", rejoin_s),
                             ("send_timeout_s", send_timeout_s), ("auth_timeout_s", auth_timeout_s)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"Router({name}={value!r}): must be a number of seconds > 0")
@@ -124,7 +124,7 @@ class Router:
                     raise ValueError(f"Router {node_id!r}: refusing {url} without a secret: a node reachable from "
                                      f"other hosts must authenticate them. Give every node the same secret "
                                      f"(--secret-file FILE or $CONVEYOR_SECRET), or use ipc:// or tcp://127.0.0.1")
-        self.max_message_size, self.auth_timeout_s = max_message_size, auth_timeout_s
+        self.max_message_size, self.auth_timeout_s, self.rejoin_s = max_message_size, auth_timeout_s, rejoin_s
         self.heartbeat_s, self.peer_timeout_s, self.send_timeout_s = heartbeat_s, peer_timeout_s, send_timeout_s
         self._encode = codec.encode if codec is not None else _codec.encode
         self._inc = new_incarnation()

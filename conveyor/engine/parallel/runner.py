@@ -41,6 +41,13 @@ The launcher then supervises. Faults, two kinds:
   have ended, the runner raises :class:`WorkerError` naming it, with the others' results in ``.results``.
   A death during the start (before ``main``) always stops the job.
 
+The end of a run: ``ends_with`` names the workers whose return ends the job (the zoo's learner). A worker that
+missed their end (stopped, or cut off, when the learner told the others; a collector then waits for a learner
+that will not come back) would otherwise hold the launch as long as its own waits last. Once every one of them
+has returned, the others get the routers' peer timeout (a node that heard the end ends well within it), then
+are stopped as on SIGTERM (their runs end normally after the iteration, with their results), and one still
+running ``grace_s`` later is killed; a worker stopped so is logged, not a failure of the job.
+
 SIGTERM to the launcher (from its main thread) or Ctrl-C stops every worker with SIGTERM (each ends its
 run gracefully, see below; SIGKILL after ``grace_s``), removes the ipc files, and ends the launcher with
 ``SystemExit(143)`` or ``KeyboardInterrupt``. A worker whose launcher disappears stops itself: as on SIGTERM,
@@ -84,7 +91,8 @@ class Parallel:
                node_ids: Union[int, Sequence[int], None] = None, labels: Optional[Iterable[str]] = None,
                auto_recover: bool = False, max_retries: Optional[int] = None, secret: Optional[bytes] = None, *,
                ready_timeout_s: float = 60.0, grace_s: float = 5.0,
-               router_options: Optional[Dict[str, Any]] = None, restarts_before: int = 0) -> Callable[..., List[Any]]:
+               router_options: Optional[Dict[str, Any]] = None, restarts_before: int = 0,
+               ends_with: Sequence[int] = ()) -> Callable[..., List[Any]]:
         """A launcher: ``Parallel.runner(...)(main, *args)`` runs ``main(*args)`` in every worker and returns
         their return values (by worker; None where one does not pickle).
 
@@ -101,10 +109,14 @@ class Parallel:
         ``restarts_before``: how many times these workers were restarted before this launch, by whatever started
         this launcher again in place of one that died (Ray restarting an actor): ``task.router.restarts`` counts
         on from it, so a worker tells a restart from a first start either way; ``max_retries`` still bounds this
-        launch's own restarts.
+        launch's own restarts. ``ends_with``: the node ids whose return ends the job (a run's owner, its learner;
+        those not started here are ignored): once each has returned, the workers still running get the routers'
+        peer timeout to end by themselves, are then stopped as on SIGTERM, and killed ``grace_s`` later (see the
+        module docstring).
         """
         plan = _Plan(n_parallel_workers, topology, protocol, address, ports, attach_to, node_ids, labels,
-                     auto_recover, max_retries, secret, ready_timeout_s, grace_s, router_options, restarts_before)
+                     auto_recover, max_retries, secret, ready_timeout_s, grace_s, router_options, restarts_before,
+                     ends_with)
         return lambda main, *args: launch(plan, main, args)
 
 
@@ -119,7 +131,7 @@ class _Plan:
     def __init__(self, n: Any, topology: Any, protocol: Any, address: Optional[str], ports: Any, attach_to: Any,
                  node_ids: Any, labels: Any, auto_recover: bool, max_retries: Optional[int], secret: Any,
                  ready_timeout_s: float, grace_s: float, router_options: Optional[Dict[str, Any]],
-                 restarts_before: int = 0) -> None:
+                 restarts_before: int = 0, ends_with: Sequence[int] = ()) -> None:
         where = "Parallel.runner"
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{where}(n_parallel_workers={n!r}): must be an int >= 1")
@@ -155,10 +167,15 @@ class _Plan:
             ports = list(range(ports, ports + n)) if isinstance(ports, int) else list(ports)
             if len(ports) != n:
                 raise ValueError(f"{where}(ports={ports!r}): needs the first port or one port per worker ({n})")
+        ends_with = list(ends_with)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ends_with):
+            raise ValueError(f"{where}(ends_with={ends_with!r}): must be node ids (ints), those whose return ends "
+                             f"the job")
         if isinstance(attach_to, str):
             attach_to = [a for a in attach_to.split(",") if a]
         self.n, self.topology, self.protocol, self.address, self.ports = n, topology, protocol, address, ports
         self.attach_to, self.node_ids = list(attach_to or ()), node_ids
+        self.ends_with = [i for i in ends_with if i in node_ids]
         self.labels = frozenset([labels] if isinstance(labels, str) else labels or ())
         self.secret, self.ready_timeout_s, self.grace_s = secret, ready_timeout_s, grace_s
         self.router_options = dict(router_options or {})

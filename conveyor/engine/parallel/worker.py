@@ -167,6 +167,7 @@ def serve(conn: Any) -> int:
         threading.Thread(target=orphaned.watch, name="conveyor-launcher-watch", daemon=True).start()
         signal.signal(signal.SIGTERM, _GracefulStop(orphaned).handle)
         result = main(*args)
+        conn.send(("returned",))  # before the wait for its peers: an owner's return ends the run (ends_with)
         node._finish()
         conn.send(("result", dumps_or_none(result)))
         return 0

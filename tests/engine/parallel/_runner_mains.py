@@ -92,3 +92,23 @@ def fail_while_the_other_is_exiting(fifo):
     finally:
         os.close(fd)
     raise ValueError("node 0 fails while node 1 runs its exit handlers")
+
+
+def end_or_wait_for_a_rejoin(ignore_sigterm=False):
+    """Node 0, the run's owner, returns at once. The others run as a collector that lost its learner and missed its
+    end (a cut link, a SIGSTOP): their iteration waits up to 3 * WAIT for a learner to rejoin, or for the stop
+    (``STOP_EVENT``, as every exchanger's wait); they return what ended the wait. ``ignore_sigterm``: they hold
+    SIGTERM (a node that cannot stop gracefully)."""
+    import signal
+
+    from conveyor.engine import STOP_EVENT, OnlineRLContext
+    if task.router.node_id == 0:
+        return "owner"
+    stopped = threading.Event()
+    with task.start(ctx=OnlineRLContext()):
+        task.on(STOP_EVENT, stopped.set)
+        if ignore_sigterm:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        task.use(lambda ctx: stopped.wait(3 * WAIT))
+        task.run(max_step=1)
+    return "stopped" if stopped.is_set() else "waited"

@@ -1,4 +1,5 @@
 """The router: topic delivery to subscribers only, authentication, sequence counting, membership, binding."""
+import contextlib
 import errno
 import gc
 import logging
@@ -307,6 +308,26 @@ def test_a_goodbye_is_not_logged_as_a_loss_even_when_the_closing_connection_is_s
     assert all(r.levelno == logging.INFO and "it closed" in r.getMessage() for r in lost())
 
 
+def test_a_peer_that_said_goodbye_is_not_taken_back_by_a_state_it_sent_after_it(make_router, caplog):
+    """A closing node's goodbye is its last word: a state its control thread announces meanwhile (woken by the loss
+    of peers that close at the same time, as a run's nodes do at its end) must not follow it and revive it."""
+    caplog.set_level(logging.INFO, logger="conveyor.engine.parallel.router")
+    for _ in range(10):
+        hub = make_router("hub")
+        leaves = [make_router(f"leaf-{j}", peers=[hub.address]) for j in range(3)]
+        hub.on("x", lambda payload: None)
+        for leaf in leaves:
+            leaf.on("x", lambda payload: None)
+            leaf.wait_for_subscribers("x", 1, WAIT)
+        hub.wait_for_subscribers("x", 3, WAIT)
+        closing = [threading.Thread(target=router.close) for router in [hub, *leaves]]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join(WAIT)
+    assert "lost (it closed)" in caplog.text and "is back" not in caplog.text
+
+
 def lines_until(proc, last, unread={}):
     """The lines ``proc`` prints (after its address; blank ones skipped) up to the first that starts with ``last``,
     bounded by WAIT; read from its pipe unbuffered (``unread`` keeps what came after that line, per process)."""
@@ -329,7 +350,7 @@ def stopped_past_the_timeout(node, proc, peer_id):
 
 
 def test_a_peer_stopped_past_the_peer_timeout_is_taken_back_when_continued_and_loses_nobody_itself(make_router,
-                                                                                                   spawn_peer):
+                                                                                                   spawn_peer, caplog):
     learner = make_router("learner")
     pongs = collect(learner, "pong")
     proc, _ = spawn_peer("collector", "tcp://127.0.0.1:0", learner.address)
@@ -343,6 +364,32 @@ def test_a_peer_stopped_past_the_peer_timeout_is_taken_back_when_continued_and_l
     # the continued node's own silence is no loss of its peers: it never lost the learner
     assert lines_until(proc, "peers_lost") == ["peers_lost 0"]
     assert learner.stats()["peers_lost"] == 1 and learner.peers() == ["collector"]
+    assert "router learner: peer collector is back, heard again after" in caplog.text  # one line, as its loss
+
+
+def open_sockets():
+    """This process's open socket descriptors (the pipes to a spawned peer's stdin and stdout are not sockets)."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            found += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return found
+
+
+def test_a_link_kept_for_a_peer_lost_while_stopped_is_closed_after_rejoin_s_leaving_no_descriptor_or_thread(
+        make_router, spawn_peer, caplog):
+    caplog.set_level(logging.INFO, logger="conveyor.engine.parallel.router")
+    learner = make_router("learner", rejoin_s=2.0)
+    sockets, threads = open_sockets(), threading.active_count()  # the node before it had a peer
+    proc, _ = spawn_peer("collector", "tcp://127.0.0.1:0", learner.address)
+    learner.wait_for_subscribers("ping", 1, WAIT)
+    assert learner.publish("ping", "a link's sender thread starts") == 1
+    stopped_past_the_timeout(learner, proc, "collector")  # never continued: its host might be gone
+    assert open_sockets() > sockets  # the link dialed back to it is kept for it to come back (rejoin_s)
+    eventually(lambda: open_sockets() == sockets and threading.active_count() == threads, "the kept link closed, and "
+               "the node back to its descriptors and threads without a peer")
+    assert "router learner: closed the link kept for the peer at tcp://127.0.0.1:" in caplog.text
+    assert learner.publish("ping", "to nobody", to_lost=True) == 0
 
 
 def test_a_closing_node_leaves_its_last_words_and_goodbye_for_a_peer_it_lost_while_that_one_was_stopped(make_router,

@@ -266,3 +266,24 @@ def kill_and_wait_for_its_workers(proc, pids):
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_once_the_runs_owner_returned_a_worker_still_waiting_is_stopped_as_on_sigterm_after_the_peer_timeout(
+        caplog):
+    started = time.monotonic()
+    results = runner(3, ends_with=[0])(mains.end_or_wait_for_a_rejoin)
+    assert results == ["owner", "stopped", "stopped"]  # each ended its run normally, with its result
+    assert time.monotonic() - started < WAIT  # the peer timeout (2 s) after the owner's end, not their 3 * WAIT
+    assert "node 0 returned" in caplog.text and "worker 1" in caplog.text
+
+
+def test_a_worker_that_does_not_stop_after_the_runs_end_is_killed_after_grace_s_and_fails_nothing(caplog):
+    started = time.monotonic()
+    results = runner(2, ends_with=[0], grace_s=1.0)(mains.end_or_wait_for_a_rejoin, True)
+    assert results == ["owner", None] and time.monotonic() - started < WAIT
+    assert "did not stop within 1.0s" in caplog.text
+
+
+def test_ends_with_names_node_ids():
+    with pytest.raises(ValueError, match=r"ends_with=\['0'\].*node ids"):
+        Parallel.runner(2, ends_with=["0"])
