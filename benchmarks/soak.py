@@ -7,8 +7,8 @@
 Every ``--interval`` seconds (default 60) the benchmark samples each of their processes (found by a marker in their
 environment, ``benchmarks._cluster.processes_with``): resident memory (``VmRSS``: the lowest of :data:`RSS_READS`
 reads since the last sample), open file descriptors, threads, and the shared-memory files it maps (``/dev/shm``);
-and the number of files in ``/dev/shm``. After a warm-up (default ``M / 6`` minutes: replay buffers fill, allocators
-settle, the first checkpoints are written), it fits a least-squares line to each process's RSS and reports the
+and the number of files in ``/dev/shm``. After a warm-up (default ``M / 3`` minutes: replay buffers fill, allocators
+settle, the first checkpoints are written; on a loaded machine atari/ppo's trainer took more than 5 minutes), it fits a least-squares line to each process's RSS and reports the
 steepest, in MB an hour; fds, threads and shared-memory files are compared between the first and the last sample
 after the warm-up (a leak of one per minute shows as growth, a steady count as 0). At the end both runs get SIGTERM
 (they write their final checkpoints) and must end within 120 s.
@@ -199,11 +199,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="how long both runs go on (default 30)")
     parser.add_argument("--interval", type=float, default=60.0, help="seconds between samples (default 60)")
-    parser.add_argument("--warmup", type=float, default=None, help="minutes left out of the fits (default M / 6)")
+    parser.add_argument("--warmup", type=float, default=None, help="minutes left out of the fits (default M / 3)")
     parser.add_argument("--quick", action="store_true", help="24 s, a sample every 3 s, smaller Atari rollouts")
     args = parser.parse_args()
     minutes, interval = (24 / 60, 3.0) if args.quick else (args.minutes, args.interval)
-    warmup = args.warmup if args.warmup is not None else minutes / 6
+    warmup = args.warmup if args.warmup is not None else minutes / 3
     if minutes <= 0 or interval <= 0 or not 0 <= warmup < minutes:
         parser.error("--minutes and --interval must be > 0 and --warmup within [0, --minutes)")
     with scratch_dir():
