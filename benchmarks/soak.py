@@ -8,10 +8,11 @@ Every ``--interval`` seconds (default 60) the benchmark samples each of their pr
 environment, ``benchmarks._cluster.processes_with``): resident memory (``VmRSS``: the lowest of :data:`RSS_READS`
 reads since the last sample), open file descriptors, threads, and the shared-memory files it maps (``/dev/shm``);
 and the number of files in ``/dev/shm``. After a warm-up (default ``M / 3`` minutes: replay buffers fill, allocators
-settle, the first checkpoints are written; on a loaded machine atari/ppo's trainer took more than 5 minutes), it fits a least-squares line to each process's RSS and reports the
-steepest, in MB an hour; fds, threads and shared-memory files are compared between the first and the last sample
-after the warm-up (a leak of one per minute shows as growth, a steady count as 0). At the end both runs get SIGTERM
-(they write their final checkpoints) and must end within 120 s.
+settle, the first checkpoints are written; on a loaded machine atari/ppo's trainer took more than 5 minutes), it
+fits a least-squares line to each process's RSS and reports the steepest, in MB an hour; fds, threads and
+shared-memory files are compared between the first and the last sample after the warm-up (a leak of one per minute
+shows as growth, a steady count as 0). At the end both runs get SIGTERM (they write their final checkpoints) and
+must end within 120 s.
 
     python -m benchmarks.soak --minutes 30            # the figure: rss_growth_mb_per_h <= 20, the rest 0
     python -m benchmarks.soak --quick                 # 24 s, a sample every 3 s: a smoke run of the script
