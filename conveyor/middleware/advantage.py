@@ -71,7 +71,8 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
     A team's trajectories (MAPPO, IPPO) carry an agent axis after ``[T, N]`` in ``reward`` and ``value``
     (``terminated`` and ``truncated`` stay per env) and an ``agent_mask`` (a key of the trajectory or of its
     observation mapping): advantages follow it as :func:`generalized_advantage` says, and the policy's ``value``
-    of an observation is 0 for the agents absent from it.
+    of an observation is 0 for the agents absent from it, except where the episode was truncated: every agent
+    leaves then, but each that took the step bootstraps from its value of the final observation.
 
     Recurrent policies store ``hidden`` (their state before each step) and ``next_hidden`` (after it):
     bootstrapping then calls ``policy.value(next_obs, hidden=next_hidden)``, and the output is a batch of
@@ -124,7 +125,7 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
         if bootstrap.any():
             rows = torch.from_numpy(bootstrap)
             state = {"hidden": traj.next_hidden[rows]} if recurrent else {}
-            next_value[bootstrap] = policy.value(traj.next_obs[rows], **state)
+            next_value[bootstrap] = policy.value(_bootstrap_obs(traj, rows, truncated[bootstrap]), **state)
         next_value[terminated] = 0.0
         adv = generalized_advantage(reward, value, next_value, done, gamma, gae_lambda, _agent_mask(traj))
         adv[~valid] = 0.0
@@ -157,6 +158,19 @@ def gae_estimator(cfg: Any, policy: ValuePolicy, buffer: Optional[Buffer] = None
             ctx.train_data = flat
 
     return _estimate
+
+
+def _bootstrap_obs(traj: ttorch.Tensor, rows: torch.Tensor, truncated: np.ndarray) -> Any:
+    """The next observations of the ``rows`` that bootstrap. A team's agents all leave at a truncation (the agent
+    mask of the episode's final observation is False), yet they were cut short, not terminated: there the agents
+    that took the step (the agent mask of ``obs``) are valued. At a chunk end inside an episode, an agent absent from
+    ``next_obs`` left after the step and is valued 0, as :func:`generalized_advantage` asks."""
+    next_obs = traj.next_obs[rows]
+    if not (isinstance(next_obs, ttorch.Tensor) and "agent_mask" in next_obs and "agent_mask" in traj.obs):
+        return next_obs
+    cut = torch.from_numpy(truncated).reshape(-1, *([1] * (next_obs.agent_mask.ndim - 1)))
+    next_obs.agent_mask = torch.where(cut, traj.obs.agent_mask[rows], next_obs.agent_mask)
+    return next_obs
 
 
 def _agent_mask(traj: ttorch.Tensor) -> Optional[np.ndarray]:

@@ -188,3 +188,32 @@ def test_gae_estimator_follows_the_agent_axis_and_the_agent_mask():
     data = run(traj).train_data
     np.testing.assert_allclose(data.adv.numpy(), np.array(TEAM_ADV).reshape(3, 2))
     np.testing.assert_allclose(data["return"].numpy(), (np.array(TEAM_ADV) + np.array(TEAM_VALUE)).reshape(3, 2))
+
+
+class TeamObsIsValue:
+    """A team critic over an observation mapping, as MAPPO's: each agent's value is its ``obs``, 0 for an agent
+    absent from it (``agent_mask`` False)."""
+
+    def value(self, obs, **state):
+        return (obs["obs"] * obs["agent_mask"]).numpy()
+
+
+def team_mapping(values, alive):
+    return ttorch.Tensor({"obs": torch.tensor(values), "agent_mask": torch.tensor(alive)})
+
+
+def test_a_team_truncated_by_its_time_limit_bootstraps_every_agent_that_took_the_last_step():
+    # gamma = lambda = .5, 2 envs x 2 agents, rewards 1. Env 0's episode is truncated after step 1: every agent
+    # leaves (agent mask False in the final observation), yet each bootstraps from its final observation (4, 8).
+    # Env 1 is cut by the chunk end after step 1, agent 1 having left the episode: it bootstraps from 0.
+    # env 0: agent 0 delta = (1 + .5 * 3 - 1, 1 + .5 * 4 - 3) = (1.5, 0); agent 1: (1 + .5 * 4 - 2, 1 + .5 * 8 - 4)
+    # env 1: agent 0: (1 + .5 * 2 - 1, 1 + .5 * 6 - 2) = (1, 2); agent 1: (1, 1 + 0 - 2) = (1, -1)
+    obs = [[[1.0, 2.0], [1.0, 1.0]], [[3.0, 4.0], [2.0, 2.0]]]
+    everyone = [[[True, True], [True, True]], [[True, True], [True, True]]]
+    traj = ttorch.Tensor({
+        "obs": team_mapping(obs, everyone), "value": torch.tensor(obs), "reward": torch.ones(2, 2, 2),
+        "next_obs": team_mapping([[[3.0, 4.0], [2.0, 2.0]], [[4.0, 8.0], [6.0, 6.0]]],
+                                 [[[True, True], [True, True]], [[False, False], [True, False]]]),
+        "terminated": torch.zeros(2, 2, dtype=torch.bool), "truncated": torch.tensor([[False, False], [True, False]])})
+    data = run(traj, TeamObsIsValue()).train_data
+    np.testing.assert_allclose(data.adv.numpy(), [[1.5, 1.25], [1.5, 0.75], [0.0, 1.0], [2.0, -1.0]])

@@ -8,6 +8,7 @@ import treetensor.torch as ttorch
 from easydict import EasyDict
 
 from conveyor import OnlineRLContext
+from conveyor.envs import make_env_manager
 from conveyor.middleware import StepCollector, gae_estimator, multistep_trainer
 from conveyor.policy import AgentNet, IPPOPolicy, MAPPOPolicy
 from conveyor.policy.marl_model import MaskedCategoricalDist, masked_logits
@@ -247,6 +248,24 @@ def test_mappo_learns_through_the_collector_the_gae_estimator_and_the_trainer(rn
         assert ctx.train_data.adv.shape[-1] == env.agents
         train(ctx)
     assert rewards[0] < 0.7 and np.mean(rewards[-2:]) > 0.9  # at first 1/3 or 1/2 of the allowed actions are right
+
+
+def test_simple_spread_returns_bootstrap_where_its_time_limit_cuts_the_episode():
+    env_cfg = {"env_id": "mpe/simple_spread_v3", "collector_env_num": 2,
+               "env_kwargs": {"N": 3, "max_cycles": 5, "continuous_actions": False}}
+    policy = MAPPOPolicy({"model": {"n_agents": 3, "obs_shape": 18, "state_shape": 54, "action_shape": 5,
+                                    "hidden_sizes": [16]}, "collect": {"n_sample": 20}}, seed=0)
+    cfg = EasyDict(seed=0, policy=policy.cfg)
+    ctx = OnlineRLContext()
+    with make_env_manager(env_cfg, "collector", seed=0) as env:
+        StepCollector(cfg, policy.collect_mode, env)(ctx)
+    truncated = ctx.trajectories.truncated.reshape(-1).numpy()
+    assert truncated.sum() == 4 and not ctx.trajectories.terminated.any()  # 10 steps of 2 envs: 2 episodes each
+    gae_estimator(cfg, policy.collect_mode)(ctx)
+    data = ctx.train_data
+    # Every agent leaves at the time limit, but was cut short: the last step's return is its reward plus the
+    # discounted value of the final observation, never the reward alone (as after a termination).
+    assert (data["return"] - data.reward)[truncated].abs().min() > 1e-4
 
 
 def test_data_parallel_learning_is_refused_in_one_line():
