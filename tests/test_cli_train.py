@@ -141,6 +141,24 @@ def test_an_interrupted_run_ends_with_one_line_saying_so(workdir, capsys):
            "written, continue with --resume; run directory runs/stopped`" in quoted  # the docs quote this line
 
 
+def test_an_interrupted_run_without_its_final_checkpoint_does_not_claim_one(workdir, capsys):
+    (workdir / "unsaved.py").write_text(textwrap.dedent('''
+        import signal
+        from pathlib import Path
+        from conveyor.run import DistributedRun, TrainingInterrupted
+
+        main_config = {"exp_name": "unsaved"}
+
+
+        def main(cfg=None, **kwargs):
+            raise TrainingInterrupted(signal.SIGTERM, DistributedRun(), Path("runs/unsaved/ckpt"), final=False)
+    '''))
+    assert main(["train", "unsaved.py"]) == 143
+    assert capsys.readouterr().err == ("conveyor: interrupted by SIGTERM; the learner ended without its final "
+                                       "checkpoint (its log.txt says why); its last latest.pth.tar, if any, is kept, "
+                                       "continue with --resume; run directory runs/unsaved\n")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_is_one_line(capsys):
     assert_usage_error(train("--device", "cuda"), capsys, "--device cuda: torch sees no CUDA device")

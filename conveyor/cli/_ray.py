@@ -79,6 +79,12 @@ class _Node:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             signal.signal(signal.SIGINT, handler)
 
+    def final_written(self, ckpt_dir: Any, since: float) -> bool:
+        """Whether the run's ``final.pth.tar`` in ``ckpt_dir`` on this actor's host was written since ``since``."""
+        from conveyor.run.control import final_written
+
+        return final_written(ckpt_dir, since)
+
 
 def _interrupt(pid: int) -> None:
     """Ctrl-C to process ``pid`` (an actor, on this Ray node)."""
@@ -126,6 +132,7 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         except (ConnectionError, RuntimeError) as exc:
             raise ConfigError(f"--ray-address {args.ray_address}: {exc}") from None
     bound = _restarts(args)
+    since = time.time()  # a final checkpoint older than this run's start is not its own
     actors: List[Any] = []
     calls: List[Any] = []  # the call running each node, by node id (a restarted actor's replaces its first)
     places: List[Tuple[str, str, int]] = []
@@ -151,9 +158,13 @@ def train_on_ray(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, 
         calls += [run(rank) for rank in range(layout.n_nodes)]
         return _gathered(ray, _Restarts(ray, actors, calls, places, run, bound))
     except KeyboardInterrupt:
+        if main_thread:  # a second SIGTERM is the same stop: the nodes keep their grace (a second Ctrl-C ends it)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop(ray, calls, places)
         signum = _signals.pop() if _signals else signal.SIGINT
-        raise TrainingInterrupted(signum, DistributedRun(), _ckpt_dir(args, cfg)) from None
+        ckpt_dir = _ckpt_dir(args, cfg)
+        final = bool(calls) and _final_written(ray, actors[0], calls[0], ckpt_dir, since)
+        raise TrainingInterrupted(signum, DistributedRun(), ckpt_dir, final=final) from None
     finally:
         for actor in actors:  # now, not when the garbage collector drops the last handle: a cluster that outlives
             ray.kill(actor, no_restart=True)  # the run gets its CPUs back at once
@@ -186,6 +197,17 @@ def _stop(ray: Any, calls: List[Any], places: List[Tuple[str, str, int]]) -> Non
              for _, node, pid in places], timeout=_GRACE_S)
     if calls:
         ray.wait(calls, num_returns=len(calls), timeout=_GRACE_S)
+
+
+def _final_written(ray: Any, learner: Any, call: Any, ckpt_dir: Any, since: float) -> bool:
+    """Whether node 0's actor, once its ``call`` (its node) has ended, finds the run's final checkpoint written since
+    ``since`` on its host (False where its node has not ended, or it cannot tell: never claim one not seen)."""
+    try:
+        if not ray.wait([call], timeout=0)[0]:
+            return False
+        return bool(ray.get(learner.final_written.remote(ckpt_dir, since), timeout=_PLACE_S))
+    except (ray.exceptions.RayError, OSError):
+        return False
 
 
 def _ckpt_dir(args: argparse.Namespace, cfg: Optional[Any]) -> Any:

@@ -121,8 +121,10 @@ def _train(args: argparse.Namespace) -> Tuple[int, Any]:
         else:
             ctx = entry.main(cfg, **_keywords(entry, args))
     except TrainingInterrupted as stop:
-        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name}{_stopped_at(stop.ctx)}; final and latest "
-              f"checkpoints written, continue with --resume; run directory {run_dir}", file=sys.stderr)
+        written = "final and latest checkpoints written" if stop.final else "the learner ended without its final " \
+                  "checkpoint (its log.txt says why); its last latest.pth.tar, if any, is kept"
+        print(f"conveyor: interrupted by {signal.Signals(stop.signum).name}{_stopped_at(stop.ctx)}; {written}, "
+              f"continue with --resume; run directory {run_dir}", file=sys.stderr)
         return 128 + stop.signum, stop.ctx
     except KeyboardInterrupt:
         print("conveyor: stopped at once by a second interrupt; the last latest.pth.tar is kept", file=sys.stderr)

@@ -46,6 +46,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         self._between_lock = threading.Lock()
         self._inspection: Optional[Inspection] = None
         self._routing = Events(self._finish_heard)
+        self._ahead = False  # spans the start of a `with task.start()` block: not reset with it
         self._reset()
 
     def _reset(self) -> None:
@@ -109,6 +110,22 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
     def running(self) -> bool:
         """True while :meth:`run` is executing."""
         return self._running
+
+    @property
+    def run_ahead(self) -> bool:
+        """True inside :meth:`ahead_of_run` until :meth:`run` starts: a run of this process is on its way."""
+        return self._ahead
+
+    @contextlib.contextmanager
+    def ahead_of_run(self) -> Iterator[None]:
+        """While inside, until :meth:`run` starts, a run of this process is on its way (its pipeline being built):
+        ``finish`` set meanwhile ends that run as it starts, its FINISH_EVENT handlers run (a ``CkptSaver`` writes
+        ``final``); a ``Parallel.runner`` worker's first SIGTERM then sets it instead of stopping the worker."""
+        self._ahead = True
+        try:
+            yield
+        finally:
+            self._ahead = False
 
     @property
     def ctx(self) -> Context:
@@ -243,7 +260,7 @@ class Task(TaskRoles, TaskEvents, TaskHelpers, TaskInspection):
         self._kept.commit()  # what was written before the run is final
         first = self._base_ctx.total_step
         self._last_done = first - 1
-        self._running = True
+        self._running, self._ahead = True, False
         self._routing.hear_finish(True)
         error: Optional[BaseException] = None
         try:

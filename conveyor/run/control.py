@@ -16,20 +16,31 @@ import torch
 from conveyor.engine import FINISH_EVENT, task
 from conveyor.middleware import EVAL_EVENT
 
-__all__ = ["GlobalRNG", "TrainingInterrupted", "counters", "log_evaluations", "run_log", "seed_everything",
-           "stop_on_signals"]
+__all__ = ["GlobalRNG", "TrainingInterrupted", "counters", "final_written", "log_evaluations", "run_log",
+           "seed_everything", "stop_on_signals"]
 
 log = logging.getLogger("conveyor.run")
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on SIGINT or SIGTERM after writing its final checkpoints."""
+    """Training stopped on SIGINT or SIGTERM after writing its final checkpoints (``final`` False: the learner
+    ended without them, only an earlier ``latest`` may be there)."""
 
-    def __init__(self, signum: int, ctx: Any, ckpt_dir: Path) -> None:
+    def __init__(self, signum: int, ctx: Any, ckpt_dir: Path, final: bool = True) -> None:
         self.signum = signum
         self.ctx = ctx
         self.ckpt_dir = ckpt_dir
+        self.final = final
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at {counters(ctx)}; final and latest checkpoints in {ckpt_dir}")
+        written = "final and latest checkpoints in" if final else "no final checkpoint written in"
+        super().__init__(f"stopped by {name} at {counters(ctx)}; {written} {ckpt_dir}")
+
+
+def final_written(ckpt_dir: Path, since: float) -> bool:
+    """Whether ``ckpt_dir`` holds a ``final.pth.tar`` written at or after ``since`` (``time.time()``)."""
+    try:
+        return (Path(ckpt_dir) / "final.pth.tar").stat().st_mtime >= since
+    except OSError:
+        return False
 
 
 def counters(ctx: Any) -> str:

@@ -185,6 +185,8 @@ class Run:
             saver = self._use_tail()
             if node.auto_recover and not self._resume:
                 saver.save(LATEST)  # a restarted learner always finds a checkpoint to resume
+        if task.finish:  # a SIGTERM on its way here (task.ahead_of_run): no iteration, the saver's final checkpoint
+            log.info("worker %s: asked to stop before its run started; the run ends as it starts", task.router.node_id)
         task.run()  # SIGTERM from the launcher (Parallel.runner's worker handler) finishes the iteration
         node.collected, node.first_step_at = self._clock.collected, self._clock.first_step_at
         if task.has_role(Role.LEARNER):

@@ -150,6 +150,8 @@ def _configure(run: Any, *, owner: bool = True, distributed: bool = False) -> No
     cfg = prepare(run._main_config, run._policy_cls, run._given, seed=run._seed, exp_name=run._exp_name,
                   resume=run._resume, owner=owner, distributed=distributed)
     run._stop_value, run._owner = cfg.env.get("stop_value"), owner
+    if owner and distributed:  # its run directory made, node 0 ends a run stopped before task.run with its final
+        run._resources.enter_context(task.ahead_of_run())  # checkpoint (a worker's SIGTERM sets task.finish)
     if run._no_stop:
         cfg.env.stop_value = None  # the evaluators never end the run
     run.cfg, run.run_dir = cfg, experiment_dir(cfg)

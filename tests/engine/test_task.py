@@ -324,6 +324,20 @@ def test_finish_event_is_emitted_with_none_or_the_error_that_ended_the_run():
     assert seen == [None, info.value]
 
 
+def test_finish_set_ahead_of_a_run_before_its_start_block_ends_that_run_as_it_starts_with_its_finish_event():
+    from conveyor.engine import FINISH_EVENT
+    other, seen, iterations = Task(), [], []
+    with other.ahead_of_run():
+        other.finish = True  # e.g. a worker's SIGTERM while the pipeline is still being built
+        with other.start():
+            assert other.run_ahead
+            other.on(FINISH_EVENT, seen.append)
+            other.use(lambda ctx: iterations.append(ctx.total_step))
+            other.run(max_step=3)
+            assert not other.run_ahead
+    assert (iterations, seen, other.run_ahead) == ([], [None], False)
+
+
 def test_close_event_is_emitted_when_the_start_block_exits_not_when_run_ends():
     from conveyor.engine import CLOSE_EVENT
     log = []

@@ -133,23 +133,15 @@ def test_ppo_runs_with_two_collectors_and_an_evaluator(in_tmp):
     assert all(c["collected"] > 0 for c in by_role(run, "collector"))
 
 
-def sigterm_after_a_first_evaluation(in_tmp, exp_name, *argv, entry="cartpole/dqn"):
-    """``conveyor train ENTRY --collectors 2 ARGV`` (4 nodes) in its own process group, SIGTERMed once it has
-    evaluated and the learner has trained; its final checkpoint, after checking the exit code 143 and that no process
-    of the group is left."""
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", entry, "--collectors", "2", *argv,
+def sigtermed(in_tmp, exp_name, ready, *argv, entry="cartpole/dqn", collectors="2"):
+    """``conveyor train ENTRY --collectors COLLECTORS ARGV`` in its own process group, SIGTERMed once ``ready()``
+    has returned; its final checkpoint, after checking the exit code 143 and that no process of the group is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", entry, "--collectors", collectors, *argv,
                              "--exp-name", exp_name, "--no-progress", "--ckpt-interval", "0.2"], cwd=in_tmp,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ckpt = in_tmp / "runs" / exp_name / "ckpt"
-        nodes = in_tmp / "runs" / exp_name / "nodes.json"
-        wait_until(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
-        wait_until(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")
-        # An evaluator node evaluates the first weights before the learner has trained, maybe before its task.run
-        # (where a SIGTERM ends a node at once, leaving no final checkpoint); the learner's first interval checkpoint
-        # is written between its iterations: it trains.
-        wait_until(lambda: (ckpt / "latest.pth.tar").is_file(), 120, "the learner's first checkpoint")
+        ready(proc)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -159,7 +151,22 @@ def sigterm_after_a_first_evaluation(in_tmp, exp_name, *argv, entry="cartpole/dq
     assert proc.returncode == 143, err[-2000:]
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
-    return load_checkpoint(ckpt / "final.pth.tar")
+    return load_checkpoint(in_tmp / "runs" / exp_name / "ckpt" / "final.pth.tar")
+
+
+def sigterm_after_a_first_evaluation(in_tmp, exp_name, *argv, entry="cartpole/dqn"):
+    """:func:`sigtermed` with 4 nodes, once the run has evaluated and the learner has trained."""
+    ckpt = in_tmp / "runs" / exp_name / "ckpt"
+    nodes = in_tmp / "runs" / exp_name / "nodes.json"
+
+    def ready(proc):
+        wait_until(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4, 240, "4 nodes in nodes.json")
+        wait_until(lambda: (ckpt / "eval_best.pth.tar").is_file(), 120, "a first evaluation")
+        # An evaluator node evaluates the first weights before the learner has trained, maybe before its task.run;
+        # the learner's first interval checkpoint is written between its iterations: it trains.
+        wait_until(lambda: (ckpt / "latest.pth.tar").is_file(), 120, "the learner's first checkpoint")
+
+    return sigtermed(in_tmp, exp_name, ready, *argv, entry=entry)
 
 
 LEARNER_STARTS_LATE = str(Path(__file__).with_name("_learner_starts_late_entry.py"))
@@ -172,6 +179,21 @@ def test_sigterm_to_the_launcher_writes_the_learners_final_checkpoint_and_leaves
     with two learners: test_data_parallel_layout's SIGTERM test)."""
     final = sigterm_after_a_first_evaluation(in_tmp, "sig", "--evaluators", "1", entry=LEARNER_STARTS_LATE)
     assert final["ctx"]["env_step"] > 0
+
+
+LEARNER_HELD = Path(__file__).with_name("_learner_held_entry.py")
+
+
+def test_sigterm_before_the_learner_runs_still_writes_its_final_checkpoint_and_leaves_no_process(in_tmp):
+    """SIGTERM to the launcher while the learner, its run directory made, has not built its pipeline yet (held there
+    until asked to stop: the window a loaded machine opens between the handshake and ``task.run``): the run ends as
+    it starts, with its final checkpoint, exit code 143 and no process left."""
+    held = in_tmp / "runs" / "held" / "held"
+
+    def ready(proc):
+        wait_until(lambda: held.is_file() or proc.poll() is not None, 120, "the learner to hold its start")
+
+    assert sigtermed(in_tmp, "held", ready, entry=str(LEARNER_HELD), collectors="1")["ctx"]["env_step"] == 0
 
 
 def test_a_name_that_holds_a_run_is_refused_in_one_line(in_tmp, capsys):

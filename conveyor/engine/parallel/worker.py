@@ -5,8 +5,9 @@ A worker is forked by the launch's zygote (:class:`conveyor.processes.Zygote`), 
 its connection to the launcher. SIGINT is ignored there (Ctrl-C reaches the whole process group; the launcher
 decides). The first SIGTERM while ``main`` is inside ``task.run`` stops the run gracefully: ``task.finish`` is
 set and :data:`~conveyor.engine.task.STOP_EVENT` emitted (the exchangers stop waiting), the run ends normally
-after the current iteration (a ``CkptSaver`` writes its final checkpoint) and ``main`` goes on. Outside
-``task.run``, or a second SIGTERM, raises ``SystemExit(143)``, so ``finally`` blocks and ``with task.start()``
+after the current iteration (a ``CkptSaver`` writes its final checkpoint) and ``main`` goes on; inside
+``task.ahead_of_run`` (a run on its way, its pipeline still being built) the run ends as soon as it starts. Outside
+both, or a second SIGTERM, raises ``SystemExit(143)``, so ``finally`` blocks and ``with task.start()``
 exit run. When its ``main`` returns, a worker tells its peers and waits until each has finished too or is
 gone, before closing its router: no message it sent is cut off by closing early. Once its result or error is
 sent, a SIGTERM ends the worker at once.
@@ -214,7 +215,8 @@ SAME_STOP_S = 1.0
 class _GracefulStop:
     """A worker's SIGTERM handler while ``main`` runs: inside ``task.run`` the first SIGTERM sets ``task.finish``
     and emits :data:`~conveyor.engine.task.STOP_EVENT` (from a thread: a signal handler must not take the
-    event bus's lock), so the run ends normally after this iteration; outside it, or a second time (more than
+    event bus's lock), so the run ends normally after this iteration, as does a run on its way
+    (``task.ahead_of_run``) as it starts; outside them, or a second time (more than
     :data:`SAME_STOP_S` after the first), it raises ``SystemExit(143)`` at once. A SIGTERM within that second is
     the same stop delivered twice (Slurm signals every process of a task, and the launcher passes its own on).
     With ``auto_recover``, a SIGTERM once the launcher is gone (a Ray
@@ -232,7 +234,7 @@ class _GracefulStop:
         now = time.monotonic()
         if self._asked_at is not None and now - self._asked_at < SAME_STOP_S:
             return
-        if self._asked_at is not None or not task.running:
+        if self._asked_at is not None or not (task.running or task.run_ahead):
             raise Terminated(128 + signum)
         self._asked_at, task.finish = now, True
         os.write(self._write, b"s")
@@ -240,7 +242,8 @@ class _GracefulStop:
     def _serve(self) -> None:
         from conveyor.engine.task import STOP_EVENT, task
         if os.read(self._read, 1):
-            log.info("worker %s: asked to stop; the run ends after this iteration", getattr(task.router, "node_id", "?"))
+            log.info("worker %s: asked to stop; the run ends %s", getattr(task.router, "node_id", "?"),
+                     "after this iteration" if task.running else "as it starts")
             task.emit(STOP_EVENT, only_local=True)
 
 
