@@ -67,7 +67,7 @@ class SendLedger:
     cannot interrupt the one small write, and readers read the file after its writer ended."""
 
     RECORD_BYTES = 1024
-    """The record's size: its JSON padded with spaces (five integers and :data:`SENT_KEPT` destinations fit)."""
+    """The record's size: its JSON padded with spaces (:data:`SENT_KEPT` destinations of one learner each fit)."""
 
     def __init__(self, path: Path, incarnation: int = 0, resume: bool = False) -> None:
         self.path, self.incarnation = Path(path), int(incarnation)
@@ -115,8 +115,12 @@ class SendLedger:
         self._file.close()
 
     def _save(self) -> None:
-        record = json.dumps({"offered": self.offered, "no_learner": self.no_learner, "incarnation": self.incarnation,
-                             "at_start": self._at_start, "sent": self.sent}).encode()
+        while True:  # the oldest destinations go where many learners' incarnations would not fit the record
+            record = json.dumps({"offered": self.offered, "no_learner": self.no_learner, "sent": self.sent,
+                                 "incarnation": self.incarnation, "at_start": self._at_start}).encode()
+            if len(record) < self.RECORD_BYTES or not self.sent:
+                break
+            del self.sent[0]
         os.pwrite(self._file.fileno(), record.ljust(self.RECORD_BYTES - 1) + b"\n", 0)
 
 

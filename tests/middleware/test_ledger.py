@@ -148,6 +148,17 @@ def test_a_collector_file_keeps_its_latest_destinations_and_a_restart_goes_on_fr
     assert restarted.sent[0] == ["03", 6] and restarted.sent[-1] == ["-", 20] and len(restarted.sent) == SENT_KEPT
 
 
+def test_destinations_that_would_not_fit_the_record_drop_the_oldest_and_the_file_reads_back(tmp_path):
+    collector = sender(tmp_path, 1)
+    for turn in range(SENT_KEPT):  # a batch queued for five learners: five incarnations in each destination
+        collector.offer(1)
+        collector.sent_to([f"{turn:02x}{learner:030x}" for learner in range(5)])
+    collector.close()
+    restarted = sender(tmp_path, 1, incarnation=1)
+    assert restarted.offered == SENT_KEPT and 0 < len(restarted.sent) < SENT_KEPT
+    assert restarted.sent[-1][1] == SENT_KEPT - 1
+
+
 def test_a_sigkilled_collector_loses_no_count_and_its_restart_goes_on_from_its_file(tmp_path):
     """The collector's file is rewritten in place before each send: killed right after an offer, its next life
     reads every batch counted."""
