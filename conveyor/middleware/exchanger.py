@@ -174,6 +174,8 @@ class ContextExchanger(Exchanger):
         if self._collector:
             self._subscribe(self._collector_topic, _ignore)
         self.ledger = ledger if ledger is not None or not self._learner else TakeLedger()
+        if self._learner:  # collectors record the incarnation of the learner each batch is queued for
+            self.ledger.learner = self._router.incarnation
 
     def __repr__(self) -> str:
         side = "learner" if self._learner else "collector" if self._collector else "inactive" if not self._router \
@@ -384,12 +386,12 @@ class ContextExchanger(Exchanger):
             rows = {name: len(v) for name in ("trajectories", "train_data") if isinstance(v := payload[name], list)}
             n = held_transitions(payload, rows)
             payload.update(offered_before=self.ledger.offer(n), incarnation=self.ledger.incarnation)
-        if self._router.publish(self._data_topic, payload) > 0:
+        if self._publish(payload):
             self._had_learner = True
             self._sent_to = set(self._router.subscribers(self._data_topic))
             return
         if self._had_learner:  # every learner it sent to is out of reach: finished, lost, or its link reconnecting
-            if self._reached() and self._router.publish(self._data_topic, payload) > 0:
+            if self._reached() and self._publish(payload):
                 return
             log.info("node %s: no learner left to send collected data to; the collector stops",
                      self._router.node_id)
@@ -397,7 +399,7 @@ class ContextExchanger(Exchanger):
         with self._cond:  # no learner has subscribed yet: wait for one, unless the run ends meanwhile
             waited = self._wait(lambda: bool(self._router.subscribers(self._data_topic)) or task.finish,
                                 self.timeout_s)
-        if self._router.publish(self._data_topic, payload) > 0:
+        if self._publish(payload):
             self._had_learner = True
         elif waited is None:
             raise TimeoutError(f"ContextExchanger: node {self._router.node_id} found no learner subscribed to "
@@ -406,6 +408,15 @@ class ContextExchanger(Exchanger):
         else:  # the learner's run ended (its stop heard, or it left) or this node was asked to stop first
             log.info("node %s: the run ended before a learner took its first batch; it stops", self._router.node_id)
             self._dropped()
+
+    def _publish(self, payload: Dict[str, Any]) -> bool:
+        """Queue the batch for the learners subscribed; the ledger records their incarnations. Whether any was."""
+        learners = self._router.subscriber_incarnations(self._data_topic) if self.ledger is not None else {}
+        if self._router.publish(self._data_topic, payload) == 0:
+            return False
+        if self.ledger is not None:
+            self.ledger.sent_to(learners.values())
+        return True
 
     def _dropped(self) -> None:
         """No learner is left to take the batch being sent: the ledger counts it as dropped, and the run ends."""

@@ -48,7 +48,7 @@ def test_late_joiners_a_collector_and_an_evaluator_get_the_newest_version():
 class _Router:
     """An in-process stand-in for task.router that nobody answers."""
 
-    is_active, node_id = True, 5
+    is_active, node_id, incarnation = True, 5, "00"
 
     def __init__(self):
         self.handlers, self.sent = {}, []
@@ -61,6 +61,9 @@ class _Router:
 
     def subscribers(self, topic):
         return []
+
+    def subscriber_incarnations(self, topic):
+        return {}
 
     def publish(self, topic, payload):
         self.sent.append((topic, payload))

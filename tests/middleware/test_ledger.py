@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from conveyor.data import DequeBuffer
-from conveyor.middleware.ledger import LEDGER_DIR, SendLedger, TakeLedger, transition_account
+from conveyor.middleware.ledger import LEDGER_DIR, SENT_KEPT, SendLedger, TakeLedger, transition_account
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,10 +18,22 @@ def sender(run_dir, node, incarnation=0):
 
 
 def send(collector, learner, node, n, taken=True):
-    """One batch of ``n`` transitions offered by ``collector``; taken by ``learner`` unless ``taken`` is False."""
+    """One batch of ``n`` transitions offered by ``collector`` and queued for ``learner`` (where it has an
+    incarnation); taken by it unless ``taken`` is False."""
     before = collector.offer(n)
+    if learner.learner is not None:
+        collector.sent_to([learner.learner])
     if taken:
         learner.take(node, n, before, collector.incarnation)
+
+
+def learner_life(incarnation, checkpoint=None):
+    """A learner whose router's incarnation is ``incarnation``, resumed from ``checkpoint`` if given."""
+    learner = TakeLedger()
+    learner.learner = incarnation
+    if checkpoint is not None:
+        learner.load_state_dict(json.loads(json.dumps(checkpoint)))
+    return learner
 
 
 def finish(run_dir, learner):
@@ -93,6 +105,58 @@ def test_the_account_reports_the_replay_buffer_and_what_it_cannot_explain(tmp_pa
     account = finish(tmp_path, learner)
     assert (account["in_replay"], account["replaced"]) == (4, 2) and account["dropped"]["after_end"] == 2
     assert account["collected"] == 13 and account["unaccounted"] == 5 and account["by_node"]["1"]["not_counted"] == 5
+
+
+def test_a_collector_never_heard_from_again_is_placed_by_the_learner_its_batches_were_queued_for(
+        tmp_path):
+    first, steady, cut_off = learner_life("aa"), sender(tmp_path, 1), sender(tmp_path, 2)
+    send(steady, first, "1", 4)
+    checkpoint = first.state_dict()  # before any batch of collector 2
+    send(cut_off, first, "2", 6)
+    send(cut_off, first, "2", 6, taken=False)  # queued for the first learner, in flight when it was killed
+    resumed = learner_life("bb", checkpoint)
+    send(steady, resumed, "1", 4)
+    send(cut_off, resumed, "2", 5, taken=False)  # cut off from here to the run's end: never received
+    account = finish(tmp_path, resumed)
+    assert account["dropped"]["learner_restarted"] == 12 and account["dropped"]["unreceived_at_end"] == 5
+    assert account["collected"] == 25 and account["unaccounted"] == 0
+    assert account["by_node"]["2"]["not_counted"] == 17
+
+
+def test_what_a_collector_queued_for_no_known_learner_past_the_learners_count_stays_unaccounted(tmp_path):
+    learner, collector = learner_life("aa"), sender(tmp_path, 1)
+    send(collector, learner, "1", 4)
+    collector.offer(3)  # killed between counting it and queueing it: its destination is not in the file
+    collector.sent_to([])  # or queued for no learner
+    collector.offer(2)
+    collector.sent_to(["cc"])  # queued for a learner incarnation, then SIGKILL before the next one started
+    account = finish(tmp_path, learner)
+    assert account["dropped"]["learner_restarted"] == 2 and account["dropped"]["unreceived_at_end"] == 0
+    assert account["unaccounted"] == 3
+
+
+def test_a_collector_file_keeps_its_latest_destinations_and_a_restart_goes_on_from_them(tmp_path):
+    collector = sender(tmp_path, 1)
+    for learner in range(SENT_KEPT + 2):
+        collector.offer(1)
+        collector.sent_to([f"{learner:02x}"])
+        collector.offer(1)
+        collector.sent_to([f"{learner:02x}"])  # the same destination: one run of batches
+    collector.offer(3)
+    collector.drop()
+    restarted = sender(tmp_path, 1, incarnation=1)
+    assert restarted.sent[0] == ["03", 6] and restarted.sent[-1] == ["-", 20] and len(restarted.sent) == SENT_KEPT
+
+
+def test_destinations_that_would_not_fit_the_record_drop_the_oldest_and_the_file_reads_back(tmp_path):
+    collector = sender(tmp_path, 1)
+    for turn in range(SENT_KEPT):  # a batch queued for five learners: five incarnations in each destination
+        collector.offer(1)
+        collector.sent_to([f"{turn:02x}{learner:030x}" for learner in range(5)])
+    collector.close()
+    restarted = sender(tmp_path, 1, incarnation=1)
+    assert restarted.offered == SENT_KEPT and 0 < len(restarted.sent) < SENT_KEPT
+    assert restarted.sent[-1][1] == SENT_KEPT - 1
 
 
 def test_a_sigkilled_collector_loses_no_count_and_its_restart_goes_on_from_its_file(tmp_path):

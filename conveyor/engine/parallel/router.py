@@ -241,20 +241,19 @@ class Router:
 
     def subscribers(self, topic: str) -> List[str]:
         """Ids of the live peers subscribed to ``topic`` that :meth:`publish` can reach now."""
+        return sorted(self.subscriber_incarnations(topic))
+
+    def subscriber_incarnations(self, topic: str) -> Dict[str, str]:
+        """:meth:`subscribers` with the incarnation (hex) each one proved to this node: which life of it gets a send."""
         with self._lock:
-            return sorted(link.peer_id for link in self._members.subscribed(topic))
+            return {link.peer_id: link.peer_inc.hex() for link in self._members.subscribed(topic)}
 
     def wait_for_subscribers(self, topic: str, n: int, timeout: float) -> List[str]:
         """Block until ``n`` live peers subscribed to ``topic`` can be reached; returns their ids, or raises
         ``TimeoutError``. Publish after this when the first messages matter."""
-        deadline = time.monotonic() + timeout
         with self._changed:
-            while True:
-                found = sorted(link.peer_id for link in self._members.subscribed(topic))
-                left = deadline - time.monotonic()
-                if len(found) >= n or left <= 0 or self._closing:
-                    break
-                self._changed.wait(left)
+            self._changed.wait_for(lambda: len(self._members.subscribed(topic)) >= n or self._closing, timeout)
+            found = sorted(self.subscriber_incarnations(topic))
         if len(found) < n:
             raise TimeoutError(f"router {self.node_id!r}: {len(found)} of {n} peers subscribed to {topic!r} after "
                                f"{timeout}s (subscribed: {found}; live peers: {self.peers()})")
