@@ -345,6 +345,12 @@ def test_a_client_given_the_token_file_connects_and_runs_a_task(local, tmp_path)
                    ) == {"token": ["connected: 42"]}
 
 
+def test_the_clusters_workers_run_at_the_launchers_niceness_not_rays_background_15(local):
+    ray = local.ray
+    worker = ray.get(ray.remote(lambda: os.getpriority(os.PRIO_PROCESS, 0)).remote())
+    assert worker == os.getpriority(os.PRIO_PROCESS, 0)  # the launcher's (this process's), not 15 more
+
+
 def test_the_token_is_on_no_command_line_and_in_no_environment(local):
     ray = local.ray
     assert ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_TOKEN_PATH")).remote()) == str(local.token_path)

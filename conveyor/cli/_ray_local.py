@@ -9,6 +9,11 @@ overridden for this private cluster), generates a token of its own in a file of 
 sockets either), and points Ray at that file with ``RAY_AUTH_TOKEN_PATH``: Ray's processes (GCS,
 raylet, the actors' workers) inherit the variable, a path, and read the token from the file; the token itself is
 on no command line and in no environment. The variables are restored and the directory removed at the end.
+
+Ray starts its workers at niceness 15 by default (``worker_niceness``), as background work for a driver that does
+the real work. Here the actors are the run: at niceness 15 its nodes got a few percent of a core wherever any
+other process was busy (a run on a shared machine crawled, a test's waits ran out). The cluster starts them at the
+launcher's own priority.
 """
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ __all__ = ["ClusterStartError", "LocalCluster", "TOKEN_FILE"]
 
 TOKEN_FILE = "auth_token"
 """The token's file in the cluster's temporary directory."""
+
+_WORKER_NICENESS = 0
+"""Ray's ``worker_niceness`` for the cluster's workers: none added to the launcher's (Ray's default, 15, starves the
+run's nodes on a busy machine)."""
 
 _AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 """What tells Ray whether to authenticate and where its token is (``RAY_AUTH_TOKEN``, the token itself, would take
@@ -61,7 +70,8 @@ class LocalCluster:
             os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
             _reload_auth()
             context = self.ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
-                                    _temp_dir=str(self.private / "ray"))
+                                    _temp_dir=str(self.private / "ray"),
+                                    _system_config={"worker_niceness": _WORKER_NICENESS})
             self.address = context.address_info["gcs_address"]
         except Exception as exc:  # Ray's own, a bare Exception among them: one line that says what to do
             self.stop()
