@@ -11,6 +11,7 @@ import treevalue
 from conveyor.data.batch import flatten_batch
 from conveyor.engine import OnlineRLContext, declares
 from conveyor.middleware.protocols import Buffer, ValuePolicy
+from conveyor.policy.marl_model import bootstrap_agent_mask
 
 __all__ = ["gae_estimator", "generalized_advantage"]
 
@@ -168,8 +169,8 @@ def _bootstrap_obs(traj: ttorch.Tensor, rows: torch.Tensor, truncated: np.ndarra
     next_obs = traj.next_obs[rows]
     if not (isinstance(next_obs, ttorch.Tensor) and "agent_mask" in next_obs and "agent_mask" in traj.obs):
         return next_obs
-    cut = torch.from_numpy(truncated).reshape(-1, *([1] * (next_obs.agent_mask.ndim - 1)))
-    next_obs.agent_mask = torch.where(cut, traj.obs.agent_mask[rows], next_obs.agent_mask)
+    next_obs.agent_mask = bootstrap_agent_mask(traj.obs.agent_mask[rows], next_obs.agent_mask,
+                                               torch.from_numpy(truncated))
     return next_obs
 
 

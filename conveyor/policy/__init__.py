@@ -30,7 +30,7 @@ from conveyor.policy.model import (MLP, ConvEncoder, DictEncoder, EncoderHead, F
                                    ObsShape, QNetwork, build_encoder)
 from conveyor.policy.normaliser import ObsNormaliser, RewardNormaliser, RunningMeanStd
 from conveyor.policy.ppo import PPOPolicy
-from conveyor.policy.marl_model import AgentNet, TeamActorCritic, team_inputs
+from conveyor.policy.marl_model import AgentNet, TeamActorCritic, bootstrap_agent_mask, team_inputs
 from conveyor.policy.mappo import IPPOPolicy, MAPPOPolicy
 from conveyor.policy.qmix import QMixer, QMIXPolicy, VDNMixer
 from conveyor.policy.q_actor_critic import QActorCriticPolicy
@@ -77,6 +77,7 @@ __all__ = [
     "VDNMixer",
     "AgentNet",
     "TeamActorCritic",
+    "bootstrap_agent_mask",
     "team_inputs",
     "IMPALAPolicy",
     "vtrace",

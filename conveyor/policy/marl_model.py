@@ -4,7 +4,9 @@ Every tensor of a team carries an agent axis before its features: observations `
 env's global state ``[..., state_dim]`` (one per env), action masks ``[..., N_agent, n_actions]`` (bool, True where
 an action is allowed) and the agent mask ``[..., N_agent]`` (bool, False once an agent has left). What a policy
 acts on (``collect_mode.forward(obs)``) and learns from (``learn_mode.forward(batch)``) holds these under the
-keys ``obs``, ``state``, ``action_mask`` and ``agent_mask`` (:func:`team_inputs` reads them from either).
+keys ``obs``, ``state``, ``action_mask`` and ``agent_mask`` (:func:`team_inputs` reads them from either). Every
+agent leaves at an episode's end, a truncated one's too: :func:`bootstrap_agent_mask` says which agents a step
+bootstraps from.
 
 :class:`AgentNet` is one network per agent: by default one set of weights shared by all agents, told apart by a
 one-hot agent id appended to their input (parameter sharing); with ``share=False`` one set per agent. Optionally a
@@ -25,7 +27,7 @@ from conveyor.policy.actor_critic import CategoricalDist, Params, _orthogonal
 from conveyor.policy.model import MLP
 from conveyor.schema import ConfigError
 
-__all__ = ["TeamInputs", "team_inputs", "agent_ids", "AgentNet", "TeamActorCritic", "MaskedCategoricalDist",
+__all__ = ["TeamInputs", "team_inputs", "bootstrap_agent_mask", "agent_ids", "AgentNet", "TeamActorCritic", "MaskedCategoricalDist",
            "TeamSpec", "MASKED_LOGIT", "masked_logits", "load_team_state"]
 
 MASKED_LOGIT = -1e9
@@ -55,6 +57,15 @@ def team_inputs(tree: Any, prefix: str = "") -> TeamInputs:
     mask, alive = get("action_mask"), get("agent_mask")
     return TeamInputs(obs.float(), None if get("state") is None else get("state").float(),
                       None if mask is None else mask.bool(), None if alive is None else alive.bool())
+
+
+def bootstrap_agent_mask(agent_mask: torch.Tensor, next_agent_mask: torch.Tensor,
+                         truncated: torch.Tensor) -> torch.Tensor:
+    """The agents ``[..., A]`` whose value of the next observation a step bootstraps from: where the episode was
+    ``truncated`` (``[...]``) those that took the step (``agent_mask``), as all leave though they were cut short;
+    elsewhere those still in ``next_agent_mask`` (one that left, or a terminated episode's, is worth 0)."""
+    cut = truncated.bool().reshape(*truncated.shape, *([1] * (agent_mask.ndim - truncated.ndim)))
+    return (agent_mask.bool() & cut) | (next_agent_mask.bool() & ~cut)
 
 
 def agent_ids(n_agents: int, lead: Sequence[int], device: torch.device | None = None) -> torch.Tensor:

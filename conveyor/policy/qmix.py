@@ -16,7 +16,9 @@ one; the loss reads::
     td_loss   = mean over real steps of (q_tot - target)^2
 
 ``h[t]`` is the state after step ``t`` (the next step's Q reads ``next_obs`` from it, so a truncated episode, a
-padded sequence and a sequence's last step bootstrap alike) and ``h'`` the target network's own. The batch holds
+padded sequence and a sequence's last step bootstrap alike) and ``h'`` the target network's own; where the batch
+has ``truncated``, the agents bootstrapped are :func:`~conveyor.policy.marl_model.bootstrap_agent_mask`'s (at a
+truncated step, every agent that took it, though all leave at an episode's end). The batch holds
 ``obs``, ``state``, ``action_mask``, ``agent_mask``, ``action`` ``[T, B, A]``, ``reward`` (per agent ``[T, B, A]``,
 made the team's by ``learn.team_reward``, or the team's ``[T, B]``), ``terminated`` (or ``done``) ``[T, B]``, the
 same four inputs of the next step under ``next_obs``, ``next_state``, ``next_action_mask``, ``next_agent_mask``,
@@ -40,7 +42,8 @@ from conveyor.policy.base import Policy
 from conveyor.policy.dqn import DQNPolicy
 from conveyor.policy.learning import LazyOptimizer, LearnResult, TargetSync, fused_adam, make_target, masked_mean
 from conveyor.policy.mappo import team_model_schema, vector_dim
-from conveyor.policy.marl_model import AgentNet, TeamSpec, load_team_state, masked_logits, team_inputs
+from conveyor.policy.marl_model import (AgentNet, TeamSpec, bootstrap_agent_mask, load_team_state, masked_logits,
+                                       team_inputs)
 from conveyor.policy.options import replay_buffer_schema, with_defaults
 from conveyor.policy.ppo import PPOPolicy
 from conveyor.policy.weights import Acting
@@ -240,6 +243,8 @@ class QMIXPolicy(Policy):
         action = batch.action.long()
         alive = torch.ones(action.shape, device=action.device) if team.agent_mask is None else team.agent_mask.float()
         next_alive = torch.ones_like(alive) if nxt.agent_mask is None else nxt.agent_mask.float()
+        if "truncated" in batch and nxt.agent_mask is not None:
+            next_alive = bootstrap_agent_mask(alive, next_alive, batch.truncated).float()
         terminated = (batch.terminated if "terminated" in batch else batch.done).float()
         mask = batch.mask.float() if "mask" in batch else batch.valid.float() if "valid" in batch else None
 

@@ -225,3 +225,19 @@ def test_qmix_learns_from_the_collectors_team_trajectories():
             policy.learn_mode.forward(ctx.trajectories)  # as collected: real steps by valid
         policy.publish()
     assert before < 0.7 and greedy_reward(policy) > 0.9
+
+
+def test_an_episode_truncated_by_its_time_limit_bootstraps_from_every_agent_that_took_the_last_step():
+    # Every agent leaves at an episode's end (next_agent_mask all False), yet a truncated episode was cut short: its
+    # last step's target is the one of a chunk end inside the episode, where the agents stay in next_obs.
+    alive = sequences().agent_mask
+    truncated = torch.zeros(T, B, dtype=torch.bool)
+    truncated[T - 1, 2:] = True
+    leaving = torch.cat([alive[1:], alive[-1:]])
+    leaving[T - 1, 2:] = False
+    targets = []
+    for batch in (sequences(truncated=truncated, next_agent_mask=leaving), sequences(),
+                  sequences(next_agent_mask=leaving)):
+        torch.manual_seed(0)
+        targets.append(make().learn_mode.forward(batch)["charts/target_mean"])
+    assert targets[0] == pytest.approx(targets[1], rel=1e-6) and targets[0] != pytest.approx(targets[2], rel=1e-3)
