@@ -240,10 +240,12 @@ def transition_account(run_dir: Path) -> Dict[str, Any]:
     replay = learner.get("replay") or {"in_replay": 0, "added": sum(learner["taken"].values())}
     for node, s in senders.items():
         counted = learner["counted"].get(node, 0)
-        seen = learner["incarnations"].get(node)  # a collector killed, restarted, and never heard from again: what
-        if s["incarnation"] > 0 and (seen is None or seen < s["incarnation"]):  # its earlier lives counted and the
-            earlier = s["at_start"]["offered"] - s["at_start"]["no_learner"] - counted  # learner never saw died
-            dropped["sender_restarted"] += max(0, earlier)  # with them
+        seen = learner["incarnations"].get(node)
+        # A collector killed, restarted, and never heard from again: what its earlier lives counted and the learner
+        # never saw died with them.
+        if s["incarnation"] > 0 and (seen is None or seen < s["incarnation"]):
+            earlier = s["at_start"]["offered"] - s["at_start"]["no_learner"] - counted
+            dropped["sender_restarted"] += max(0, earlier)
             counted = max(counted, s["at_start"]["offered"])
         for reason, n in _unseen(s.get("sent", []), counted, s["offered"], learner.get("learner")).items():
             dropped[reason] += n

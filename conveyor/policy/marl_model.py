@@ -27,8 +27,8 @@ from conveyor.policy.actor_critic import CategoricalDist, Params, _orthogonal
 from conveyor.policy.model import MLP
 from conveyor.schema import ConfigError
 
-__all__ = ["TeamInputs", "team_inputs", "bootstrap_agent_mask", "agent_ids", "AgentNet", "TeamActorCritic", "MaskedCategoricalDist",
-           "TeamSpec", "MASKED_LOGIT", "masked_logits", "load_team_state"]
+__all__ = ["TeamInputs", "team_inputs", "bootstrap_agent_mask", "agent_ids", "AgentNet", "TeamActorCritic",
+           "MaskedCategoricalDist", "TeamSpec", "MASKED_LOGIT", "masked_logits", "load_team_state"]
 
 MASKED_LOGIT = -1e9
 """The logit of a masked action: its probability is exactly 0 in float32, and its entropy term 0 (not NaN)."""

@@ -50,8 +50,8 @@ from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 __all__ = ["AuthError", "Frame", "HELLO", "INCARNATION_BYTES", "MIN_SECRET_BYTES", "MalformedFrame",
            "MAX_BATCH_MESSAGES", "OversizeError", "RejectedMessage", "ReplayError", "SECRET_ENV", "SecretError",
-           "VersionError", "batch_parts", "generate_secret", "check_secret_strength", "incarnation_started", "join", "load_secret",
-           "new_incarnation", "open_batch", "open_frame", "pack", "seal", "sign"]
+           "VersionError", "batch_parts", "generate_secret", "check_secret_strength", "incarnation_started", "join",
+           "load_secret", "new_incarnation", "open_batch", "open_frame", "pack", "seal", "sign"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 WritableBuffer = Union[bytearray, memoryview]

@@ -213,8 +213,8 @@ def _supervise(plan: Any, workers: List[_Worker], program: bytes, zygote: Zygote
         if not by_conn:
             break
         waiting = [w for w in workers if not w.ended and not w.ready]
-        timeouts = [w.deadline - time.monotonic() for w in waiting] + [end.due(workers)]
-        timeout = max(0.0, min(t for t in timeouts if t is not None)) if any(t is not None for t in timeouts) else None
+        timeouts = [t for t in [w.deadline - time.monotonic() for w in waiting] + [end.due(workers)] if t is not None]
+        timeout = max(0.0, min(timeouts)) if timeouts else None
         answered = mp_connection.wait(list(by_conn), timeout)
         end.act(workers)
         late = [w.node_id for w in waiting if w.deadline <= time.monotonic()]

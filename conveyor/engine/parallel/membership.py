@@ -245,7 +245,8 @@ class Membership(Readiness):
             dead += [(p, "its connection closed") for p in self.peers.values()
                      if p.alive and p.address in dropped and not self.links[p.address].connected]
             gone = [self.links.pop(url) for url in dropped if self._kept_for_lost(url)]
-            expired = [url for url, kept in self.links.items() if kept.kept_since and now - kept.kept_since > r.rejoin_s]
+            expired = [url for url, kept in self.links.items()
+                       if kept.kept_since and now - kept.kept_since > r.rejoin_s]
             gone += [self.links.pop(url) for url in expired]  # its peer never came back: a half-open link
             # a silent one's connection is closed; a closed one's is read to its end (its last words, its goodbye)
             pipes = [p.pipe for p, why in dead if p.pipe is not None and why.startswith("silent")]

@@ -60,8 +60,8 @@ launching process still does (``conveyor train --collectors`` reads the entry's 
 
 Inside a worker (:mod:`conveyor.engine.parallel.worker`), the first SIGTERM while ``main`` is inside
 ``task.run`` ends the run gracefully after the current iteration, inside ``task.ahead_of_run`` (a run on its
-way) as soon as the run starts; outside them, or a second one, raises ``SystemExit(143)``. The launcher's side, supervision and restarts included, is
-:mod:`conveyor.engine.parallel.launch`.
+way) as soon as the run starts; outside them, or a second one, raises ``SystemExit(143)``. The launcher's side,
+supervision and restarts included, is :mod:`conveyor.engine.parallel.launch`.
 """
 from __future__ import annotations
 
