@@ -20,6 +20,8 @@ actor) starts it again with the same node id and address, and it rejoins.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import pickle
@@ -168,7 +170,8 @@ def serve(conn: Any) -> int:
         threading.Thread(target=orphaned.watch, name="conveyor-launcher-watch", daemon=True).start()
         signal.signal(signal.SIGTERM, _GracefulStop(orphaned).handle)
         result = main(*args)
-        conn.send(("returned",))  # before the wait for its peers: an owner's return ends the run (ends_with)
+        with contextlib.suppress(OSError):  # a launcher gone (an orphan's) hears nothing; its peers still must
+            conn.send(("returned",))  # before the wait for its peers: an owner's return ends the run (ends_with)
         node._finish()
         conn.send(("result", dumps_or_none(result)))
         return 0
