@@ -5,6 +5,9 @@ parent that made them is killed.
   tracker (one helper process shared by the parent and every child forked after it, so a child's exit unlinks
   nothing). The maker frees the block with :func:`release_shared_block`; if it is killed first, the tracker
   unlinks every block it still holds when the parent's end of its pipe closes.
+- A block named ``<prefix><maker pid>-<rest>`` (``create_shared_block(size, name)``) is also removed by whoever calls
+  :func:`remove_stale_blocks` with that prefix once its maker is gone (Linux lists blocks in /dev/shm): a peer that
+  maps another process's blocks need not outlive the tracker of their maker to see them go.
 - A private directory (:func:`private_dir`) is ``$TMPDIR/<prefix><parent pid>-<random>``: whoever makes the next
   one removes this user's directories of that prefix whose parent is gone (one killed by SIGKILL cannot
   remove its own).
@@ -12,14 +15,16 @@ parent that made them is killed.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import tempfile
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Optional
 
 __all__ = ["alive", "attach_shared_block", "create_shared_block", "private_dir", "release_shared_block",
-           "remove_stale_dirs", "track_shared_memory", "unlink_quietly"]
+           "remove_stale_blocks", "remove_stale_dirs", "track_shared_memory", "unlink_quietly"]
 
 
 def track_shared_memory() -> None:
@@ -27,25 +32,73 @@ def track_shared_memory() -> None:
     resource_tracker.ensure_running()
 
 
-def create_shared_block(size: int) -> SharedMemory:
-    """A new named shared-memory block of ``size`` bytes (at least 1), freed by the tracker if this process dies."""
+SHARED_BLOCK_DIR = "/dev/shm"  # where Linux lists named shared-memory blocks
+
+
+def create_shared_block(size: int, name: Optional[str] = None) -> SharedMemory:
+    """A new shared-memory block of ``size`` bytes (at least 1) named ``name`` (None: a random name), freed by the
+    tracker if this process dies; ``FileExistsError`` if the name is taken."""
     track_shared_memory()
-    return SharedMemory(create=True, size=max(size, 1))
+    return SharedMemory(name=name, create=True, size=max(size, 1))
 
 
-def attach_shared_block(name: str) -> SharedMemory:
-    """In a child: the block its parent made, by name."""
-    return SharedMemory(name=name)
+def attach_shared_block(name: str, track: bool = True) -> Any:
+    """The block another process made (in a child: its parent), by name. ``track=False``: for a process that does
+    not share its maker's resource tracker (a peer, not a child), mapped without telling its own, which would
+    otherwise free the block when this process ends (Python before 3.13 registers every block it maps)."""
+    return SharedMemory(name=name) if track else _UntrackedBlock(name)
 
 
-def release_shared_block(shm: SharedMemory, unlink: bool) -> None:
-    """Unmap ``shm`` (a view still alive keeps the mapping until it goes) and, for its maker, free it."""
+class _UntrackedBlock:
+    """A block mapped without the resource tracker: ``name``, ``size``, ``buf`` and ``close()``, as a SharedMemory."""
+
+    def __init__(self, name: str) -> None:
+        import _posixshmem  # POSIX only, as the blocks' names in /dev/shm
+
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)  # ValueError for an empty block
+        finally:
+            os.close(fd)
+        self.name, self.buf = name, memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap it; ``BufferError`` while a view of it is alive (the mapping then goes with that view)."""
+        self.buf.release()
+        self._mmap.close()
+
+
+def release_shared_block(shm: Any, unlink: bool) -> None:
+    """Unmap ``shm`` (a view still alive keeps the mapping until it goes) and, for its maker, free it (one removed
+    already, by :func:`remove_stale_blocks`, is only forgotten by the tracker)."""
     try:
         shm.close()
     except BufferError:
         pass  # a view is still referenced; the mapping goes with it
     if unlink:
-        shm.unlink()
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+
+
+def remove_stale_blocks(prefix: str) -> int:
+    """Free this user's shared-memory blocks named ``<prefix><pid>-*`` whose process ``pid`` is gone; how many.
+    Where blocks are not listed (not Linux), none."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHARED_BLOCK_DIR):
+            pid, dash, _ = entry.name[len(prefix):].partition("-")
+            if entry.name.startswith(prefix) and dash and pid.isdigit() and not alive(int(pid)) \
+                    and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                try:
+                    shm = SharedMemory(name=entry.name)  # attached, then unlinked: the tracker forgets it too
+                except (OSError, ValueError):
+                    continue
+                release_shared_block(shm, unlink=True)
+                removed += 1
+    return removed
 
 
 def private_dir(prefix: str) -> str:
@@ -66,14 +119,19 @@ def remove_stale_dirs(prefix: str) -> None:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts)."""
+    """Whether process ``pid`` exists (another user's counts) and has not ended (a zombie, ended but not yet
+    reaped by its parent, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
         pass
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or it ended meanwhile
+        return True
 
 
 def unlink_quietly(path: str) -> None:

@@ -310,7 +310,7 @@ def current_node() -> "Node":
 
 
 def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: bool = True,
-                   spaces: Optional[tuple] = None, resume: bool = False) -> LearnerClock:
+                   spaces: Optional[tuple] = None, resume: bool = False, shared_memory: bool = True) -> LearnerClock:
     """The first middleware of every node (inside ``task.start``): node 0 writes ``nodes.json`` (the others
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
     entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
@@ -321,7 +321,8 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     this learner's collectors only, checked against the env's ``spaces`` (a learner's). A collector on the learner's
     host counts what it sends in ``run_dir/ledger`` (going on from there when restarted or ``resume``; one on
     another host, where node 0 made no run directory, counts nothing), the learner what it takes
-    (``node.ledger``, :mod:`conveyor.middleware.ledger`). Returns the clock."""
+    (``node.ledger``, :mod:`conveyor.middleware.ledger`). ``shared_memory``: batches between a collector and
+    a learner on one host go through shared memory (config key ``transport``). Returns the clock."""
     node = current_node()
     node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
     node_id, layout = task.router.node_id, node.layout
@@ -347,7 +348,8 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     elif task.has_role(Role.COLLECTOR) and run_dir.is_dir():  # the learner's host: another's writes nothing
         node.ledger = SendLedger(run_dir / LEDGER_DIR / f"collector-{node_id}.json", restarts, resume or restarts > 0)
     exchanger = ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s, shard=shard,
-                                 spaces=spaces if learner else None, collectors=collectors, ledger=node.ledger)
+                                 spaces=spaces if learner else None, collectors=collectors, ledger=node.ledger,
+                                 shared_memory=shared_memory)
     task.use(exchanger)
     if learner:
         node.received = exchanger.received
