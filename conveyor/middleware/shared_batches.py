@@ -155,7 +155,7 @@ class SharedBatches:
         self._offer: Optional[Dict[str, Any]] = None
         self._probe: Any = None
         self._prefix: Optional[str] = None  # learner: its own; collector: that of the learner proved on its host
-        self._judged: Dict[str, Optional[str]] = {}  # collector: learner node -> its prefix if on this host, else None
+        self._judged: Dict[str, Tuple[str, bool]] = {}  # collector: learner node -> (its prefix, on this host?)
         self._ring: List[_Block] = []  # collector's blocks
         self._made = 0  # collector: blocks made, numbering their names
         self._mapped: Dict[str, Dict[str, Any]] = {}  # learner: by collector node, its blocks mapped (name -> shm)
@@ -183,7 +183,7 @@ class SharedBatches:
         if type(prefix) is not str or not _PREFIX.fullmatch(prefix) or type(nonce) is not str:
             return
         with self._lock:
-            if learner in self._judged and self._judged[learner] in (prefix, None):
+            if self._judged.get(learner, ("",))[0] == prefix:
                 return
         try:
             probe = attach_shared_block(prefix + "probe", track=False)
@@ -196,15 +196,16 @@ class SharedBatches:
         with self._lock:
             if self._prefix is not None and self._prefix != prefix:
                 self._release_ring()  # a learner restarted: its new prefix names new blocks
-            self._judged[learner] = prefix if here else None
+            self._judged[learner] = prefix, here
         log.info("node %s: collected batches to learner %s go %s", self.node, learner,
                  "through shared memory" if here else "in their messages (not on this host's shared memory)")
 
     def pack(self, payload: Dict[str, Any], learners: List[str]) -> Tuple[Dict[str, Any], Optional[_Block]]:
         """Collector: ``payload`` with its large arrays written into a free block (and that block), when it goes to
         one learner proved on this host and a block is free; else ``(payload, None)``, to send as it is."""
-        prefix = self._judged.get(str(learners[0])) if self.collector and len(learners) == 1 else None
-        if prefix is None:
+        prefix, here = self._judged.get(str(learners[0]), ("", False)) if self.collector and len(learners) == 1 \
+            else ("", False)
+        if not here:
             return payload, None
         tree = _module("treetensor.torch").Tensor
         arrays = _found(payload, tree, _shareable)
@@ -377,21 +378,21 @@ class SharedBatches:
             if self.learner:
                 for shm in self._mapped.pop(node, {}).values():
                     release_shared_block(shm, unlink=False)
-                if node in self._seen and _NODE.fullmatch(node):
+                if node in self._seen:
                     remove_stale_blocks(f"{self._prefix}{node}.")
-            elif self.collector and self._judged.pop(node, None) is not None:
+            elif self.collector and self._judged.pop(node, ("", False))[1]:
                 self._release_ring()
 
     def close(self) -> None:
         """Free what this side holds (a learner: its probe, and the blocks of collectors gone; a collector: its
         blocks). Idempotent."""
         with self._lock:
-            for node, blocks in self._mapped.items():
+            for blocks in self._mapped.values():
                 for shm in blocks.values():
                     release_shared_block(shm, unlink=False)
-                if _NODE.fullmatch(node):
-                    remove_stale_blocks(f"{self._prefix}{node}.")
-            self._mapped = {}
+            for node in self._seen:  # named as _map allows
+                remove_stale_blocks(f"{self._prefix}{node}.")
+            self._mapped, self._seen = {}, set()
             if self._probe is not None:
                 release_shared_block(self._probe, unlink=True)
                 self._probe, self._offer = None, None

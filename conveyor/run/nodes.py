@@ -124,7 +124,7 @@ class Node:
     node did (``ran``: its main() trained in a Run, its policy on ``device``; ``collected`` env steps from
     ``first_step_at``; a learner: ``local_rank`` among the learners on its host, ``received`` env steps by collector
     node id, ``params_sha256`` of its final weights, and ``sync``, the learners' agreement where there are several;
-    ``ledger``: its transition count, :mod:`conveyor.middleware.ledger`)."""
+    ``ledger``: its transition count, :mod:`conveyor.middleware.ledger`; ``exchanger``: its ContextExchanger)."""
 
     layout: Layout
     auto_recover: bool = False
@@ -137,6 +137,7 @@ class Node:
     params_sha256: Optional[str] = None
     sync: Any = None
     ledger: Any = None
+    exchanger: Any = None
 
 
 _node: Optional[Node] = None
@@ -149,7 +150,8 @@ class DistributedRun:
     (``node_id``, ``role``, ``pid``, ``device``: where its policy ran, ``env_step``, ``train_iter``,
     ``last_eval_value``, ``collected``: env steps a collector collected, ``first_step_at``: the ``time.time()`` of
     its first collected step; a learner's ``rank``, ``received``: the env steps it received, ``received_from``: those
-    by collector node id, ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
+    by collector node id, ``shared_batches``: the batches among them that came through shared memory,
+    ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
     of the group, and with several learners of an entry without a replay buffer (conveyor/run/learners.py)
     ``kept``: the env steps it trained on, the same on every learner, and ``dropped``: those it left out).
     ``transitions``: the run's transition account (:func:`~conveyor.middleware.ledger.transition_account`) where it
@@ -298,6 +300,7 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
             "first_step_at": node.first_step_at,
             **({"offered": node.ledger.offered} if isinstance(node.ledger, SendLedger) else {}),
             **({"rank": node_id, "received": sum(node.received.values()), "received_from": dict(node.received),
+                "shared_batches": node.exchanger.shared.taken,
                 **({"kept": node.sync.kept, "dropped": node.sync.dropped} if node.sync is not None
                    and node.sync.agree_rows else {}),
                 "params_sha256": node.params_sha256} if role is Role.LEARNER else {})}
@@ -351,6 +354,7 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
                                  spaces=spaces if learner else None, collectors=collectors, ledger=node.ledger,
                                  shared_memory=shared_memory)
     task.use(exchanger)
+    node.exchanger = exchanger
     if learner:
         node.received = exchanger.received
     if learner and layout.learners > 1:

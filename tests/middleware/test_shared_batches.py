@@ -183,3 +183,14 @@ def test_no_shared_block_is_left_after_a_run_whose_collector_was_killed():
     learner = next(r for r in info.value.results if r is not None and r["shared"] is not None)
     assert learner["shared"] >= 3  # the killed collector's second batch, the other's three after its first
     assert our_blocks() == before
+
+
+def test_the_transport_key_is_auto_or_nng():
+    from conveyor.config import ConfigError, compile_config
+    from conveyor.policy import DQNPolicy
+    from conveyor.zoo import load_entry
+    cfg = load_entry("cartpole/dqn").main_config
+    assert compile_config(cfg, policy=DQNPolicy).transport == "auto"
+    assert compile_config({**cfg, "transport": "nng"}, policy=DQNPolicy).transport == "nng"
+    with pytest.raises(ConfigError, match="'transport' must be one of \\['auto', 'nng'\\], got 'shm'"):
+        compile_config({**cfg, "transport": "shm"}, policy=DQNPolicy)
