@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 import torch
 import treetensor.torch as ttorch
 
@@ -11,6 +12,7 @@ from conveyor.engine import OnlineRLContext, Parallel, task
 from conveyor.engine.parallel import codec
 from conveyor.engine.parallel.launch import WorkerError
 from conveyor.middleware.exchanger import DATA_TOPIC, ContextExchanger
+from conveyor.middleware.messages import BadMessage
 from conveyor.middleware.shared_batches import BLOCK_FAMILY, BLOCKS, SharedArray, SharedBatches, SharedTree
 from tests.middleware import _shared_batches_mains as mains
 from tests.middleware.test_exchanger import fake_router  # noqa: F401 (a fixture)
@@ -194,3 +196,35 @@ def test_the_transport_key_is_auto_or_nng():
     assert compile_config({**cfg, "transport": "nng"}, policy=DQNPolicy).transport == "nng"
     with pytest.raises(ConfigError, match="'transport' must be one of \\['auto', 'nng'\\], got 'shm'"):
         compile_config({**cfg, "transport": "shm"}, policy=DQNPolicy)
+
+
+def test_a_collector_whose_learner_is_gone_frees_its_blocks_and_sends_in_messages(pair):
+    _, collector = pair
+    _, block = collector.pack(payload(), ["0"])
+    name = block.shm.name
+    assert name in our_blocks()
+    collector.forget("0")
+    assert name not in our_blocks() and collector.pack(payload(), ["0"])[1] is None
+
+
+FIELDS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.text(max_size=40), st.binary(max_size=8),
+                   st.lists(st.integers(-5, 1 << 40), max_size=6))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hostile_descriptors_are_dropped_as_bad_messages_and_valid_ones_still_taken(pair, data):
+    learner, collector = pair
+    small = {"node": "1", "trajectories": ttorch.Tensor({"obs": torch.arange(1 << 16, dtype=torch.int32)})}
+    message, _ = collector.pack(small, ["0"])
+    names = ["block", "ticket", "offset", "kind", "dtype", "shape"]
+    keep = data.draw(st.sets(st.sampled_from(names), max_size=5))
+    bad = forged(message, **{n: data.draw(FIELDS, label=n) for n in names if n not in keep})
+    if data.draw(st.booleans(), label="malformed"):
+        bad = {**bad, "trajectories": SharedArray(data.draw(st.one_of(FIELDS, st.lists(FIELDS, max_size=7))))}
+    try:
+        learner.take("1", wire(bad))
+    except BadMessage:
+        pass
+    good, _ = collector.pack(small, ["0"])  # the block was freed by the drop, or another is free
+    assert same(learner.take("1", wire(good)), wire(small))
