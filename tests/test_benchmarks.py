@@ -40,7 +40,7 @@ CASES = {
                               *(f"{algo}_{env}_{kind}" for algo in ("bc", "cql", "iql", "behaviour")
                                 for env in ("halfcheetah", "hopper") for kind in ("m", "mr"))}),
     "impala_throughput": (["--quick"], {"steps_per_s_1", "steps_per_s_2", "ratio", "mean_policy_lag"}),
-    "trajectory_transport": (["--quick"], {"learner_steps_ratio", "collected_steps_ratio", "shared_batches_shm"}),
+    "trajectory_transport": (["--quick"], {"batches_per_s_ratio", "cpu_per_batch_ratio", "learner_steps_ratio"}),
     "impala_learning": (["--quick"], {"impala_final_train_returns", "ppo_final_train_returns", "impala_wall_s",
                                       "ppo_wall_s", "seeds_at_or_above", "seeds_faster"}),
     "marl_learning": (["--quick"], {"mappo_return", "benchmarl_mappo_return", "return_ratio", "qmix_return_ratio",
