@@ -38,6 +38,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from conveyor.engine.parallel import codec
+from conveyor.engine.ratelimit import RateLimitedLog
 from conveyor.middleware.messages import BadMessage
 from conveyor.processes import (attach_shared_block, create_shared_block, release_shared_block,
                                 remove_stale_blocks)
@@ -161,11 +162,16 @@ class SharedBatches:
         self._mapped: Dict[str, Dict[str, Any]] = {}  # learner: by collector node, its blocks mapped (name -> shm)
         self._seen: set = set()  # learner: the collectors that sent through shared memory
         self.taken = 0  # learner: batches taken through shared memory
+        self._log = RateLimitedLog(log)
         if self.learner:
             remove_stale_blocks(BLOCK_FAMILY)  # those of learners gone (killed: their tracker may live on)
             self._prefix = f"{BLOCK_FAMILY}{os.getpid()}-{secrets.token_hex(6)}."
             nonce = secrets.token_bytes(32)
-            self._probe = create_shared_block(len(nonce), self._prefix + "probe")
+            try:
+                self._probe = create_shared_block(len(nonce), self._prefix + "probe")
+            except OSError as e:
+                log.warning("node %s: collected batches come in their messages: %s", self.node, e)
+                return
             self._probe.buf[:len(nonce)] = nonce
             self._offer = {"shm": {"prefix": self._prefix, "nonce": nonce.hex()}}
 
@@ -255,7 +261,12 @@ class SharedBatches:
         elif len(self._ring) >= self.blocks:
             return None
         self._made += 1
-        block = _Block(f"{self._prefix}{self.node}.{os.getpid()}-{self._made}", -(-size * 5 // 4 // _ROUND) * _ROUND)
+        name, size = f"{self._prefix}{self.node}.{os.getpid()}-{self._made}", -(-size * 5 // 4 // _ROUND) * _ROUND
+        try:
+            block = _Block(name, size)
+        except OSError as e:  # /dev/shm full: this batch goes in its message
+            self._log.log("full", "node %s: batches go in their messages: %s", self.node, e)
+            return None
         self._ring.append(block)
         return block
 

@@ -15,6 +15,7 @@ parent that made them is killed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import shutil
@@ -37,9 +38,20 @@ SHARED_BLOCK_DIR = "/dev/shm"  # where Linux lists named shared-memory blocks
 
 def create_shared_block(size: int, name: Optional[str] = None) -> SharedMemory:
     """A new shared-memory block of ``size`` bytes (at least 1) named ``name`` (None: a random name), freed by the
-    tracker if this process dies; ``FileExistsError`` if the name is taken."""
+    tracker if this process dies; ``FileExistsError`` if the name is taken. Its memory is taken now, so that a full
+    /dev/shm (a container's is often 64 MB) is an ``OSError`` here rather than a SIGBUS at a later write."""
     track_shared_memory()
-    return SharedMemory(name=name, create=True, size=max(size, 1))
+    shm = SharedMemory(name=name, create=True, size=max(size, 1))
+    try:
+        os.posix_fallocate(shm._fd, 0, shm.size)  # type: ignore[attr-defined]
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            release_shared_block(shm, unlink=True)
+            raise OSError(e.errno, f"no room for a shared-memory block of {shm.size} bytes in /dev/shm "
+                                   f"({e.strerror}): free some, or give the container a larger /dev/shm") from None
+    except AttributeError:  # no posix_fallocate (macOS): the block is taken as it is written
+        pass
+    return shm
 
 
 def attach_shared_block(name: str, track: bool = True) -> Any:

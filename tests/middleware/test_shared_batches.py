@@ -228,3 +228,15 @@ def test_hostile_descriptors_are_dropped_as_bad_messages_and_valid_ones_still_ta
         pass
     good, _ = collector.pack(small, ["0"])  # the block was freed by the drop, or another is free
     assert same(learner.take("1", wire(good)), wire(small))
+
+
+def test_a_collector_that_finds_no_room_in_dev_shm_sends_in_the_message(pair, monkeypatch, caplog):
+    from conveyor.middleware import shared_batches
+
+    def full(size, name=None):
+        raise OSError(28, "no room for a shared-memory block in /dev/shm")
+
+    _, collector = pair
+    monkeypatch.setattr(shared_batches, "create_shared_block", full)
+    sent = payload()
+    assert collector.pack(sent, ["0"]) == (sent, None) and "batches go in their messages" in caplog.text
