@@ -17,10 +17,12 @@ MB) go through a shared-memory block, and the message carries only where they ar
 - Flow control: a block's header holds its state (free / full) and the ticket of the batch in it. A collector
   writes only into a free block; with all its ``blocks`` full (the learner behind, or a message lost on the way),
   a batch goes in its message. The learner frees a block once it copied the batch out, also when it drops it.
-- Lifetime: blocks are made with :func:`~conveyor.processes.create_shared_block`, so the resource tracker frees them
-  if their maker dies. The learner also removes the blocks of a collector it lost, and at its close those of every
-  collector whose process is gone (:func:`~conveyor.processes.remove_stale_blocks`), and when it starts, those
-  of learners that are gone; a collector frees its own when its learner goes and when the run ends.
+- Lifetime: blocks are made without a resource tracker (one started by a worker would outlive it as an orphan:
+  ``create_shared_block(..., track=False)``) and named after their maker's pid, so that
+  :func:`~conveyor.processes.remove_stale_blocks` frees those whose maker is gone: the learner those of a collector it
+  lost, at its close those of every collector gone, and when it starts those of learners gone (their probes, and
+  blocks named after them); a collector, when its learner is lost, the learner's probe. A collector frees its own
+  blocks when its learner goes and when the run ends; a learner its probe at its end.
 
 The collector and learner must be the same user on one host: a process of that user could also signal the other.
 ``transport`` ``"nng"`` (the config key, ``--set transport=nng``) turns all this off on the side given it.
@@ -133,7 +135,7 @@ class _Block:
     """One of a collector's blocks: its mapping and the ticket of the batch last written into it."""
 
     def __init__(self, name: str, size: int) -> None:
-        self.shm = create_shared_block(size, name)
+        self.shm = create_shared_block(size, name, track=False)
         self.ticket = 0
 
     def full(self) -> bool:
@@ -168,7 +170,7 @@ class SharedBatches:
             self._prefix = f"{BLOCK_FAMILY}{os.getpid()}-{secrets.token_hex(6)}."
             nonce = secrets.token_bytes(32)
             try:
-                self._probe = create_shared_block(len(nonce), self._prefix + "probe")
+                self._probe = create_shared_block(len(nonce), self._prefix + "probe", track=False)
             except OSError as e:
                 log.warning("node %s: collected batches come in their messages: %s", self.node, e)
                 return
@@ -393,6 +395,7 @@ class SharedBatches:
                     remove_stale_blocks(f"{self._prefix}{node}.")
             elif self.collector and self._judged.pop(node, ("", False))[1]:
                 self._release_ring()
+                remove_stale_blocks(BLOCK_FAMILY)  # the probe of a learner that died (and blocks named after it)
 
     def close(self) -> None:
         """Free what this side holds (a learner: its probe, and the blocks of collectors gone; a collector: its

@@ -13,6 +13,7 @@ from conveyor.engine.parallel import codec
 from conveyor.engine.parallel.launch import WorkerError
 from conveyor.middleware.exchanger import DATA_TOPIC, ContextExchanger
 from conveyor.middleware.messages import BadMessage
+from conveyor.processes import create_shared_block
 from conveyor.middleware.shared_batches import BLOCK_FAMILY, BLOCKS, SharedArray, SharedBatches, SharedTree
 from tests.middleware import _shared_batches_mains as mains
 from tests.middleware.test_exchanger import fake_router  # noqa: F401 (a fixture)
@@ -142,7 +143,7 @@ def test_a_forged_descriptor_drops_its_batch_and_the_learner_takes_the_next(fake
         elif change == "missing":
             block.shm.unlink()
             handler(message)
-            block.shm = type(block.shm)(create=True, size=block.shm.size, name=block.shm.name)  # for the close
+            block.shm = create_shared_block(block.shm.size, block.shm.name, track=False)  # for the close
         else:
             handler(forged(message, **change))
         assert exchanger.stats()["rejected"] == 1 and why in caplog.text
@@ -174,7 +175,8 @@ def test_batches_between_processes_arrive_equal_bit_for_bit_through_shared_memor
     learner, *collectors = runner(3)(mains.exchange, batches, shared_memory)
     sent = {key: value for c in collectors for key, value in c["digests"].items()}
     assert len(sent) == 2 * batches and learner["digests"] == sent
-    assert learner["shared"] == (2 * (batches - 1) if shared_memory else 0)  # each collector's first: in its message
+    # each collector's first batch in its message, unless the other's made the learner's offer reach it first
+    assert 2 * (batches - 1) <= learner["shared"] <= 2 * batches - 1 if shared_memory else learner["shared"] == 0
     assert our_blocks() == before  # every block freed at the run's end
 
 
@@ -233,7 +235,7 @@ def test_hostile_descriptors_are_dropped_as_bad_messages_and_valid_ones_still_ta
 def test_a_collector_that_finds_no_room_in_dev_shm_sends_in_the_message(pair, monkeypatch, caplog):
     from conveyor.middleware import shared_batches
 
-    def full(size, name=None):
+    def full(size, name=None, track=True):
         raise OSError(28, "no room for a shared-memory block in /dev/shm")
 
     _, collector = pair
