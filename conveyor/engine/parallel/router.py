@@ -276,7 +276,7 @@ class Router:
             lost = self._members.subscribed(topic, lost=True) if to_lost else []
             if not links and not lost:
                 return 0
-            send_lock = self._send_locks.setdefault(topic, threading.Lock())
+            send_lock = self._send_locks.get(topic) or self._send_locks.setdefault(topic, threading.Lock())
         with send_lock:  # seq order is send order on every link
             seq = self._seq.get(topic, -1) + 1
             self._seq[topic] = seq
