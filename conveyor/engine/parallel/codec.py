@@ -307,13 +307,14 @@ def _module(name: str) -> Any:
     return module if module is not None else importlib.import_module(name)
 
 
-def _raw(frames: _Buffers, index: Any, nbytes: int, copy: bool) -> Union[memoryview, bytearray]:
+def _raw(frames: _Buffers, index: Any, nbytes: int) -> memoryview:
+    """Buffer ``index`` as a flat byte view, checked to hold ``nbytes``; the caller copies it if it must."""
     view = frames.take(index)
     if view.ndim != 1 or view.format != "B" or not view.c_contiguous:
         view = view.cast("B")
     if view.nbytes != nbytes:
         raise DecodeError(f"malformed payload: buffer {index} has {view.nbytes} bytes, its header says {nbytes}")
-    return bytearray(view) if copy or view.readonly else view
+    return view
 
 
 def _array_node(np: Any, a: Any, buffers: List[Frame]) -> List[Any]:
@@ -331,8 +332,13 @@ def _array(body: List[Any], frames: _Buffers, copy: bool) -> Any:
     if dtype.hasobject:
         raise DecodeError("malformed payload: an array of dtype object cannot come without pickle")
     count = _element_count(shape, "array")
-    raw = _raw(frames, index, count * dtype.itemsize, copy)
-    flat = np.frombuffer(raw, dtype=dtype, count=count) if count and dtype.itemsize else np.empty(count, dtype)
+    view = _raw(frames, index, count * dtype.itemsize)
+    if not count or not dtype.itemsize:
+        flat = np.empty(count, dtype)
+    else:  # numpy copies with the GIL released: the thread that receives the next batch runs meanwhile
+        flat = np.frombuffer(view, dtype=dtype, count=count)
+        if copy or view.readonly:
+            flat = flat.copy()
     return flat.reshape(shape[::-1]).T if order == "F" else flat.reshape(shape)
 
 
@@ -381,7 +387,8 @@ def _tensor(body: List[Any], frames: _Buffers, copy: bool) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise DecodeError(f"malformed payload: {name!r} is not a torch dtype")
     count = _element_count(shape, "tensor")
-    raw = _raw(frames, index, count * dtype.itemsize, copy)
+    raw = _raw(frames, index, count * dtype.itemsize)
+    raw = bytearray(raw) if copy or raw.readonly else raw
     if not count:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
