@@ -319,6 +319,12 @@ def _raw(frames: _Buffers, index: Any, nbytes: int) -> memoryview:
 
 def _array_node(np: Any, a: Any, buffers: List[Frame]) -> List[Any]:
     flags = a.flags
+    if flags.c_contiguous:  # the common case: its bytes as they lie, in one call instead of four
+        try:
+            buffers.append(memoryview(a).cast("B"))
+            return [_descr(a.dtype), list(a.shape), "C", len(buffers)]
+        except (TypeError, ValueError):  # a dtype the buffer protocol does not carry (datetime): as below
+            pass
     order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
     flat = (a.T if order == "F" else a if flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1)
     buffers.append(memoryview(flat.view(np.uint8)) if flat.dtype.itemsize else b"")
