@@ -201,20 +201,8 @@ class Codec:
             raise DecodeError("no frames to decode: a payload has at least its header frame")
         if len(frames[0]) > MAX_HEADER_BYTES:
             raise DecodeError(f"payload header of {len(frames[0])} bytes is over the limit of {MAX_HEADER_BYTES}")
-        try:
-            text = str(frames[0], "utf-8")
-        except UnicodeDecodeError as e:
-            raise DecodeError(f"payload header is not valid JSON: {e}") from None
-        items = _items(text)
-        if items > MAX_HEADER_ITEMS:
-            raise DecodeError(f"payload header holds up to {items} containers and items, over the limit of "
-                              f"{MAX_HEADER_ITEMS}")
-        try:
-            tree, end = _JSON_DECODER.raw_decode(text)  # what encode writes: no whitespace around the value
-        except (ValueError, RecursionError) as e:
-            raise DecodeError(f"payload header is not valid JSON: {e}") from None
-        if end != len(text):
-            raise DecodeError(f"payload header is not valid JSON: {len(text) - end} bytes after its value")
+        header = frames[0]
+        tree = _header_tree(bytes(header)) if len(header) <= CACHED_HEADER_BYTES else _parse_header(header)
         try:
             return self._value(tree, _Buffers(frames), copy)
         except DecodeError:
@@ -266,6 +254,33 @@ class Codec:
         # a sub-tree arrives as a nested tree node; ttorch.Tensor(dict) rebuilds it from plain dicts
         return {k: self._tree_dict(v[_TREE], frames, copy) if type(v) is dict and _TREE in v
                 else self._value(v, frames, copy) for k, v in body.items()}
+
+
+def _parse_header(header: Frame) -> Any:
+    """The structure tree of a payload header: checked (UTF-8, :data:`MAX_HEADER_ITEMS`, nothing after the value) and
+    parsed. The tree is only read by ``Codec._value``, never changed, so one parse may serve many payloads."""
+    try:
+        text = str(header, "utf-8")
+    except UnicodeDecodeError as e:
+        raise DecodeError(f"payload header is not valid JSON: {e}") from None
+    items = _items(text)
+    if items > MAX_HEADER_ITEMS:
+        raise DecodeError(f"payload header holds up to {items} containers and items, over the limit of "
+                          f"{MAX_HEADER_ITEMS}")
+    try:
+        tree, end = _JSON_DECODER.raw_decode(text)  # what encode writes: no whitespace around the value
+    except (ValueError, RecursionError) as e:
+        raise DecodeError(f"payload header is not valid JSON: {e}") from None
+    if end != len(text):
+        raise DecodeError(f"payload header is not valid JSON: {len(text) - end} bytes after its value")
+    return tree
+
+
+CACHED_HEADER_BYTES = 2048
+"""Headers up to this size are parsed once and their trees kept (the last 64, a few MiB at most whatever peers send):
+a stream of payloads of one structure (the same keys, dtypes and shapes each step) repeats one header, and parsing it
+cost as much as the rest of decoding a small payload."""
+_header_tree = functools.lru_cache(maxsize=64)(_parse_header)
 
 
 def _items(header: str) -> int:
