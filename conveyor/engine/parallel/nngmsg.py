@@ -30,13 +30,13 @@ class Outgoing:
     sent once with :meth:`send`. One that is never sent, or whose send fails, is freed with this object (pynng's
     ``Message``)."""
 
-    __slots__ = ("body", "_msg", "_at")
+    __slots__ = ("body", "_msg", "_at", "_size")
 
     def __init__(self, size: int) -> None:
         pointer = ffi.new("nng_msg **")
         check_err(lib.nng_msg_alloc(pointer, size))
         self._msg = pynng.Message(pointer[0])  # owns the nng message until nng_sendmsg takes it
-        self._at = lib.nng_msg_body(pointer[0])
+        self._at, self._size = lib.nng_msg_body(pointer[0]), size
         self.body = memoryview(ffi.buffer(ffi.cast("char *", self._at), size))
 
     @classmethod
@@ -56,10 +56,9 @@ class Outgoing:
         if end - at < GIL_FREE_BYTES:
             self.body[at:end] = part
             return end
-        msg = self._msg._nng_msg
+        msg = self._msg._nng_msg  # nng's length is set back to the body's in send()
         check_err(lib.nng_msg_realloc(msg, at))  # within the allocation: nothing moves, nothing is copied
-        check_err(lib.nng_msg_append(msg, ffi.from_buffer(part), end - at))  # copies to the end: to ``at``
-        check_err(lib.nng_msg_realloc(msg, len(self.body)))  # back to the whole body (no copy, nothing zeroed)
+        check_err(lib.nng_msg_append(msg, ffi.from_buffer(part), end - at))  # copies to nng's length end: to ``at``
         if lib.nng_msg_body(msg) != self._at:  # nng kept its word here; never write through a stale view
             raise RuntimeError("nng moved a message's body while it was written: this nng is not supported")
         return end
@@ -67,5 +66,7 @@ class Outgoing:
     def send(self, sock: Any, block: bool = True) -> None:
         """Send on pynng socket ``sock`` (its send timeout applies); :attr:`body` is released first, as nng owns and
         frees the message once it is sent. Raises what ``Socket.send`` raises."""
+        if not self._msg._mem_freed:  # pynng's flag: nng has not taken it yet (a second send raises below)
+            check_err(lib.nng_msg_realloc(self._msg._nng_msg, self._size))  # no copy, nothing zeroed
         self.body.release()
         sock.send_msg(self._msg, block=block)
