@@ -286,6 +286,17 @@ def test_split_cpus_gives_this_thread_one_cpu_and_the_child_the_others_until_clo
     assert ctx.episodes == [sorted(allowed - pinned)] and os.sched_getaffinity(0) == allowed
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) != 2 or os.cpu_count() != 2,
+                    reason="the default split is for a process on a two-CPU machine")
+@pytest.mark.parametrize("load, pinned", [(0.2, True), (1.3, False)], ids=["idle machine", "busy machine"])
+def test_by_default_the_cpus_are_split_only_while_the_machine_is_otherwise_idle(cfg, monkeypatch, load, pinned):
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))  # the machine's last minute
+    allowed = os.sched_getaffinity(0)
+    with ProcessCollector(lambda: ([], DQNPolicy(cfg.policy), lambda: None), DQNPolicy(cfg.policy)):
+        assert (len(os.sched_getaffinity(0)) == 1) == pinned
+    assert os.sched_getaffinity(0) == allowed
+
+
 IMAGE_STEPS, IMAGE_ENVS = 8, 4  # obs of 8 x 4 x 4x84x84 uint8 = 903 KB a call: past the shared-memory threshold
 
 
