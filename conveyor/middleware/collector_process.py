@@ -275,13 +275,22 @@ def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int]]]:
 
 
 def _two_free_cpus(allowed: Set[int]) -> bool:
-    """Whether this process may use exactly two CPUs, the machine's all, and the machine ran less than one CPU's
-    worth of work over the last minute (its load average): pinned threads could not move off another busy process
-    (cartpole/impala async beside a CPU hog: median 12.8 s pinned against 8.4 s free; docs/engine.md)."""
-    try:
-        return len(allowed) == 2 == os.cpu_count() and os.getloadavg()[0] < 1.0
-    except OSError:  # no load average: whether the CPUs are free is not known
+    """Whether this process may use exactly two CPUs, the machine's all, and no other process's thread is running
+    or waiting for a CPU now (``/proc/loadavg``'s count of runnable threads, less this process's): a pinned thread
+    could not move off a CPU another process keeps busy (cartpole/impala async beside a CPU hog: median 12.8 s
+    pinned against 8.4 s free; docs/engine.md). Unknown (no /proc): not free."""
+    if not len(allowed) == 2 == os.cpu_count():
         return False
+    try:
+        with open("/proc/loadavg") as f:
+            runnable = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, ValueError, IndexError):
+        return False
+    return runnable <= own
 
 
 def _unsplit(tid: int) -> None:
@@ -339,7 +348,7 @@ class ProcessCollector:
     once this process has initialised CUDA (a forked child could not use it). ``split_cpus``: run this
     thread (and the threads it starts from now on, such as an async pipeline's) on the CPU it is on and
     the child on the others, until closed; None (the default) does so where this process may use exactly
-    two CPUs, the machine's, and the machine's one-minute load average is under 1 (the other CPU is free).
+    two CPUs, the machine's, and no other process runs or waits for a CPU as the collector starts.
 
     Reads ctx: ``env_step``, ``collect_kwargs``.
     Writes ctx: what the chain writes of ``trajectories``, ``trajectory_end_idx``, ``episodes``,
