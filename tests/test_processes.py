@@ -189,3 +189,45 @@ def test_a_zygote_child_that_crashes_in_native_code_prints_where_before_it_dies(
         zygote.close(WAIT)
     err = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in err and "crash_in_native_code" in err
+
+
+def _zygote_importing(tmp_path, monkeypatch, name, code, ready_timeout_s):
+    """A zygote that preloads module ``name`` (``code``, written under ``tmp_path``) and forks serve_pid."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(code))
+    monkeypatch.syspath_prepend(str(tmp_path))  # the zygote gets the parent's sys.path
+    return Zygote([name], ready_timeout_s, "tests.test_processes:serve_pid")
+
+
+def test_a_zygote_whose_imports_outlast_ready_timeout_s_while_working_still_forks(tmp_path, monkeypatch):
+    # 0.45 s of CPU spread over >= 2.7 s: a slow import on a loaded machine, not a hung one
+    zygote = _zygote_importing(tmp_path, monkeypatch, "slow_import", """
+        import time
+        for _ in range(15):
+            start = time.process_time()
+            while time.process_time() - start < 0.03:
+                pass
+            time.sleep(0.15)
+        """, ready_timeout_s=2.0)
+    forked = []
+    try:
+        child, conn = zygote.fork("after a slow import")
+        forked.append(child)
+        assert conn.recv() == child.pid
+        conn.send("leave")
+        assert child.wait(WAIT) == 5
+    finally:
+        stop(forked, 1.0)
+        zygote.close(WAIT)
+
+
+@pytest.mark.parametrize("code, why", [("import time\ntime.sleep(3600)\n", r"has used no CPU for 1.0s while importing"),
+                                       ("while True:\n    pass\n", r"used 1s of CPU importing")])
+def test_a_zygote_whose_import_hangs_raises_naming_the_module(tmp_path, monkeypatch, code, why):
+    zygote = _zygote_importing(tmp_path, monkeypatch, "hung_import", code, ready_timeout_s=1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=rf"{why} hung_import"):
+            zygote.fork("never")
+    finally:
+        zygote.kill()
+    assert time.monotonic() - started < WAIT

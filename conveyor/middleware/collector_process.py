@@ -246,14 +246,14 @@ _SPLITS_LOCK = threading.Lock()
 
 
 def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int]]]:
-    """With ``split`` (None: when this process may run on exactly two CPUs), pin the calling thread to the CPU it
-    runs on and return ``(its thread id, the CPUs for the child: the others)``; else None. A thread already
-    split for another collector stays as it is, and the new child shares the other CPUs.
+    """With ``split`` (None: when :func:`_two_free_cpus`), pin the calling thread to the CPU it runs on and return
+    ``(its thread id, the CPUs for the child: the others)``; else None. A thread already split for another
+    collector stays as it is, and the new child shares the other CPUs.
 
     Why: the learner and the threads that hand it data pass the GIL between them; on different CPUs every
     handover wakes a thread across CPUs and the learner loses its cache, which on two CPUs cost cartpole/dqn
-    more than async mode gained (docs/engine.md, "When async pays"). With two CPUs and two busy processes,
-    one each costs the scheduler no freedom; with more, it is left alone unless asked.
+    more than async mode gained (docs/engine.md, "When async pays"). With two free CPUs and two busy processes,
+    one each costs the scheduler no freedom; with more, or with other work on them, it is left alone unless asked.
     """
     if split is False or not hasattr(os, "sched_getaffinity"):  # Linux only
         return None
@@ -264,7 +264,7 @@ def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int]]]:
             shared[2] += 1
             return tid, shared[1]
         allowed = os.sched_getaffinity(0)
-        if (split is None and len(allowed) != 2) or len(allowed) < 2:
+        if (split is None and not _two_free_cpus(allowed)) or len(allowed) < 2:
             return None
         with open("/proc/thread-self/stat") as f:
             here = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor": the CPU it last ran on
@@ -272,6 +272,25 @@ def _split_cpus(split: Optional[bool]) -> Optional[Tuple[int, Set[int]]]:
         os.sched_setaffinity(0, {here})
         _SPLITS[tid] = [allowed, allowed - {here}, 1]
         return tid, allowed - {here}
+
+
+def _two_free_cpus(allowed: Set[int]) -> bool:
+    """Whether this process may use exactly two CPUs, the machine's all, and no other process's thread is running
+    or waiting for a CPU now (``/proc/loadavg``'s count of runnable threads, less this process's): a pinned thread
+    could not move off a CPU another process keeps busy (cartpole/impala async beside a CPU hog: median 12.8 s
+    pinned against 8.4 s free; docs/engine.md). Unknown (no /proc): not free."""
+    if not len(allowed) == 2 == os.cpu_count():
+        return False
+    try:
+        with open("/proc/loadavg") as f:
+            runnable = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, ValueError, IndexError):
+        return False
+    return runnable <= own
 
 
 def _unsplit(tid: int) -> None:
@@ -329,7 +348,7 @@ class ProcessCollector:
     once this process has initialised CUDA (a forked child could not use it). ``split_cpus``: run this
     thread (and the threads it starts from now on, such as an async pipeline's) on the CPU it is on and
     the child on the others, until closed; None (the default) does so where this process may use exactly
-    two CPUs.
+    two CPUs, the machine's, and no other process runs or waits for a CPU as the collector starts.
 
     Reads ctx: ``env_step``, ``collect_kwargs``.
     Writes ctx: what the chain writes of ``trajectories``, ``trajectory_end_idx``, ``episodes``,

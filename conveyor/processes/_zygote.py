@@ -118,7 +118,9 @@ class Zygote:
     """A preloading process that imports ``modules`` and forks children running ``entry`` (``"module:function"``,
     called with the child's connection to this process; returns its exit code). Its failures (it could not
     import the main module, it died) raise ``error``, with ``owner`` (who starts the children, ``what``) first in
-    the message; one that forks nothing within ``ready_timeout_s`` raises TimeoutError."""
+    the message. ``ready_timeout_s`` bounds the fork once the zygote's imports are done; the imports themselves
+    (slow on a loaded machine: torch) are bounded by what the zygote does, not by the clock: TimeoutError if it
+    uses ``ready_timeout_s`` of CPU on them, or none for ``ready_timeout_s`` (blocked), naming the module."""
 
     def __init__(self, modules: Sequence[str], ready_timeout_s: float, entry: str, *,
                  error: Type[Exception] = RuntimeError, owner: str = "zygote", what: str = "children") -> None:
@@ -133,6 +135,7 @@ class Zygote:
         self.ready_timeout_s, self.error, self.owner, self.what = ready_timeout_s, error, owner, what
         self._children: Dict[int, Forked] = {}
         self._forked: List[int] = []
+        self._importing: Optional[str] = "its first modules"  # what the zygote imports now; None once it waits
         self.preparation = preparation("conveyor-zygote")
         self.conn.send((self.preparation, entry, list(modules)))
 
@@ -140,6 +143,7 @@ class Zygote:
         """Import ``modules`` too before the next fork."""
         with signals_held():
             self.conn.send(("preload", list(modules)))
+        self._importing = self._importing or "the preloaded modules"
 
     def fork(self, name: str) -> Tuple[Forked, Any]:
         """A new child called ``name``, and the parent's connection to it (preparation data already sent)."""
@@ -151,19 +155,46 @@ class Zygote:
         finally:
             theirs.close()
         conn = mp_connection.Connection(ours.detach())
-        deadline = time.monotonic() + self.ready_timeout_s
-        while not self._forked:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                conn.close()
-                raise TimeoutError(f"{self.owner}: the zygote (pid {self.proc.pid}) forked no {self.what} within "
-                                   f"ready_timeout_s={self.ready_timeout_s}s; raise it, or check that nothing "
-                                   f"blocks the imports of main's module")
-            self.pump(left)
+        try:
+            self._await_fork()
+        except BaseException:
+            conn.close()
+            raise
         pid = self._forked.pop()
         child = self._children[pid] = Forked(self, pid, name)
         conn.send(preparation(name))
         return child, conn
+
+    def _await_fork(self) -> None:
+        """Wait for the zygote's next fork: ``ready_timeout_s`` from the end of its imports (or from now), while
+        the imports run as long as the zygote keeps using CPU and has used less than ``ready_timeout_s`` of it."""
+        bound, pid = self.ready_timeout_s, self.proc.pid
+        deadline = time.monotonic() + bound
+        cpu_from = cpu_seen = _cpu_seconds(pid)
+        moved_at = time.monotonic()
+        while not self._forked:
+            now = time.monotonic()
+            if self._importing is None:
+                if deadline <= now:
+                    raise TimeoutError(f"{self.owner}: the zygote (pid {pid}) finished its imports but forked no "
+                                       f"{self.what} within ready_timeout_s={bound}s (its stderr may say why)")
+                self.pump(deadline - now)
+                continue
+            cpu = _cpu_seconds(pid)
+            if cpu is not None and cpu_seen is not None and cpu > cpu_seen:
+                cpu_seen, moved_at = cpu, now
+            if cpu is not None and cpu_from is not None and cpu - cpu_from >= bound:
+                raise TimeoutError(f"{self.owner}: the zygote (pid {pid}) used {cpu - cpu_from:.0f}s of CPU "
+                                   f"importing {self._importing} (ready_timeout_s={bound}s): move the work out of that "
+                                   f"module's top level, or raise ready_timeout_s")
+            if now - moved_at >= bound:
+                raise TimeoutError(f"{self.owner}: the zygote (pid {pid}) has used no CPU for {bound}s while importing "
+                                   f"{self._importing}: its top level blocks (input, a lock, the network?); fix that")
+            importing = self._importing
+            self.pump(min(0.5, bound / 4))
+            if self._importing != importing:  # a message is progress too (where /proc cannot be read)
+                moved_at = deadline = time.monotonic()
+                deadline += bound
 
     def pump(self, timeout: Optional[float]) -> None:
         """Take one message from the zygote if one comes within ``timeout`` (None: no limit)."""
@@ -180,6 +211,8 @@ class Zygote:
             raise self.error(message[1] if message[2] else f"{self.owner}: {message[1]}")
         if message[0] == "forked":
             self._forked.append(message[1])
+        elif message[0] == "importing":
+            self._importing = message[1]
         elif message[0] == "exit":
             self._children.pop(message[1]).returncode = message[2]
 
@@ -203,6 +236,16 @@ class Zygote:
             self.proc.wait()
 
 
+def _cpu_seconds(pid: int) -> Optional[float]:
+    """The CPU time (user + system) process ``pid`` has used, from /proc; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 # --- inside the zygote ---------------------------------------------------------------------------------
 def zygote_main() -> None:
     """Entry point of the zygote (``python -c``; argv[1] is the inherited descriptor of its connection)."""
@@ -218,6 +261,7 @@ def zygote_main() -> None:
     faulthandler.enable(all_threads=True)
     conn = mp_connection.Connection(fd)
     data, entry, modules = conn.recv()
+    conn.send(("importing", data.get("init_main_from_path") or data.get("init_main_from_name") or "__main__"))
     _importing_main = True
     try:
         mp_spawn.prepare(data)
@@ -233,20 +277,23 @@ def zygote_main() -> None:
         os._exit(1)
     finally:
         _importing_main = False
-    _preload(modules)
+    _preload(conn, [*modules, entry.partition(":")[0]])
     module, _, function = entry.partition(":")
     _fork_children(conn, getattr(importlib.import_module(module), function))
     os._exit(0)
 
 
-def _preload(modules: Sequence[str]) -> None:
-    """Import ``modules`` in the zygote. Not ``torch._dynamo`` (1.5 s here), which torch imports when a process
-    makes its first optimizer: children that only act never need it (docs/distributed.md)."""
+def _preload(conn: Any, modules: Sequence[str]) -> None:
+    """Import ``modules`` in the zygote, telling the parent which one it is at, then that it is done. Not
+    ``torch._dynamo`` (1.5 s here), which torch imports when a process makes its first optimizer: children that
+    only act never need it (docs/distributed.md)."""
     for name in modules:
+        conn.send(("importing", name))
         try:
             importlib.import_module(name)
         except Exception:  # a child imports it again, and reports the error itself
             log.debug("zygote: preloading %s failed", name, exc_info=True)
+    conn.send(("importing", None))
 
 
 def _fork_children(conn: Any, entry: Callable[[Any], int]) -> None:
@@ -281,7 +328,7 @@ def _fork_children(conn: Any, entry: Callable[[Any], int]) -> None:
                     children[os.pidfd_open(pid)] = pid
                     conn.send(("forked", pid))
                 elif message[0] == "preload":
-                    _preload(message[1])
+                    _preload(conn, message[1])
                 elif message[0] == "signal" and message[1] in children.values():
                     os.kill(message[1], message[2])
             except (EOFError, OSError):

@@ -1,6 +1,8 @@
 """ProcessCollector: the same collector in a child process, following the learner's weight versions."""
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -284,6 +286,28 @@ def test_split_cpus_gives_this_thread_one_cpu_and_the_child_the_others_until_clo
         assert os.sched_getaffinity(0) == pinned  # still split: the second is open
         second(ctx)
     assert ctx.episodes == [sorted(allowed - pinned)] and os.sched_getaffinity(0) == allowed
+
+
+@pytest.fixture
+def busy_process():
+    """Another process that keeps a CPU busy (a spinning loop), running once the fixture returns; killed after."""
+    proc = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "spinning\n"
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) != 2 or os.cpu_count() != 2,
+                    reason="the default split is for a process on a two-CPU machine")
+def test_by_default_the_cpus_are_not_split_while_another_process_keeps_one_busy(cfg, busy_process):
+    allowed = os.sched_getaffinity(0)
+    with ProcessCollector(lambda: ([], DQNPolicy(cfg.policy), lambda: None), DQNPolicy(cfg.policy)):
+        assert os.sched_getaffinity(0) == allowed  # a pinned thread could not move off the busy CPU
+    assert os.sched_getaffinity(0) == allowed
 
 
 IMAGE_STEPS, IMAGE_ENVS = 8, 4  # obs of 8 x 4 x 4x84x84 uint8 = 903 KB a call: past the shared-memory threshold

@@ -201,20 +201,8 @@ class Codec:
             raise DecodeError("no frames to decode: a payload has at least its header frame")
         if len(frames[0]) > MAX_HEADER_BYTES:
             raise DecodeError(f"payload header of {len(frames[0])} bytes is over the limit of {MAX_HEADER_BYTES}")
-        try:
-            text = str(frames[0], "utf-8")
-        except UnicodeDecodeError as e:
-            raise DecodeError(f"payload header is not valid JSON: {e}") from None
-        items = _items(text)
-        if items > MAX_HEADER_ITEMS:
-            raise DecodeError(f"payload header holds up to {items} containers and items, over the limit of "
-                              f"{MAX_HEADER_ITEMS}")
-        try:
-            tree, end = _JSON_DECODER.raw_decode(text)  # what encode writes: no whitespace around the value
-        except (ValueError, RecursionError) as e:
-            raise DecodeError(f"payload header is not valid JSON: {e}") from None
-        if end != len(text):
-            raise DecodeError(f"payload header is not valid JSON: {len(text) - end} bytes after its value")
+        header = frames[0]
+        tree = _header_tree(bytes(header)) if len(header) <= CACHED_HEADER_BYTES else _parse_header(header)
         try:
             return self._value(tree, _Buffers(frames), copy)
         except DecodeError:
@@ -268,6 +256,33 @@ class Codec:
                 else self._value(v, frames, copy) for k, v in body.items()}
 
 
+def _parse_header(header: Frame) -> Any:
+    """The structure tree of a payload header: checked (UTF-8, :data:`MAX_HEADER_ITEMS`, nothing after the value) and
+    parsed. The tree is only read by ``Codec._value``, never changed, so one parse may serve many payloads."""
+    try:
+        text = str(header, "utf-8")
+    except UnicodeDecodeError as e:
+        raise DecodeError(f"payload header is not valid JSON: {e}") from None
+    items = _items(text)
+    if items > MAX_HEADER_ITEMS:
+        raise DecodeError(f"payload header holds up to {items} containers and items, over the limit of "
+                          f"{MAX_HEADER_ITEMS}")
+    try:
+        tree, end = _JSON_DECODER.raw_decode(text)  # what encode writes: no whitespace around the value
+    except (ValueError, RecursionError) as e:
+        raise DecodeError(f"payload header is not valid JSON: {e}") from None
+    if end != len(text):
+        raise DecodeError(f"payload header is not valid JSON: {len(text) - end} bytes after its value")
+    return tree
+
+
+CACHED_HEADER_BYTES = 2048
+"""Headers up to this size are parsed once and their trees kept (the last 64, a few MiB at most whatever peers send):
+a stream of payloads of one structure (the same keys, dtypes and shapes each step) repeats one header, and parsing it
+cost as much as the rest of decoding a small payload."""
+_header_tree = functools.lru_cache(maxsize=64)(_parse_header)
+
+
 def _items(header: str) -> int:
     """An upper bound on the containers and items a JSON header parses into (see :data:`MAX_HEADER_ITEMS`).
     A header has at most one per character, so one no longer than the limit is not counted."""
@@ -307,17 +322,24 @@ def _module(name: str) -> Any:
     return module if module is not None else importlib.import_module(name)
 
 
-def _raw(frames: _Buffers, index: Any, nbytes: int, copy: bool) -> Union[memoryview, bytearray]:
+def _raw(frames: _Buffers, index: Any, nbytes: int) -> memoryview:
+    """Buffer ``index`` as a flat byte view, checked to hold ``nbytes``; the caller copies it if it must."""
     view = frames.take(index)
     if view.ndim != 1 or view.format != "B" or not view.c_contiguous:
         view = view.cast("B")
     if view.nbytes != nbytes:
         raise DecodeError(f"malformed payload: buffer {index} has {view.nbytes} bytes, its header says {nbytes}")
-    return bytearray(view) if copy or view.readonly else view
+    return view
 
 
 def _array_node(np: Any, a: Any, buffers: List[Frame]) -> List[Any]:
     flags = a.flags
+    if flags.c_contiguous:  # the common case: its bytes as they lie, in one call instead of four
+        try:
+            buffers.append(memoryview(a).cast("B"))
+            return [_descr(a.dtype), list(a.shape), "C", len(buffers)]
+        except (TypeError, ValueError):  # a dtype the buffer protocol does not carry (datetime): as below
+            pass
     order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
     flat = (a.T if order == "F" else a if flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1)
     buffers.append(memoryview(flat.view(np.uint8)) if flat.dtype.itemsize else b"")
@@ -331,8 +353,13 @@ def _array(body: List[Any], frames: _Buffers, copy: bool) -> Any:
     if dtype.hasobject:
         raise DecodeError("malformed payload: an array of dtype object cannot come without pickle")
     count = _element_count(shape, "array")
-    raw = _raw(frames, index, count * dtype.itemsize, copy)
-    flat = np.frombuffer(raw, dtype=dtype, count=count) if count and dtype.itemsize else np.empty(count, dtype)
+    view = _raw(frames, index, count * dtype.itemsize)
+    if not count or not dtype.itemsize:
+        flat = np.empty(count, dtype)
+    else:  # numpy copies with the GIL released: the thread that receives the next batch runs meanwhile
+        flat = np.frombuffer(view, dtype=dtype, count=count)
+        if copy or view.readonly:
+            flat = flat.copy()
     return flat.reshape(shape[::-1]).T if order == "F" else flat.reshape(shape)
 
 
@@ -381,7 +408,8 @@ def _tensor(body: List[Any], frames: _Buffers, copy: bool) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise DecodeError(f"malformed payload: {name!r} is not a torch dtype")
     count = _element_count(shape, "tensor")
-    raw = _raw(frames, index, count * dtype.itemsize, copy)
+    raw = _raw(frames, index, count * dtype.itemsize)
+    raw = bytearray(raw) if copy or raw.readonly else raw
     if not count:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)

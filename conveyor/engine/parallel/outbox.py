@@ -54,24 +54,29 @@ class Outbox:
     def put(self, link: Any, message: bytearray) -> bool:
         """Queue ``message`` for ``link``; waits up to ``timeout_s`` for room. False: no room came (or the outbox
         is closed), and the message was not queued. ``message`` is only read, so one may be queued on several links."""
-        deadline = time.monotonic() + self.timeout_s
+        size, deadline = len(message), None
         with self._changed:
-            queue = self._queues.setdefault(link, _Queue())
-            while queue.items and (queue.bytes + len(message) > self.max_bytes
+            queue = self._queues.get(link)
+            if queue is None:
+                queue = self._queues[link] = _Queue()
+            while queue.items and (queue.bytes + size > self.max_bytes
                                    or len(queue.items) >= 2 * MAX_BATCH_MESSAGES) and not self._closing:
+                deadline = deadline or time.monotonic() + self.timeout_s
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._changed.wait(left)
             if self._closing:
                 return False
+            idle = not queue.items and not queue.sending  # its thread may be waiting for something to send
             queue.items.append(message)
-            queue.bytes += len(message)
+            queue.bytes += size
             if queue.thread is None:
                 queue.thread = threading.Thread(target=self._run, args=(link, queue), daemon=True,
                                                 name=f"conveyor-router-send-{self._name}")
                 queue.thread.start()
-            self._changed.notify_all()
+            elif idle:
+                self._changed.notify_all()
         return True
 
     def queued(self) -> int:

@@ -276,7 +276,7 @@ class Router:
             lost = self._members.subscribed(topic, lost=True) if to_lost else []
             if not links and not lost:
                 return 0
-            send_lock = self._send_locks.setdefault(topic, threading.Lock())
+            send_lock = self._send_locks.get(topic) or self._send_locks.setdefault(topic, threading.Lock())
         with send_lock:  # seq order is send order on every link
             seq = self._seq.get(topic, -1) + 1
             self._seq[topic] = seq
@@ -380,8 +380,9 @@ class Router:
             if not any(taken):
                 return None
             self._counts["received"] += sum(taken)
-            return [(f, [functools.partial(self._deliver, f.sender, fn) for fn in self._handlers.get(f.topic, ())])
-                    for f, ok in zip(frames, taken) if ok]
+            calls = {t: [functools.partial(self._deliver, frames[0].sender, fn) for fn in self._handlers.get(t, ())]
+                     for t in {f.topic for f in frames}}  # per topic, not per message: a batch has one sender
+            return [(f, calls[f.topic]) for f, ok in zip(frames, taken) if ok]
 
     def _deliver(self, sender: str, fn: Callable[[Any], Any], payload: Any) -> None:
         """Call a handler with :attr:`sender` set to the message's sender."""

@@ -139,6 +139,20 @@ def test_a_mixed_payload_round_trips():
     assert_same(payload, roundtrip(payload))
 
 
+def test_payloads_of_one_structure_decode_to_their_own_values_each_time():
+    first = {"obs": np.arange(4.0), "info": {"ids": [1, 2]}, "pair": (1, "a")}
+    second = {"obs": np.arange(4.0) + 10, "info": {"ids": [1, 2]}, "pair": (1, "a")}
+    frames = encode(first), encode(second)
+    assert bytes(frames[0][0]) == bytes(frames[1][0])  # one header: parsed once
+    got = decode(frames[0])
+    got["info"]["ids"].append(3)  # changing what one decode returned changes nothing the next one returns
+    got["info"]["new"] = True
+    again, other = decode(frames[0]), decode(frames[1])
+    assert again["info"] == {"ids": [1, 2]} and again["pair"] == (1, "a")
+    np.testing.assert_array_equal(again["obs"], first["obs"])
+    np.testing.assert_array_equal(other["obs"], second["obs"])
+
+
 def test_contiguous_arrays_are_sent_without_copying():
     a = np.arange(1000, dtype=np.float64)
     t = torch.arange(1000, dtype=torch.float32)

@@ -4,7 +4,7 @@ import gc
 import pynng
 import pytest
 
-from conveyor.engine.parallel.nngmsg import Outgoing
+from conveyor.engine.parallel.nngmsg import GIL_FREE_BYTES, Outgoing
 from tests.engine.parallel._wire import WAIT
 
 
@@ -50,3 +50,22 @@ def test_a_message_can_be_sent_only_once(pair):
     with pytest.raises(pynng.MessageStateError):
         out.send(push)
     assert pull.recv() == b"once"
+
+
+def test_large_and_small_pieces_written_out_of_order_arrive_as_laid_out(pair):
+    push, pull = pair
+    big = bytes(range(256)) * (GIL_FREE_BYTES // 128)  # copied by nng, with the GIL released
+    out = Outgoing(8 + 2 * len(big) + 4)
+    assert out.write(8 + len(big), bytearray(big[::-1])) == 8 + 2 * len(big)
+    assert out.write(8, memoryview(big)) == 8 + len(big)
+    out.write(0, b"12345678")
+    out.body[-4:] = b"tail"
+    assert bytes(out.body) == b"12345678" + big + big[::-1] + b"tail"
+    out.send(push)
+    assert pull.recv() == b"12345678" + big + big[::-1] + b"tail"
+
+
+def test_a_write_past_the_message_is_refused():
+    out = Outgoing(16)
+    with pytest.raises(ValueError, match="run past"):
+        out.write(10, b"x" * 7)
