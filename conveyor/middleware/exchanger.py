@@ -380,7 +380,7 @@ class ContextExchanger(Exchanger):
     def close(self) -> None:
         """Unsubscribe; the ledger closes (a learner's counts what arrived after its last iteration)."""
         super().close()
-        self.shared.close()
+        self.shared.close(wait=self._collector and bool(self._router.subscribers(self._data_topic)))
         if self._learner:
             with self._cond:
                 left, self._inbox = self._inbox, []

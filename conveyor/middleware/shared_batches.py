@@ -37,6 +37,7 @@ import secrets
 import struct
 import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from conveyor.engine.parallel import codec
@@ -55,6 +56,8 @@ MIN_SHARED_BYTES = 1 << 16
 """Arrays from this size on go through shared memory; smaller ones stay in the message."""
 BLOCKS = 4
 """Blocks a collector keeps at most: batches in flight through shared memory."""
+CLOSE_WAIT_S = 5.0
+"""How long a collector that ends waits for its learner to take the batches still in its blocks before it frees them."""
 _HEADER = 64  # state (int64: 0 free, 1 full) and ticket (int64), then padding; arrays start after it
 _ALIGN = 64
 _ROUND = 1 << 20  # blocks are made in whole MiB, a quarter larger than asked, so that they rarely grow
@@ -162,7 +165,7 @@ class SharedBatches:
         self._ring: List[_Block] = []  # collector's blocks
         self._made = 0  # collector: blocks made, numbering their names
         self._mapped: Dict[str, Dict[str, Any]] = {}  # learner: by collector node, its blocks mapped (name -> shm)
-        self._seen: set = set()  # learner: the collectors that sent through shared memory
+        self._nodes: set = set()  # learner: the collectors whose blocks it mapped, or that it lost: swept at its close
         self.taken = 0  # learner: batches taken through shared memory
         self._log = RateLimitedLog(log)
         if self.learner:
@@ -379,7 +382,7 @@ class SharedBatches:
             while len(mapped) >= self.blocks:
                 release_shared_block(mapped.pop(next(iter(mapped))), unlink=False)
             mapped[name] = shm
-            self._seen.add(sender)
+            self._nodes.add(sender)
         return mapped[name]
 
     # --- both --------------------------------------------------------------------------------------------------
@@ -391,22 +394,30 @@ class SharedBatches:
             if self.learner:
                 for shm in self._mapped.pop(node, {}).values():
                     release_shared_block(shm, unlink=False)
-                if node in self._seen:
+                if _NODE.fullmatch(node):  # also one whose batch never reached this learner
+                    self._nodes.add(node)
                     remove_stale_blocks(f"{self._prefix}{node}.")
             elif self.collector and self._judged.pop(node, ("", False))[1]:
                 self._release_ring()
                 remove_stale_blocks(BLOCK_FAMILY)  # the probe of a learner that died (and blocks named after it)
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         """Free what this side holds (a learner: its probe, and the blocks of collectors gone; a collector: its
-        blocks). Idempotent."""
+        blocks, with ``wait`` (a learner still there) once the learner took the batches in them, at most
+        :data:`CLOSE_WAIT_S`: its last batch may still be on its way). Idempotent."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while wait and time.monotonic() < deadline:
+            with self._lock:
+                if not any(b.full() for b in self._ring):
+                    break
+            time.sleep(0.005)  # the learner frees a block from another process: nothing to wait on but the block
         with self._lock:
             for blocks in self._mapped.values():
                 for shm in blocks.values():
                     release_shared_block(shm, unlink=False)
-            for node in self._seen:  # named as _map allows
+            for node in self._nodes:  # a killed one may have ended after it was lost
                 remove_stale_blocks(f"{self._prefix}{node}.")
-            self._mapped, self._seen = {}, set()
+            self._mapped, self._nodes = {}, set()
             if self._probe is not None:
                 release_shared_block(self._probe, unlink=True)
                 self._probe, self._offer = None, None

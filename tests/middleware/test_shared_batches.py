@@ -1,6 +1,7 @@
 """Collected batches through shared memory on one host (conveyor/middleware/shared_batches.py): equal bit for bit to
 those sent in their messages, forged descriptors dropped, flow control, and no block left behind."""
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from conveyor.engine.parallel.launch import WorkerError
 from conveyor.middleware.exchanger import DATA_TOPIC, ContextExchanger
 from conveyor.middleware.messages import BadMessage
 from conveyor.processes import create_shared_block
-from conveyor.middleware.shared_batches import BLOCK_FAMILY, BLOCKS, SharedArray, SharedBatches, SharedTree
+from conveyor.middleware.shared_batches import (BLOCK_FAMILY, BLOCKS, CLOSE_WAIT_S, SharedArray, SharedBatches,
+                                               SharedTree)
 from tests.middleware import _shared_batches_mains as mains
 from tests.middleware.test_exchanger import fake_router  # noqa: F401 (a fixture)
 
@@ -242,3 +244,13 @@ def test_a_collector_that_finds_no_room_in_dev_shm_sends_in_the_message(pair, mo
     monkeypatch.setattr(shared_batches, "create_shared_block", full)
     sent = payload()
     assert collector.pack(sent, ["0"]) == (sent, None) and "batches go in their messages" in caplog.text
+
+
+def test_a_collector_that_ends_frees_a_block_only_once_its_learner_took_the_batch_in_it(pair):
+    learner, collector = pair
+    message, block = collector.pack(payload(), ["0"])  # its last batch, still on its way
+    closing = threading.Thread(target=collector.close, kwargs={"wait": True})
+    closing.start()
+    got = learner.take("1", wire(message))
+    closing.join(timeout=CLOSE_WAIT_S + 10)
+    assert not closing.is_alive() and same(got, wire(payload())) and block.shm.name not in our_blocks()
