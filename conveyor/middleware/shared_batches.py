@@ -22,7 +22,7 @@ MB) go through a shared-memory block, and the message carries only where they ar
   :func:`~conveyor.processes.remove_stale_blocks` frees those whose maker is gone: the learner those of a collector it
   lost, at its close those of every collector gone, and when it starts those of learners gone (their probes, and
   blocks named after them); a collector, when its learner is lost, the learner's probe. A collector frees its own
-  blocks when its learner goes and when the run ends; a learner its probe at its end.
+  blocks when its learner goes, and at its end once the learner took what is in them; a learner its probe at its end.
 
 The collector and learner must be the same user on one host: a process of that user could also signal the other.
 ``transport`` ``"nng"`` (the config key, ``--set transport=nng``) turns all this off on the side given it.
