@@ -1,0 +1,63 @@
+"""``--inference server``: an inference server node acting for the collectors of a distributed run; its layout, its
+default and the CLI's refusals."""
+import pytest
+
+from conveyor.cli import main as cli_main
+from conveyor.engine import Role
+from conveyor.run import Layout, train_distributed
+from conveyor.run.nodes import default_inference
+from conveyor.schema import ConfigError
+from conveyor.zoo import load_entry
+from tests.cli_helpers import assert_usage_error
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_inference_server_is_the_last_node_and_acts_as_a_receiver_of_weights():
+    layout = Layout(2, evaluators=1, inference="server")
+    assert (layout.n_nodes, layout.server) == (5, 4)
+    assert [layout.role(i) for i in range(5)] == [Role.LEARNER, Role.COLLECTOR, Role.COLLECTOR, Role.EVALUATOR,
+                                                  Role.COLLECTOR]
+    assert Layout(2).server is None and Layout(2).n_nodes == 3
+
+
+def test_an_unknown_inference_value_is_refused_with_the_closest_name():
+    with pytest.raises(ConfigError, match=r"^--inference 'serve': must be one of local, server; did you mean server\?$"):
+        Layout(2, inference="serve")
+
+
+def test_the_default_is_the_server_where_cuda_is_and_the_run_is_on_this_host_else_local():
+    assert default_inference(cuda=True) == "server"
+    assert default_inference(cuda=False) == "local"
+    assert default_inference(cuda=True, one_host=False) == "local"
+
+
+def test_a_run_spread_over_hosts_refuses_the_server(in_tmp):
+    with pytest.raises(ConfigError, match="--inference server: .* with --node-ids or --attach-to use --inference local"):
+        train_distributed(load_entry("cartpole/ppo"), collectors=2, node_ids=[0, 1], inference="server")
+
+
+def test_ppo_trains_with_its_collectors_acting_through_the_server(in_tmp):
+    """On-policy, each batch on the newest weights: the server answers on the version the collector acts on."""
+    run = train_distributed(load_entry("cartpole/ppo"), collectors=2, exp_name="served", max_env_step=1024,
+                            progress=False, inference="server")
+    roles = {node["node_id"]: node["role"] for node in run.nodes}
+    assert roles == {0: "learner", 1: "collector", 2: "collector", 3: "inference"}
+    learner, = [node for node in run.nodes if node["role"] == "learner"]
+    assert run.env_step >= 1024 and run.train_iter > 0
+    assert sorted(learner["received_from"]) == ["1", "2"] and all(learner["received_from"].values())
+    assert run.transitions["unaccounted"] == 0
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--inference", "server"], ["--inference server needs --collectors N"]),
+    (["--collectors", "2", "--inference", "gpu"], ["--inference 'gpu': must be one of local, server"]),
+    (["--collectors", "2", "--inference", "server", "--launcher", "slurm"], ["with --launcher slurm use --inference "
+                                                                           "local"]),
+], ids=["no-collectors", "unknown", "slurm"])
+def test_bad_inference_flags_are_one_line_usage_errors(in_tmp, capsys, argv, fragments):
+    assert_usage_error(cli_main(["train", "cartpole/ppo", *argv]), capsys, *fragments)
