@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import numpy as np
 
+from conveyor.data.batch import concat_nested, map_nested
 from conveyor.engine import CLOSE_EVENT, declares, task
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.schema import ConfigError
@@ -55,19 +56,6 @@ def _batch_of(sample: Any) -> Any:
     if isinstance(sample, dict):
         return {key: _batch_of(value) for key, value in sample.items()}
     return np.asarray(sample)[None]
-
-
-def _concat(parts: List[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, dict):
-        return {key: _concat([part[key] for part in parts]) for key in first}
-    return np.concatenate(parts)
-
-
-def _rows(value: Any, start: int, stop: int) -> Any:
-    if isinstance(value, dict):
-        return {key: _rows(v, start, stop) for key, v in value.items()}
-    return value[start:stop]
 
 
 def _number(value: Any) -> bool:
@@ -182,7 +170,7 @@ class InferenceServer:
         return len(batch)
 
     def _act(self, requests: List[_Request]) -> None:
-        out = self._acting.forward(_concat([r.obs for r in requests]), **requests[0].kwargs)
+        out = self._acting.forward(concat_nested([r.obs for r in requests]), **requests[0].kwargs)
         self.forwards += 1
         if not self._checked:
             self._checked = True
@@ -192,7 +180,8 @@ class InferenceServer:
         start = 0
         for request in requests:
             stop = start + request.rows
-            self._router.publish(reply_topic(request.sender), {"seq": request.seq, "out": _rows(out, start, stop)})
+            rows = map_nested(lambda leaf: leaf[start:stop], out)
+            self._router.publish(reply_topic(request.sender), {"seq": request.seq, "out": rows})
             start = stop
         self.served += len(requests)
 

@@ -17,7 +17,6 @@ from easydict import EasyDict
 
 from conveyor.data import DequeBuffer
 from conveyor.engine import Role, task
-from conveyor.envs import make_env_manager
 from conveyor.middleware import (EVAL_EVENT, CkptSaver, load_checkpoint, offline_logger, online_logger,
                                  progress_bar, termination_checker)
 from conveyor.policy import DataParallelError
@@ -120,8 +119,7 @@ class Run:
             elif not task.has_role(Role(kind)):
                 self._envs[kind] = _Absent(kind, self.cfg.env[f"{kind}_env_num"])
             else:
-                self._envs[kind] = self._env_stack.enter_context(make_env_manager(self.cfg.env, kind,
-                                                                                  seed=self.cfg.seed))
+                self._envs[kind] = self._env_stack.enter_context(modes.env_manager(self, kind))
         return self._envs[kind]
 
     def buffer(self) -> DequeBuffer:

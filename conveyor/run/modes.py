@@ -22,14 +22,15 @@ from conveyor.middleware import ModelExchanger
 from conveyor.middleware.collector_process import ProcessCollector
 from conveyor.middleware.distributed import EXCHANGE_TIMEOUT_S, PROGRESS_TOPIC, RemoteEvaluations
 from conveyor.middleware.inference import InferenceServer, RemoteActing
-from conveyor.envs import env_spaces
+from conveyor.envs import env_spaces, make_env_manager
+from conveyor.middleware.double_buffer import EnvGroups
 from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
 from conveyor.run.control import run_log, seed_everything
 from conveyor.run.directory import LOG_FILE, experiment_dir, prepare
 from conveyor.run.nodes import Node, collector_share, current_node, learner_share, use_node_links
 
-__all__ = ["DatasetMissing", "asynchronous", "data_parallel", "distributed", "in_collector_process",
+__all__ = ["DatasetMissing", "asynchronous", "data_parallel", "distributed", "env_manager", "in_collector_process",
            "inference_server", "offline", "open_run", "single_process"]
 
 log = logging.getLogger("conveyor.run")
@@ -154,6 +155,23 @@ def in_collector_process(run: Any, cfg: EasyDict) -> None:
     run._env_stack = run._resources.enter_context(contextlib.ExitStack())
     run._resources.enter_context(task.start(ctx=OnlineRLContext()))
     task.add_role(Role.COLLECTOR)
+
+
+def env_manager(run: Any, kind: str) -> Any:
+    """The env manager of ``kind`` ('collector' or 'evaluator') that ``run.env`` starts: a collector acting through
+    an inference server gets its envs in two groups, one stepping while the server acts for the other
+    (:class:`EnvGroups`), every other node one manager."""
+    cfg, seed, node = run.cfg.env, run.cfg.seed, run._node
+    if kind != "collector" or node is None or node.layout.server is None or cfg.collector_env_num < 2:
+        return make_env_manager(cfg, kind, seed=seed)
+    half = cfg.collector_env_num // 2
+    first = make_env_manager({**cfg, "collector_env_num": half}, kind, seed=seed)
+    try:
+        return EnvGroups(first, make_env_manager({**cfg, "collector_env_num": cfg.collector_env_num - half}, kind,
+                                                 seed=None if seed is None else seed + half))
+    except BaseException:
+        first.close()
+        raise
 
 
 # --- what the layouts share --------------------------------------------------------------------------------

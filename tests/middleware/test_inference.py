@@ -5,12 +5,15 @@ import threading
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 from benchmarks._cluster import wait_until
 from conveyor.engine import OnlineRLContext, task
 from conveyor.engine.parallel import generate_secret
 from conveyor.engine.parallel.router import Router
+from conveyor.envs import SyncEnvManager
 from conveyor.middleware import StepCollector
+from conveyor.middleware.double_buffer import EnvGroups
 from conveyor.middleware.inference import (REQUEST_TOPIC, InferenceServer, InferenceServerLost, RemoteActing,
                                            reply_topic)
 
@@ -143,10 +146,15 @@ def test_a_node_that_is_no_collector_of_the_run_is_not_served(routers):
     assert server.serve(0.2) == 0
 
 
-def test_a_collector_acting_through_the_server_collects_the_batch_it_would_collect_itself(routers):
-    """Same seeds, same weights: the batch of a StepCollector acting through the server is the one it collects with
-    its own collect view, key for key, value for value."""
-    from conveyor.envs import SyncEnvManager
+def cartpoles(n, seed):
+    return SyncEnvManager([lambda: gym.make("CartPole-v1")] * n, seed=seed)
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one-group", "double-buffered"])
+def test_a_collector_acting_through_the_server_collects_the_batch_it_would_collect_itself(routers, groups):
+    """Same seeds, same weights: the batch of a StepCollector acting through the server, its envs in one group or
+    double-buffered in two, is the one it collects with its own collect view, key for key, value for value (floats
+    to their last bits: a forward over more rows may round them otherwise)."""
     from conveyor.policy import PPOPolicy
     from conveyor.config import compile_config
     from easydict import EasyDict
@@ -160,9 +168,10 @@ def test_a_collector_acting_through_the_server_collects_the_batch_it_would_colle
     served.load_acting_state(local.acting_state())  # the server's replica, on the collector's weights
     batches = []
     for view in (RemoteActing(local.collect_mode, "0", timeout_s=WAIT, router=one), local.collect_mode):
-        with SyncEnvManager([lambda: gym.make("CartPole-v1")] * 3, seed=0) as env:
+        remote = isinstance(view, RemoteActing)
+        with (EnvGroups(cartpoles(1, 0), cartpoles(2, 1)) if remote and groups else cartpoles(3, 0)) as env:
             collect, ctx = StepCollector(cfg, view, env), OnlineRLContext()
-            if isinstance(view, RemoteActing):
+            if remote:
                 server = InferenceServer(served.collect_mode, lambda: 0, env.observation_space, ["1"], max_rows=3,
                                          router=server_router)
                 stop = threading.Event()
@@ -173,7 +182,8 @@ def test_a_collector_acting_through_the_server_collects_the_batch_it_would_colle
                 finally:
                     stop.set()
                     thread.join(WAIT)
-                assert server.stats()["forwards"] == 4  # one per step of the 3 envs
+                assert server.stats()["served"] == 4 * (1 + groups)  # each step, a request per group
+                assert server.stats()["forwards"] == 4 or groups  # one per step of the 3 envs in one group
             else:
                 collect(ctx)
             batches.append(ctx.trajectories)
@@ -181,7 +191,10 @@ def test_a_collector_acting_through_the_server_collects_the_batch_it_would_colle
     assert sorted(remote.keys()) == sorted(own.keys())
     for key in own.keys():
         assert remote[key].shape == own[key].shape and remote[key].dtype == own[key].dtype, key
-        assert (remote[key] == own[key]).all(), key
+        if own[key].is_floating_point():  # a forward over other rows beside may round the last bit otherwise
+            assert torch.allclose(remote[key], own[key], rtol=1e-5, atol=1e-6), key
+        else:
+            assert (remote[key] == own[key]).all(), key
 
 
 def test_a_lost_server_ends_the_collectors_wait_with_one_line_naming_it(routers):
