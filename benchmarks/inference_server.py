@@ -6,7 +6,10 @@ Each side trains the same entry (default ``atari/impala``) distributed as ``conv
 one), with evaluation reduced to the learner's opening episode on one env. Figures, per side:
 
 - env steps/s collected: the collectors' steps from the first collected step to the run's end (``steps_per_s``);
-- learner samples/s: env steps reaching the learner per second between its second and last TensorBoard points.
+- learner samples/s: env steps reaching the learner per second between its second and last TensorBoard points;
+- CPU ms per env step: the CPU time of the whole run (this interpreter and every process it started and reaped,
+  ``getrusage``) over the env steps collected. On a shared machine a side with more processes gets more of the
+  cores, so env steps/s can favour it; this figure does not.
 
 The sides alternate over rounds (the machine is shared); the median of each counts. The server takes the GPU where
 there is one (``cuda`` in the table), else it acts on the CPU beside the collectors. ``ratio``: server / local.
@@ -53,11 +56,13 @@ def measure(side: str, entry: str, collectors: int, env_steps: int, seed: int) -
     from conveyor.zoo import load_entry
 
     cfg = config(entry)
+    cpu = _cpu_s()
     with scratch_dir():
         start = time.time()
         run = train_distributed(load_entry(entry), collectors=collectors, cfg=cfg, seed=seed, max_env_step=env_steps,
                                 progress=False, no_stop=True, inference=side)
         end = time.time()
+        cpu = _cpu_s() - cpu
         points = tensorboard_scalars(Path("runs") / cfg.exp_name / "tb").get("charts/env_steps_per_s", [])
     nodes = [n for n in run.nodes if n["role"] == "collector"]
     first = min(n["first_step_at"] for n in nodes if n["first_step_at"] is not None)
@@ -66,10 +71,19 @@ def measure(side: str, entry: str, collectors: int, env_steps: int, seed: int) -
         (s0, _, t0), (s1, _, t1) = points[1], points[-1]
         learner = (s1 - s0) / (t1 - t0)
     server = [n["device"] for n in run.nodes if n["role"] == "inference"]
-    return {"side": side, "steps_per_s": sum(n["collected"] for n in nodes) / (end - first),
+    collected = sum(n["collected"] for n in nodes)
+    return {"side": side, "steps_per_s": collected / (end - first), "cpu_ms_per_step": 1000 * cpu / collected,
             "learner_steps_per_s": learner, "env_step": run.env_step, "train_iter": run.train_iter,
             "wall_s": end - start, "acts_on": server[0] if server else "cpu (each collector)",
             "cuda": torch.cuda.is_available()}
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user and system) of this process and of its reaped children so far."""
+    import resource
+
+    return sum(usage.ru_utime + usage.ru_stime for usage in (resource.getrusage(resource.RUSAGE_SELF),
+                                                             resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def main() -> None:
@@ -102,15 +116,19 @@ def report(args: argparse.Namespace, results: Dict[str, List[Dict[str, Any]]]) -
 
     print(f"{args.entry}, {args.collectors} collectors, {args.env_steps} agent steps a run, {args.rounds} round(s), "
           f"seed {args.seed}{' (quick)' if args.quick else ''}: medians")
-    print(f"{'inference':>9}  {'acts on':>20}  {'env steps/s':>11}  {'learner samples/s':>17}  rounds (env steps/s)")
+    print(f"{'inference':>9}  {'acts on':>20}  {'env steps/s':>11}  {'CPU ms/step':>11}  {'learner samples/s':>17}  "
+          f"rounds (env steps/s)")
     for side in SIDES:
         learner = median(side, "learner_steps_per_s")
         print(f"{side:>9}  {results[side][0]['acts_on']:>20}  {median(side, 'steps_per_s'):>11.1f}  "
-              f"{'-' if learner is None else f'{learner:.1f}':>17}  "
+              f"{median(side, 'cpu_ms_per_step'):>11.2f}  {'-' if learner is None else f'{learner:.1f}':>17}  "
               + ", ".join(f"{r['steps_per_s']:.1f}" for r in results[side]))
     local, server = median("local", "steps_per_s"), median("server", "steps_per_s")
-    print(f"ratio (server / local): {server / local:.2f}")
+    cpu_local, cpu_server = median("local", "cpu_ms_per_step"), median("server", "cpu_ms_per_step")
+    print(f"ratio (server / local): {server / local:.2f} env steps/s, {cpu_server / cpu_local:.2f} CPU per step")
     print_json_line({"server_steps_per_s": server, "local_steps_per_s": local, "ratio": server / local,
+                     "server_cpu_ms_per_step": cpu_server, "local_cpu_ms_per_step": cpu_local,
+                     "cpu_ratio": cpu_server / cpu_local,
                      "server_learner_steps_per_s": median("server", "learner_steps_per_s"),
                      "local_learner_steps_per_s": median("local", "learner_steps_per_s"),
                      "server_acts_on": results["server"][0]["acts_on"], "entry": args.entry,

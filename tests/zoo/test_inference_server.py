@@ -1,6 +1,15 @@
 """``--inference server``: an inference server node acting for the collectors of a distributed run; its layout, its
-default and the CLI's refusals."""
+default, its end and the CLI's refusals."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+
+from benchmarks._cluster import wait_until
 
 from conveyor.cli import main as cli_main
 from conveyor.engine import Role
@@ -9,6 +18,9 @@ from conveyor.run.nodes import default_inference
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from tests.cli_helpers import assert_usage_error
+from tests.launcher_helpers import group_gone
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -61,3 +73,33 @@ def test_ppo_trains_with_its_collectors_acting_through_the_server(in_tmp):
 ], ids=["no-collectors", "unknown", "slurm"])
 def test_bad_inference_flags_are_one_line_usage_errors(in_tmp, capsys, argv, fragments):
     assert_usage_error(cli_main(["train", "cartpole/ppo", *argv]), capsys, *fragments)
+
+
+def test_a_recurrent_policy_is_refused_by_the_server_in_one_line(in_tmp):
+    with pytest.raises(ConfigError, match="keeps a state per env .* use --inference local"):
+        train_distributed(load_entry("cartpole_masked/ppo_gru"), collectors=1, exp_name="gru", max_env_step=512,
+                          progress=False, inference="server")
+
+
+@pytest.mark.slow
+def test_a_killed_server_ends_the_run_with_one_line_naming_it_and_leaves_no_process(in_tmp):
+    argv = ["cartpole/impala", "--collectors", "2", "--inference", "server", "--exp-name", "lost", "--no-progress",
+            "--no-stop", "--ckpt-interval", "0.2"]
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor", "train", *argv], cwd=in_tmp, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes, ckpt = in_tmp / "runs" / "lost" / "nodes.json", in_tmp / "runs" / "lost" / "ckpt"
+    try:
+        wait_until(lambda: nodes.is_file() and len(json.loads(nodes.read_text())) == 4 or proc.poll() is not None,
+                   240, "4 nodes in nodes.json")
+        wait_until(lambda: (ckpt / "latest.pth.tar").is_file() or proc.poll() is not None, 240, "a first checkpoint")
+        server, = [row["pid"] for row in json.loads(nodes.read_text()) if row["node_id"] == 3]
+        os.kill(server, signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("conveyor: error: ") and "the inference server (node 3)" in last, err[-2000:]
+    wait_until(lambda: group_gone(proc.pid), 30, "every process of the run to end")
