@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 from conveyor.data.batch import concat_nested, map_nested
-from conveyor.engine import CLOSE_EVENT, declares, task
+from conveyor.engine import CLOSE_EVENT, FINISH_EVENT, declares, task
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.schema import ConfigError
 
@@ -72,7 +72,7 @@ class _Request:
 @declares()  # no context field: it answers other nodes' requests
 class InferenceServer:
     """The inference server node's middleware: each call serves one gathered batch (or returns after ``wait_s``
-    with none); when the run finishes it goes on serving until every collector has left (at most ``drain_s``).
+    with none); when the run has ended it goes on serving until every collector has left (at most ``drain_s``).
 
     ``acting``: the server's collect view (``policy.collect_mode`` of a replica a ``ModelExchanger`` keeps on the
     learner's versions); ``loaded``: the version it acts on (``ModelExchanger.loaded_version``; None before the
@@ -102,6 +102,7 @@ class InferenceServer:
         self._handler = self._rejections(self._take, REQUEST_TOPIC)
         self._router.on(REQUEST_TOPIC, self._handler)
         self._router.on_peer_lost(self._peer_lost)
+        task.on(FINISH_EVENT, self._drain)
         task.on(CLOSE_EVENT, self.close)
 
     def __repr__(self) -> str:
@@ -185,13 +186,17 @@ class InferenceServer:
             start = stop
         self.served += len(requests)
 
-    def __call__(self, ctx: Any) -> Iterator[None]:
+    def __call__(self, ctx: Any) -> None:
         self.serve(self._wait_s)
-        yield
-        if task.finish:  # the run ends: answer the collectors still collecting until they have left
-            deadline = time.monotonic() + self._drain_s
-            while self._collectors - self._left and time.monotonic() < deadline:
-                self.serve(min(self._wait_s, max(deadline - time.monotonic(), 0.0)), draining=True)
+
+    def _drain(self, error: Optional[BaseException]) -> None:
+        """The run has ended (:data:`~conveyor.engine.FINISH_EVENT`, whenever the finish came): answer the collectors
+        still collecting until they have left, at most ``drain_s``."""
+        if error is not None:
+            return
+        deadline = time.monotonic() + self._drain_s
+        while self._collectors - self._left and time.monotonic() < deadline:
+            self.serve(min(self._wait_s, max(deadline - time.monotonic(), 0.0)), draining=True)
 
 
 class RemoteActing:

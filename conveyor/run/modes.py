@@ -140,10 +140,10 @@ def inference_server(run: Any, node: Node) -> None:
     task.finish_from(range(layout.learners))
     task.router.on(PROGRESS_TOPIC, lambda progress: None)  # among the nodes a finishing learner tells to stop
     exchanger = ModelExchanger(run.policy, timeout_s=EXCHANGE_TIMEOUT_S, learners=[0])
+    task.use(exchanger)
     task.use(InferenceServer(run.policy.collect_mode, lambda: exchanger.loaded_version, env_spaces(run.cfg.env)[0],
                              range(layout.learners, layout.learners + layout.collectors),
                              max_rows=run.cfg.env.collector_env_num, drain_s=EXCHANGE_TIMEOUT_S))
-    task.use(exchanger)  # after the server: its drain (task.finish) runs after the exchanger has ended the run
 
 
 def in_collector_process(run: Any, cfg: EasyDict) -> None:

@@ -116,6 +116,26 @@ def test_a_request_for_a_newer_version_than_the_servers_waits_for_it(routers):
     assert server.serve(WAIT) == 1 and arrived.wait(WAIT)
 
 
+def test_when_the_run_has_ended_the_server_answers_until_every_collector_has_left(routers):
+    """However the run's finish came (here from this node, between its iterations), the collectors still collecting
+    get their actions: the server drains as the run ends, on any version."""
+    server_router, one, two = routers
+    server = serving(server_router, CountingView(), gather_s=0.01)
+    got, arrived = replies(one)
+    one.publish(REQUEST_TOPIC, request(1, version=4))  # newer than the server's version 3: held while the run goes on
+
+    def leave():
+        arrived.wait(WAIT)
+        one.close()
+        two.close()
+    collectors = threading.Thread(target=leave)
+    collectors.start()
+    task.use(server).use(lambda ctx: setattr(task, "finish", True))
+    task.run()
+    collectors.join(WAIT)
+    assert [r["seq"] for r in got] == [1] and server.stats()["served"] == 1
+
+
 @pytest.mark.parametrize("bad", [
     "not a dict", {"seq": 1, "version": 3, "obs": np.zeros((2, 4), np.float32)},  # no kwargs
     request(1, obs=np.zeros((2, 5), np.float32)), request(1, obs=np.zeros((2, 4), np.float64)),

@@ -53,14 +53,16 @@ def test_a_run_spread_over_hosts_refuses_the_server(in_tmp):
         train_distributed(load_entry("cartpole/ppo"), collectors=2, node_ids=[0, 1], inference="server")
 
 
-def test_ppo_trains_with_its_collectors_acting_through_the_server(in_tmp):
-    """On-policy, each batch on the newest weights: the server answers on the version the collector acts on."""
-    run = train_distributed(load_entry("cartpole/ppo"), collectors=2, exp_name="served", max_env_step=1024,
-                            progress=False, inference="server")
+@pytest.mark.parametrize("entry, steps", [("cartpole/ppo", 1024), ("cartpole/dqn", 1500)])
+def test_an_entry_trains_with_its_collectors_acting_through_the_server(in_tmp, entry, steps):
+    """PPO: on-policy, each batch on the newest weights (the server answers on the version the collector acts on);
+    DQN: random warm-up actions, then an exploration rate sent with each request."""
+    run = train_distributed(load_entry(entry), collectors=2, exp_name="served", max_env_step=steps, progress=False,
+                            inference="server")
     roles = {node["node_id"]: node["role"] for node in run.nodes}
     assert roles == {0: "learner", 1: "collector", 2: "collector", 3: "inference"}
     learner, = [node for node in run.nodes if node["role"] == "learner"]
-    assert run.env_step >= 1024 and run.train_iter > 0
+    assert run.env_step >= steps and run.train_iter > 0
     assert sorted(learner["received_from"]) == ["1", "2"] and all(learner["received_from"].values())
     assert run.transitions["unaccounted"] == 0
 
