@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--inference", default=None, metavar="server|local",
                        help="with --collectors: server, one more process acts for every collector in one forward "
                             "pass (on the GPU where there is one); local, each collector acts itself (default: server "
-                            "where CUDA is, else local; docs/distributed.md)")
+                            "where CUDA is or the policy acts on images, else local; docs/distributed.md)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="local",
                        help="local: start the nodes here (default); slurm: this srun task is the node of its rank "
                             "(SLURM_PROCID); kubernetes: this pod of an indexed Job is (JOB_COMPLETION_INDEX); ray: "

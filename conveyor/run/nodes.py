@@ -48,28 +48,19 @@ from conveyor.middleware.ledger import LEDGER_DIR, SendLedger, TakeLedger, trans
 from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
 from conveyor.middleware.distributed import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
+from conveyor.run.acting import INFERENCE, default_inference
 from conveyor.run.directory import NODES_FILE, check_layout, check_new, run_directory
 from conveyor.run.entries import entry_reference, import_entry
 
 log = logging.getLogger("conveyor.run")
 
-__all__ = ["INFERENCE", "DistributedRun", "Layout", "Node", "check_learners", "default_inference", "check_peer_timeout", "collector_share",
+__all__ = ["DistributedRun", "Layout", "Node", "check_learners", "check_peer_timeout", "collector_share",
            "current_node", "is_offline", "learner_share", "train_distributed", "use_node_links"]
 
 
 def is_offline(config: Mapping[str, Any]) -> bool:
     """Whether an entry with ``config`` (its ``main_config``) trains from a dataset (``policy.other.dataset``)."""
     return "dataset" in (config or {}).get("policy", {}).get("other", {})
-
-
-INFERENCE = ("local", "server")
-"""Where collectors act (``--inference``): on their own replica of the policy, or through one inference server."""
-
-
-def default_inference(cuda: bool, one_host: bool = True) -> str:
-    """``--inference`` when not given: ``server`` where a CUDA device is (one forward for every collector there)
-    and the whole run is on this host, else ``local`` (the faster on CPU: docs/distributed.md has the figures)."""
-    return "server" if cuda and one_host else "local"
 
 
 @dataclass(frozen=True)
@@ -219,14 +210,15 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     ``peer_timeout_s``: how long every node's router tolerates a silent peer before it is lost (None: the
     :class:`~conveyor.engine.parallel.router.Router`'s 5 s; its heartbeat is a quarter of one under 2 s). ``inference``:
     ``"server"`` adds an inference server node acting for every collector (one host's run only), ``"local"`` has each
-    collector act itself; None: :func:`default_inference`. The learners
+    collector act itself; None: :func:`~conveyor.run.acting.default_inference`. The learners
     end the launch: a node here still running a peer timeout after they returned (it missed the run's end: stopped,
     or cut off) is stopped as on SIGTERM (``Parallel.runner``'s ``ends_with``).
     """
     from conveyor.engine import Parallel
 
     if inference is None:
-        inference = default_inference(torch.cuda.is_available(), one_host=node_ids is None and not attach_to)
+        inference = default_inference(cfg if cfg is not None else entry.main_config, torch.cuda.is_available(),
+                                      one_host=node_ids is None and not attach_to)
     layout = Layout(collectors, evaluators, learners, inference)
     if layout.server is not None and (node_ids is not None or attach_to):
         raise ConfigError("--inference server: the server acts for the collectors of one host's run, started here "

@@ -14,7 +14,7 @@ from benchmarks._cluster import wait_until
 from conveyor.cli import main as cli_main
 from conveyor.engine import Role
 from conveyor.run import Layout, train_distributed
-from conveyor.run.nodes import default_inference
+from conveyor.run.acting import default_inference
 from conveyor.schema import ConfigError
 from conveyor.zoo import load_entry
 from tests.cli_helpers import assert_usage_error
@@ -42,10 +42,14 @@ def test_an_unknown_inference_value_is_refused_with_the_closest_name():
         Layout(2, inference="serve")
 
 
-def test_the_default_is_the_server_where_cuda_is_and_the_run_is_on_this_host_else_local():
-    assert default_inference(cuda=True) == "server"
-    assert default_inference(cuda=False) == "local"
-    assert default_inference(cuda=True, one_host=False) == "local"
+def test_the_default_is_the_server_where_cuda_is_or_the_policy_acts_on_images_and_the_run_is_on_this_host():
+    cartpole, atari = load_entry("cartpole/impala").main_config, load_entry("atari/impala").main_config
+    assert default_inference(cartpole, cuda=True) == "server"
+    assert default_inference(cartpole, cuda=False) == "local"
+    assert default_inference(atari, cuda=False) == "server"
+    assert default_inference(atari, cuda=True, one_host=False) == "local"
+    assert default_inference({"policy": {"model": {"obs_shape": [4, 84, 84]}}}, cuda=False) == "server"
+    assert default_inference({"policy": {"model": {"obs_shape": [4, 84, 84], "encoder": "mlp"}}}, cuda=False) == "local"
 
 
 def test_a_run_spread_over_hosts_refuses_the_server(in_tmp):
