@@ -52,6 +52,11 @@ def test_the_default_is_the_server_where_cuda_is_or_the_policy_acts_on_images_an
     assert default_inference({"policy": {"model": {"obs_shape": [4, 84, 84], "encoder": "mlp"}}}, cuda=False) == "local"
 
 
+@pytest.mark.parametrize("entry", ["cartpole_masked/ppo_gru", "mpe/qmix", "mpe/mappo"])
+def test_the_default_never_gives_the_server_a_policy_that_keeps_a_state_per_env(entry):
+    assert default_inference(load_entry(entry).main_config, cuda=True) == "local"
+
+
 def test_a_run_spread_over_hosts_refuses_the_server(in_tmp):
     with pytest.raises(ConfigError, match="--inference server: .* with --node-ids or --attach-to use --inference local"):
         train_distributed(load_entry("cartpole/ppo"), collectors=2, node_ids=[0, 1], inference="server")
