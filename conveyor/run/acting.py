@@ -4,7 +4,7 @@ through one inference server node (``server``, :mod:`conveyor.middleware.inferen
 The rule, measured with ``benchmarks/inference_server.py`` (docs/distributed.md has the figures): ``server`` where
 the whole run starts on this host and either torch sees a CUDA device (one forward pass on the GPU for every
 collector) or the policy acts on images (a convolutional encoder: on a 2-core CPU machine atari/impala and atari/ppo
-collected 1.29-1.52x the env steps/s through the server, for 1.18x the CPU per step); else ``local`` (an MLP
+collected 1.27-1.52x the env steps/s through the server, for 1.12-1.18x the CPU per step); else ``local`` (an MLP
 policy: the server's messages cost more than its batching saves, cartpole/impala and cartpole/ppo 0.72-0.76x), and for a
 policy that keeps a state per env (recurrent, or a team's), which the server cannot hold.
 """
