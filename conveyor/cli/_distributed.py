@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "default 1)")
     group.add_argument("--evaluators", type=int, default=0, metavar="M",
                        help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0: the learner evaluates)")
-    group.add_argument("--inference", default=None, metavar="server|local",
+    group.add_argument("--inference", default=None, metavar="{local,server}",
                        help="with --collectors: server, one more process acts for every collector in one forward "
                             "pass (on the GPU where there is one); local, each collector acts itself (default: server "
                             "where CUDA is or the policy acts on images, else local; docs/distributed.md)")
