@@ -40,6 +40,7 @@ CASES = {
                               *(f"{algo}_{env}_{kind}" for algo in ("bc", "cql", "iql", "behaviour")
                                 for env in ("halfcheetah", "hopper") for kind in ("m", "mr"))}),
     "impala_throughput": (["--quick"], {"steps_per_s_1", "steps_per_s_2", "ratio", "mean_policy_lag"}),
+    "inference_server": (["--quick"], {"server_steps_per_s", "local_steps_per_s", "ratio", "server_acts_on"}),
     "impala_learning": (["--quick"], {"impala_final_train_returns", "ppo_final_train_returns", "impala_wall_s",
                                       "ppo_wall_s", "seeds_at_or_above", "seeds_faster"}),
     "marl_learning": (["--quick"], {"mappo_return", "benchmarl_mappo_return", "return_ratio", "qmix_return_ratio",
@@ -61,7 +62,7 @@ CASES = {
 
 LONGEST_FIRST = ("launch_overhead", "chaos", "vs_sample_factory", "impala_throughput", "soak", "offline",
                  "atari_throughput", "learner_scaling", "impala_learning", "marl_learning", "distributed_throughput", "atari_learning",
-                 "solve --distributed", "env_managers", "mujoco_throughput", "learning_curve")
+                 "solve --distributed", "inference_server", "env_managers", "mujoco_throughput", "learning_curve")
 """The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the
 others 2 to 6 s): the long ones overlap, and the short ones fill the second slot at the end instead of one long run
 holding the module up alone. launch_overhead mostly waits for Slurm and Ray to start."""
