@@ -18,8 +18,8 @@ What matches. The scenario: simple_spread_v3, N=3 agents, episodes of ``max_cycl
 discrete actions (5 per agent; BenchMARL's ``prefer_continuous_actions=False``), set explicitly on both sides.
 ``mpe2`` 1.1.1 and ``pettingzoo.mpe`` 1.24.3 are the same simulator: the same seeds and actions give the same
 observations, states and rewards (checked when this benchmark was written). Both sides take their hyperparameters
-from our entry's config (:func:`benchmarl_settings` maps each): MAPPO: 8 envs, 800 env steps a rollout, 10
-minibatches of 400 env steps a rollout (5 epochs x 2; BenchMARL's ``on_policy_n_minibatch_iters`` counts epochs,
+from our entry's config (:func:`benchmarl_settings` maps each): MAPPO: 8 envs, 800 env steps a rollout, 20
+minibatches of 400 env steps a rollout (10 epochs x 2; BenchMARL's ``on_policy_n_minibatch_iters`` counts epochs,
 passes over the rollout, not minibatches), Adam lr 5e-4 (eps 1e-5), gamma 0.99, GAE lambda 0.95,
 clip 0.2, entropy 0.01, value coefficient 1, gradient norm 10, a shared actor and a shared critic on the global
 state, MLPs [64, 64] with ReLU. QMIX: 8 envs, 200 env steps a round then 4 updates, batches of 32 x 25
