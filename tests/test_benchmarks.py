@@ -148,6 +148,19 @@ def test_the_launch_overhead_benchmarks_slurm_job_is_its_run_of_one_learner_and_
     assert all(value.strip("'") in srun for value in [*SETS, *BUDGET]), srun
 
 
+def test_benchmarl_mappo_takes_as_many_gradient_steps_per_rollout_as_mpe_mappo():
+    """BenchMARL 1.5.2's on-policy loop (``Experiment._collection_loop``) makes ``on_policy_n_minibatch_iters`` passes
+    over a rollout, each of ceil(frames / minibatch size) minibatch steps: the setting counts epochs, not steps."""
+    from benchmarks.marl_learning import benchmarl_settings
+    from conveyor.zoo import load_entry
+
+    learn, n_sample = (cfg := load_entry("mpe/mappo").main_config).policy.learn, cfg.policy.collect.n_sample
+    theirs = benchmarl_settings("mappo")["experiment"]
+    their_steps = theirs["on_policy_n_minibatch_iters"] * -(-theirs["on_policy_collected_frames_per_batch"]
+                                                            // theirs["on_policy_minibatch_size"])
+    assert their_steps == learn.epoch_per_collect * -(-n_sample // learn.batch_size)
+
+
 def test_a_benchmark_imports_only_the_helper_modules_of_its_package_never_the_tests_and_patches_no_sys_path():
     scripts = {path.stem for path in (ROOT / "benchmarks").glob("*.py")}
     wrong = []
