@@ -18,8 +18,9 @@ What matches. The scenario: simple_spread_v3, N=3 agents, episodes of ``max_cycl
 discrete actions (5 per agent; BenchMARL's ``prefer_continuous_actions=False``), set explicitly on both sides.
 ``mpe2`` 1.1.1 and ``pettingzoo.mpe`` 1.24.3 are the same simulator: the same seeds and actions give the same
 observations, states and rewards (checked when this benchmark was written). Both sides take their hyperparameters
-from our entry's config (:func:`benchmarl_settings` maps each): MAPPO: 8 envs, 800 env steps a rollout, 10
-minibatches of 400 env steps a rollout (5 epochs x 2), Adam lr 5e-4 (eps 1e-5), gamma 0.99, GAE lambda 0.95,
+from our entry's config (:func:`benchmarl_settings` maps each): MAPPO: 8 envs, 800 env steps a rollout, 20
+minibatches of 400 env steps a rollout (10 epochs x 2; BenchMARL's ``on_policy_n_minibatch_iters`` counts epochs,
+passes over the rollout, not minibatches), Adam lr 5e-4 (eps 1e-5), gamma 0.99, GAE lambda 0.95,
 clip 0.2, entropy 0.01, value coefficient 1, gradient norm 10, a shared actor and a shared critic on the global
 state, MLPs [64, 64] with ReLU. QMIX: 8 envs, 200 env steps a round then 4 updates, batches of 32 x 25
 transitions, Adam lr 1e-3, gamma 0.95, soft target updates 0.01, gradient norm 10, mixing embedding 32, epsilon
@@ -154,8 +155,7 @@ def benchmarl_settings(algo: str) -> Dict[str, Any]:
     if algo == "mappo":
         experiment.update(adam_eps=1e-5, on_policy_collected_frames_per_batch=policy.collect.n_sample,
                           on_policy_n_envs_per_worker=envs, on_policy_minibatch_size=learn.batch_size,
-                          on_policy_n_minibatch_iters=learn.epoch_per_collect * policy.collect.n_sample
-                          // learn.batch_size)
+                          on_policy_n_minibatch_iters=learn.epoch_per_collect)  # passes over the rollout: epochs
         algorithm = {"share_param_critic": True, "clip_epsilon": learn.clip_ratio, "entropy_coef": learn.entropy_coef,
                      "critic_coef": learn.get("value_coef", 1.0), "lmbda": policy.gae_lambda,
                      "loss_critic_type": "l2"}

@@ -41,6 +41,7 @@ CASES = {
                                 for env in ("halfcheetah", "hopper") for kind in ("m", "mr"))}),
     "impala_throughput": (["--quick"], {"steps_per_s_1", "steps_per_s_2", "ratio", "mean_policy_lag"}),
     "trajectory_transport": (["--quick"], {"batches_per_s_ratio", "cpu_per_batch_ratio", "learner_steps_ratio"}),
+    "inference_server": (["--quick"], {"server_steps_per_s", "local_steps_per_s", "ratio", "server_acts_on"}),
     "impala_learning": (["--quick"], {"impala_final_train_returns", "ppo_final_train_returns", "impala_wall_s",
                                       "ppo_wall_s", "seeds_at_or_above", "seeds_faster"}),
     "marl_learning": (["--quick"], {"mappo_return", "benchmarl_mappo_return", "return_ratio", "qmix_return_ratio",
@@ -63,7 +64,7 @@ CASES = {
 LONGEST_FIRST = ("launch_overhead", "chaos", "vs_sample_factory", "impala_throughput", "trajectory_transport", "soak",
                  "offline",
                  "atari_throughput", "learner_scaling", "impala_learning", "marl_learning", "distributed_throughput", "atari_learning",
-                 "solve --distributed", "env_managers", "mujoco_throughput", "learning_curve")
+                 "solve --distributed", "inference_server", "env_managers", "mujoco_throughput", "learning_curve")
 """The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the
 others 2 to 6 s): the long ones overlap, and the short ones fill the second slot at the end instead of one long run
 holding the module up alone. launch_overhead mostly waits for Slurm and Ray to start."""
@@ -147,6 +148,19 @@ def test_the_launch_overhead_benchmarks_slurm_job_is_its_run_of_one_learner_and_
     assert "#SBATCH --nodes=1\n#SBATCH --ntasks=3\n" in out.stdout
     srun = next(line for line in out.stdout.splitlines() if line.startswith("exec srun conveyor train cartpole/dqn"))
     assert all(value.strip("'") in srun for value in [*SETS, *BUDGET]), srun
+
+
+def test_benchmarl_mappo_takes_as_many_gradient_steps_per_rollout_as_mpe_mappo():
+    """BenchMARL 1.5.2's on-policy loop (``Experiment._collection_loop``) makes ``on_policy_n_minibatch_iters`` passes
+    over a rollout, each of ceil(frames / minibatch size) minibatch steps: the setting counts epochs, not steps."""
+    from benchmarks.marl_learning import benchmarl_settings
+    from conveyor.zoo import load_entry
+
+    learn, n_sample = (cfg := load_entry("mpe/mappo").main_config).policy.learn, cfg.policy.collect.n_sample
+    theirs = benchmarl_settings("mappo")["experiment"]
+    their_steps = theirs["on_policy_n_minibatch_iters"] * -(-theirs["on_policy_collected_frames_per_batch"]
+                                                            // theirs["on_policy_minibatch_size"])
+    assert their_steps == learn.epoch_per_collect * -(-n_sample // learn.batch_size)
 
 
 def test_a_benchmark_imports_only_the_helper_modules_of_its_package_never_the_tests_and_patches_no_sys_path():

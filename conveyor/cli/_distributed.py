@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "default 1)")
     group.add_argument("--evaluators", type=int, default=0, metavar="M",
                        help="with --collectors: M evaluator processes (nodes N+1..N+M; default 0: the learner evaluates)")
+    group.add_argument("--inference", default=None, metavar="{local,server}",
+                       help="with --collectors: server, one more process acts for every collector in one forward "
+                            "pass (on the GPU where there is one); local, each collector acts itself (default: server "
+                            "where CUDA is or the policy acts on images, else local; docs/distributed.md)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="local",
                        help="local: start the nodes here (default); slurm: this srun task is the node of its rank "
                             "(SLURM_PROCID); kubernetes: this pod of an indexed Job is (JOB_COMPLETION_INDEX); ray: "
@@ -56,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def requested(args: argparse.Namespace) -> bool:
     """Whether the command line asks for a distributed run."""
     return args.collectors is not None or args.evaluators != 0 or args.learners != 1 or args.launcher != "local" \
-        or args.peer_timeout is not None
+        or args.peer_timeout is not None or args.inference not in (None, "local")
 
 
 def started_ahead(args: argparse.Namespace) -> ContextManager[None]:
@@ -73,14 +77,20 @@ def train(args: argparse.Namespace, cfg: Optional[Any] = None) -> Any:
     returns its :class:`~conveyor.run.DistributedRun`. A launch that cannot start (an address, a secret, a
     flag) is a ``ConfigError`` with its one-line reason."""
     from conveyor.engine.parallel.runner import RemoteTraceback
-    from conveyor.run.nodes import check_peer_timeout
+    from conveyor.run.nodes import Layout, check_peer_timeout
     from conveyor.schema import ConfigError
 
+    if args.inference is not None:
+        Layout(1, inference=args.inference)  # an unknown value: its one line
     if args.collectors is None:
         given = f"--evaluators {args.evaluators}" if args.evaluators else f"--learners {args.learners}" \
             if args.learners != 1 else f"--launcher {args.launcher}" if args.launcher != "local" \
+            else f"--inference {args.inference}" if args.inference not in (None, "local") \
             else f"--peer-timeout {args.peer_timeout:g}"
         raise ConfigError(f"{given} needs --collectors N (a distributed run's collectors)")
+    if args.inference == "server" and args.launcher != "local":
+        raise ConfigError(f"--inference server runs the server beside the collectors, all started here; with "
+                          f"--launcher {args.launcher} use --inference local")
     check_peer_timeout(args.peer_timeout)
     if args.async_mode:
         raise ConfigError("--async is for one process; with --collectors, collection already runs beside training")

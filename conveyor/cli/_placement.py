@@ -30,7 +30,8 @@ def run_nodes(args: argparse.Namespace, cfg: Optional[Any], where: Dict[str, Any
                              max_train_iter=args.max_train_iter, resume=args.resume,
                              progress=args.progress, ckpt_interval=args.ckpt_interval, no_stop=args.no_stop,
                              evaluation_hook=getattr(args, "evaluation_hook", None),
-                             peer_timeout_s=getattr(args, "peer_timeout", None), **where)
+                             peer_timeout_s=getattr(args, "peer_timeout", None),
+                             inference=getattr(args, "inference", None), **where)
 
 
 def placed(args: argparse.Namespace, where: Dict[str, Any], n_nodes: int,

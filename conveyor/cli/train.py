@@ -101,6 +101,7 @@ def _train(args: argparse.Namespace) -> Tuple[int, Any]:
     from conveyor.engine.parallel.runner import RemoteTraceback, WorkerError
     from conveyor.envs import EnvCrashedError
     from conveyor.middleware import EvaluationError
+    from conveyor.middleware.inference import InferenceServerLost
     from conveyor.policy import DataParallelError
     from conveyor.schema import ConfigError
     from conveyor.zoo import UnknownEntryError, load_entry
@@ -133,7 +134,8 @@ def _train(args: argparse.Namespace) -> Tuple[int, Any]:
         return usage_error(message(exc)), None
     except OSError as exc:  # disk errors: the path and the cause
         return usage_error(os_message(exc)), None
-    except (EnvCrashedError, EvaluationError, DataParallelError, ClusterStartError) as exc:  # faults, not usage
+    except (EnvCrashedError, EvaluationError, DataParallelError, ClusterStartError,
+            InferenceServerLost) as exc:  # faults, not usage
         print(f"conveyor: error: {message(exc)}", file=sys.stderr)
         return 1, None
     except WorkerError as exc:  # a node died; the others ended their runs without it (docs/distributed.md)

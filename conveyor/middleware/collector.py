@@ -56,7 +56,8 @@ class StepCollector:
 
     Each call steps every env ``ceil(n_sample / env_num)`` times with the collect policy (random
     actions while ``ctx.env_step < random_collect_size``), resetting the policy's per-env state at
-    episode ends. Rows where an env crashed are marked ``valid = False``; the transition before the
+    episode ends. Envs in groups that act through an inference server (an ``env`` with
+    ``act_and_step``, :class:`~conveyor.middleware.double_buffer.EnvGroups`) act and step through it. Rows where an env crashed are marked ``valid = False``; the transition before the
     crash is marked truncated so it can bootstrap.
 
     Reads ctx: ``collect_kwargs``, ``env_step``.
@@ -107,14 +108,18 @@ class StepCollector:
         obs = self._obs
         random = ctx.env_step < self._random_collect_size
         kwargs = ctx.collect_kwargs
+        act_and_step = getattr(env, "act_and_step", None)
         for t in range(self._steps):
             if random:
                 out: Dict[str, Any] = {"action": _random_actions(env.action_space, n)}
                 if hasattr(policy, "version"):  # the keys a versioned policy's rows have; -1: no weights chose these
                     out["weight_version"] = np.full(n, -1, dtype=np.int64)
+                ts = env.step(out["action"])
+            elif act_and_step is not None:
+                out, ts = act_and_step(policy, obs, kwargs, last=t == self._steps - 1)
             else:
                 out = policy.forward(obs, **kwargs)
-            ts = env.step(out["action"])
+                ts = env.step(out["action"])
             rows["obs"].append(obs)  # env managers and policies return fresh arrays: no copies needed
             for key, value in out.items():
                 rows.setdefault(key, []).append(value)

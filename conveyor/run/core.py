@@ -17,7 +17,6 @@ from easydict import EasyDict
 
 from conveyor.data import DequeBuffer
 from conveyor.engine import Role, task
-from conveyor.envs import make_env_manager
 from conveyor.middleware import (EVAL_EVENT, CkptSaver, load_checkpoint, offline_logger, online_logger,
                                  progress_bar, termination_checker)
 from conveyor.policy import DataParallelError
@@ -86,6 +85,8 @@ class Run:
         self._stop_here: Optional[float] = None  # rank 0 of several learners: where its evaluations end the run
         self._evaluations: Any = None  # the owner of a distributed run: RemoteEvaluations
         self._clock: Any = None  # a distributed node: its LearnerClock
+        self.serving = False
+        """Whether this process is a distributed run's inference server, which builds no pipeline of the entry."""
         self._resources = contextlib.ExitStack()
         self._env_stack = contextlib.ExitStack()
         self.cfg: EasyDict = EasyDict()
@@ -118,8 +119,7 @@ class Run:
             elif not task.has_role(Role(kind)):
                 self._envs[kind] = _Absent(kind, self.cfg.env[f"{kind}_env_num"])
             else:
-                self._envs[kind] = self._env_stack.enter_context(make_env_manager(self.cfg.env, kind,
-                                                                                  seed=self.cfg.seed))
+                self._envs[kind] = self._env_stack.enter_context(modes.env_manager(self, kind))
         return self._envs[kind]
 
     def buffer(self) -> DequeBuffer:
@@ -163,7 +163,8 @@ class Run:
         try:
             with self._resources:
                 modes.open_run(self)
-                self.pipeline(self)
+                if not self.serving:
+                    self.pipeline(self)
                 if self._node is not None:
                     return self._run_node()
                 self._use_tail()
@@ -188,7 +189,8 @@ class Run:
         if task.finish:  # a SIGTERM on its way here (task.ahead_of_run): no iteration, the saver's final checkpoint
             log.info("worker %s: asked to stop before its run started; the run ends as it starts", task.router.node_id)
         task.run()  # SIGTERM from the launcher (Parallel.runner's worker handler) finishes the iteration
-        node.collected, node.first_step_at = self._clock.collected, self._clock.first_step_at
+        if self._clock is not None:  # the inference server has none
+            node.collected, node.first_step_at = self._clock.collected, self._clock.first_step_at
         if task.has_role(Role.LEARNER):
             from conveyor.run.learners import parameters_digest
             node.params_sha256 = parameters_digest(self.policy)

@@ -1,7 +1,7 @@
 """How a :class:`~conveyor.run.Run` opens, in each of its layouts: the one place that decides which it is.
 
 :func:`open_run` picks one of :func:`single_process`, :func:`offline`, :func:`asynchronous`,
-:func:`distributed` and :func:`data_parallel`; each compiles the run's config (:func:`_configure`), builds
+:func:`distributed`, :func:`data_parallel` and :func:`inference_server`; each compiles the run's config (:func:`_configure`), builds
 its policy where it acts or learns and starts the pipeline (``task.start``) with what that layout adds. An
 async run's collector process opens with :func:`in_collector_process` instead
 (:class:`conveyor.run.core.CollectorSide`). ``run`` is a :class:`~conveyor.run.Run` throughout.
@@ -17,17 +17,21 @@ from easydict import EasyDict
 
 from conveyor.data import dataset_root, load_dataset
 from conveyor.engine import OfflineRLContext, OnlineRLContext, Role, task
+from conveyor.engine.parallel.cluster import NodeTable
+from conveyor.middleware import ModelExchanger
 from conveyor.middleware.collector_process import ProcessCollector
-from conveyor.middleware.distributed import RemoteEvaluations
-from conveyor.envs import env_spaces
+from conveyor.middleware.distributed import EXCHANGE_TIMEOUT_S, PROGRESS_TOPIC, RemoteEvaluations
+from conveyor.middleware.inference import InferenceServer, RemoteActing
+from conveyor.envs import env_spaces, make_env_manager
+from conveyor.middleware.double_buffer import EnvGroups
 from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
 from conveyor.run.control import run_log, seed_everything
 from conveyor.run.directory import LOG_FILE, experiment_dir, prepare
 from conveyor.run.nodes import Node, collector_share, current_node, learner_share, use_node_links
 
-__all__ = ["DatasetMissing", "asynchronous", "data_parallel", "distributed", "in_collector_process",
-           "offline", "open_run", "single_process"]
+__all__ = ["DatasetMissing", "asynchronous", "data_parallel", "distributed", "env_manager", "in_collector_process",
+           "inference_server", "offline", "open_run", "single_process"]
 
 log = logging.getLogger("conveyor.run")
 
@@ -42,7 +46,10 @@ def open_run(run: Any) -> None:
     _check_options(run)
     if task.roles:
         node = current_node()
-        (data_parallel if node.layout.learners > 1 else distributed)(run, node)
+        if task.router.node_id == node.layout.server:
+            inference_server(run, node)
+        else:
+            (data_parallel if node.layout.learners > 1 else distributed)(run, node)
     elif run._offline:
         offline(run)
     elif run._async:
@@ -118,6 +125,27 @@ def data_parallel(run: Any, node: Node) -> None:
     _node_links(run, node, learner)
 
 
+def inference_server(run: Any, node: Node) -> None:
+    """The inference server node (``--inference server``): a replica of the policy (on CUDA where there is one)
+    on the learner's versions, acting for every collector (:class:`InferenceServer`); it builds no pipeline of
+    the entry (``run.serving``) and ends with the learners."""
+    _configure(run, owner=False, distributed=True)
+    run.cfg = collector_share(run.cfg, node.layout.collectors)  # a request holds at most one collector's envs
+    run.policy = run._policy_cls(run.cfg.policy, device="cuda" if torch.cuda.is_available() else "cpu")
+    run._node, run.serving = node, True
+    node.ran, node.device = True, str(run.policy.device)
+    _start(run, OnlineRLContext())
+    layout = node.layout
+    NodeTable.announce(EXCHANGE_TIMEOUT_S)
+    task.finish_from(range(layout.learners))
+    task.router.on(PROGRESS_TOPIC, lambda progress: None)  # among the nodes a finishing learner tells to stop
+    exchanger = ModelExchanger(run.policy, timeout_s=EXCHANGE_TIMEOUT_S, learners=[0])
+    task.use(exchanger)
+    task.use(InferenceServer(run.policy.collect_mode, lambda: exchanger.loaded_version, env_spaces(run.cfg.env)[0],
+                             range(layout.learners, layout.learners + layout.collectors),
+                             max_rows=run.cfg.env.collector_env_num, drain_s=EXCHANGE_TIMEOUT_S))
+
+
 def in_collector_process(run: Any, cfg: EasyDict) -> None:
     """An async run's collector process: the parent's compiled ``cfg``, a CPU replica of the policy (collectors
     act on CPU; learners may not) and the collector role alone, so ``pipeline(run)`` builds the collection."""
@@ -127,6 +155,23 @@ def in_collector_process(run: Any, cfg: EasyDict) -> None:
     run._env_stack = run._resources.enter_context(contextlib.ExitStack())
     run._resources.enter_context(task.start(ctx=OnlineRLContext()))
     task.add_role(Role.COLLECTOR)
+
+
+def env_manager(run: Any, kind: str) -> Any:
+    """The env manager of ``kind`` ('collector' or 'evaluator') that ``run.env`` starts: a collector acting through
+    an inference server gets its envs in two groups, one stepping while the server acts for the other
+    (:class:`EnvGroups`), every other node one manager."""
+    cfg, seed, node = run.cfg.env, run.cfg.seed, run._node
+    if kind != "collector" or node is None or node.layout.server is None or cfg.collector_env_num < 2:
+        return make_env_manager(cfg, kind, seed=seed)
+    half = cfg.collector_env_num // 2
+    first = make_env_manager({**cfg, "collector_env_num": half}, kind, seed=seed)
+    try:
+        return EnvGroups(first, make_env_manager({**cfg, "collector_env_num": cfg.collector_env_num - half}, kind,
+                                                 seed=None if seed is None else seed + half))
+    except BaseException:
+        first.close()
+        raise
 
 
 # --- what the layouts share --------------------------------------------------------------------------------
@@ -190,6 +235,19 @@ def _node_links(run: Any, node: Node, learner: bool) -> None:
                                 shared_memory=run.cfg.get("transport", "auto") != "nng")
     if run._owner and node.layout.learners == 1:  # a checkpoint of a run from before the ledger has none
         run.save_state("ledger", node.ledger, optional=True)
+    if task.has_role(Role.COLLECTOR) and node.layout.server is not None:
+        run.policy = _Served(run.policy, RemoteActing(run.policy.collect_mode, node.layout.server, EXCHANGE_TIMEOUT_S))
+
+
+class _Served:
+    """A collector's policy whose ``collect_mode`` acts through the inference server; the rest is the policy's own
+    (its replica still takes the learner's versions, which the requests name)."""
+
+    def __init__(self, policy: Any, collect_mode: RemoteActing) -> None:
+        self._policy, self.collect_mode = policy, collect_mode
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)
 
 
 def _load_dataset(run: Any, cfg: Mapping[str, Any]) -> Any:

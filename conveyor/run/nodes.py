@@ -23,6 +23,8 @@ the middleware of the other roles, and ``run.env(kind)`` starts only the envs th
   ``env_step`` and ``train_iter``, and the first evaluator with the run's seed, so on the episodes one
   process evaluates on); its results reach the learner, whose saver writes ``eval_best`` with the
   weights that were evaluated.
+- inference server (``inference="server"``, the last node): acts for every collector in one forward pass
+  (:mod:`conveyor.middleware.inference`, on CUDA where there is one); the nodes then dial each other (a mesh).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from conveyor.middleware.ledger import LEDGER_DIR, SendLedger, TakeLedger, trans
 from conveyor.policy import configured_device
 from conveyor.schema import ConfigError
 from conveyor.middleware.distributed import COLLECTOR_LEAD, EXCHANGE_TIMEOUT_S, LearnerClock
+from conveyor.run.acting import INFERENCE, default_inference
 from conveyor.run.directory import NODES_FILE, check_layout, check_new, run_directory
 from conveyor.run.entries import entry_reference, import_entry
 
@@ -63,14 +66,20 @@ def is_offline(config: Mapping[str, Any]) -> bool:
 @dataclass(frozen=True)
 class Layout:
     """Which node does what: nodes ``0..learners-1`` learn (data-parallel, rank = node id; node 0, rank 0, owns the
-    run), the next ``collectors`` collect, the next ``evaluators`` evaluate; with no evaluator nodes node 0 evaluates
-    too (between its updates, as in one process), so ``stop_value`` still ends the run."""
+    run), the next ``collectors`` collect, the next ``evaluators`` evaluate, and with ``inference="server"`` one
+    more node acts for the collectors (:attr:`server`); with no evaluator nodes node 0 evaluates too (between its
+    updates, as in one process), so ``stop_value`` still ends the run."""
 
     collectors: int
     evaluators: int = 0
     learners: int = 1
+    inference: str = "local"
 
     def __post_init__(self) -> None:
+        if self.inference not in INFERENCE:
+            close = [name for name in INFERENCE if str(self.inference).lower().startswith(name[:2])]
+            raise ConfigError(f"--inference {self.inference!r}: must be one of {', '.join(INFERENCE)}"
+                              + (f"; did you mean {close[0]}?" if close else ""))
         for name, value, least in (("collectors", self.collectors, 1), ("evaluators", self.evaluators, 0),
                                    ("learners", self.learners, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -82,8 +91,13 @@ class Layout:
 
     @property
     def n_nodes(self) -> int:
-        """Learners, collectors and evaluators together."""
-        return self.learners + self.collectors + self.evaluators
+        """Learners, collectors, evaluators and the inference server together."""
+        return self.learners + self.collectors + self.evaluators + (self.inference == "server")
+
+    @property
+    def server(self) -> Optional[int]:
+        """The node id of the inference server (the last node), or None with ``inference="local"``."""
+        return self.n_nodes - 1 if self.inference == "server" else None
 
     def role(self, node_id: int) -> Role:
         """The role of node ``node_id``."""
@@ -91,9 +105,12 @@ class Layout:
             learners = "0 the learner" if self.learners == 1 else f"0..{self.learners - 1} the learners"
             raise ConfigError(f"node id {node_id!r}: this run has nodes 0..{self.n_nodes - 1} ({learners}, "
                               f"{self.learners}..{self.learners + self.collectors - 1} collectors, then "
-                              f"{self.evaluators} evaluators)")
+                              f"{self.evaluators} evaluators" + (", then the inference server" if self.server else "")
+                              + ")")
         if node_id < self.learners:
             return Role.LEARNER
+        if node_id == self.server:
+            return Role.COLLECTOR  # it acts for the collectors: a receiver of the learner's weights
         return Role.COLLECTOR if node_id < self.learners + self.collectors else Role.EVALUATOR
 
     def roles(self, node_id: int) -> List[Role]:
@@ -176,7 +193,7 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
                       secret: Optional[bytes] = None, auto_recover: bool = False,
                       max_retries: Optional[int] = None, ready_timeout_s: float = 60.0,
                       grace_s: float = 30.0, restarts_before: int = 0,
-                      peer_timeout_s: Optional[float] = None) -> DistributedRun:
+                      peer_timeout_s: Optional[float] = None, inference: Optional[str] = None) -> DistributedRun:
     """Train ``entry`` (an entry module: ``conveyor.zoo.load_entry("cartpole/dqn")``) with ``learners``
     data-parallel learners (conveyor/run/learners.py), ``collectors`` collectors and ``evaluators`` evaluators,
     each its own process; the other arguments are the entry ``main()``'s
@@ -193,13 +210,21 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
     node's actor); a learner among them above 0 resumes as a restarted one does. ``evaluation_hook`` (it must
     pickle) goes to node 0's ``main()`` alone: the :class:`~conveyor.run.Run` option, where the run is owned.
     ``peer_timeout_s``: how long every node's router tolerates a silent peer before it is lost (None: the
-    :class:`~conveyor.engine.parallel.router.Router`'s 5 s; its heartbeat is a quarter of one under 2 s). The learners
+    :class:`~conveyor.engine.parallel.router.Router`'s 5 s; its heartbeat is a quarter of one under 2 s). ``inference``:
+    ``"server"`` adds an inference server node acting for every collector (one host's run only), ``"local"`` has each
+    collector act itself; None: :func:`~conveyor.run.acting.default_inference`. The learners
     end the launch: a node here still running a peer timeout after they returned (it missed the run's end: stopped,
     or cut off) is stopped as on SIGTERM (``Parallel.runner``'s ``ends_with``).
     """
     from conveyor.engine import Parallel
 
-    layout = Layout(collectors, evaluators, learners)
+    if inference is None:
+        inference = default_inference(cfg if cfg is not None else entry.main_config, torch.cuda.is_available(),
+                                      one_host=node_ids is None and not attach_to)
+    layout = Layout(collectors, evaluators, learners, inference)
+    if layout.server is not None and (node_ids is not None or attach_to):
+        raise ConfigError("--inference server: the server acts for the collectors of one host's run, started here "
+                          "whole; with --node-ids or --attach-to use --inference local")
     check_peer_timeout(peer_timeout_s)
     ids = list(range(layout.n_nodes)) if node_ids is None else list(node_ids)
     for node_id in ids:
@@ -227,7 +252,8 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
                "ckpt_interval": ckpt_interval, "auto_recover": auto_recover, "no_stop": no_stop, "started_here": ids,
                "evaluation_hook": evaluation_hook}
     router_options = None if peer_timeout_s is None else {"peer_timeout_s": peer_timeout_s}
-    topology = "star" if learners == 1 else "mesh"  # collectors send to every learner's rank, not node 0's alone
+    # a mesh where collectors send to every learner's rank, not node 0's alone, or to the inference server
+    topology = "star" if learners == 1 and layout.server is None else "mesh"
     results = Parallel.runner(len(ids), topology=topology, protocol=protocol, address=address, ports=ports,
                               attach_to=attach_to, node_ids=ids, secret=secret, auto_recover=auto_recover,
                               max_retries=max_retries, ready_timeout_s=ready_timeout_s, grace_s=grace_s,
@@ -294,7 +320,8 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
     if not node.ran:
         raise ConfigError(f"entry '{entry_name}' has no distributed mode: only online entries (those whose main() "
                           f"trains in a conveyor.run.Run) split into learner, collectors and evaluators")
-    return {"node_id": node_id, "role": role.value, "pid": os.getpid(), "device": node.device,
+    return {"node_id": node_id, "role": "inference" if node_id == layout.server else role.value, "pid": os.getpid(),
+            "device": node.device,
             "restarts": task.router.restarts, "env_step": int(ctx.env_step),
             "train_iter": int(ctx.train_iter), "last_eval_value": ctx.last_eval_value, "collected": node.collected,
             "first_step_at": node.first_step_at,

@@ -22,7 +22,7 @@ main_config = EasyDict(dict(
         discount_factor=0.99,
         gae_lambda=0.95,
         model=dict(hidden_sizes=[64, 64]),
-        learn=dict(epoch_per_collect=5, batch_size=400, learning_rate=5e-4, clip_ratio=0.2, entropy_coef=0.01),
+        learn=dict(epoch_per_collect=10, batch_size=400, learning_rate=5e-4, clip_ratio=0.2, entropy_coef=0.01),
         collect=dict(n_sample=800),
         eval=dict(evaluator=dict(eval_freq=50)),
     ),
