@@ -28,6 +28,9 @@ TOP_SCHEMA = {
     "exp_name": Option("experiment", "Name of the run: logs and checkpoints go under runs/<exp_name>/.", type=str),
     "seed": Option(0, "Seed of the envs, the networks' initialisation and exploration.", type=int,
                    check=lambda value: None if 0 <= value < 2**32 else "must be in [0, 2**32)"),
+    "transport": Option("auto", "Distributed runs: how collected batches reach a learner on the same host: 'auto' "
+                        "through shared memory (nng across hosts), 'nng' always in their router messages.",
+                        type=str, choices=("auto", "nng")),
 }
 """Top-level keys every config has."""
 

@@ -40,6 +40,7 @@ CASES = {
                               *(f"{algo}_{env}_{kind}" for algo in ("bc", "cql", "iql", "behaviour")
                                 for env in ("halfcheetah", "hopper") for kind in ("m", "mr"))}),
     "impala_throughput": (["--quick"], {"steps_per_s_1", "steps_per_s_2", "ratio", "mean_policy_lag"}),
+    "trajectory_transport": (["--quick"], {"batches_per_s_ratio", "cpu_per_batch_ratio", "learner_steps_ratio"}),
     "inference_server": (["--quick"], {"server_steps_per_s", "local_steps_per_s", "ratio", "server_acts_on"}),
     "impala_learning": (["--quick"], {"impala_final_train_returns", "ppo_final_train_returns", "impala_wall_s",
                                       "ppo_wall_s", "seeds_at_or_above", "seeds_faster"}),
@@ -60,7 +61,8 @@ CASES = {
                              "wall_ratio_after_startup"}),
 }
 
-LONGEST_FIRST = ("launch_overhead", "chaos", "vs_sample_factory", "impala_throughput", "soak", "offline",
+LONGEST_FIRST = ("launch_overhead", "chaos", "vs_sample_factory", "impala_throughput", "trajectory_transport", "soak",
+                 "offline",
                  "atari_throughput", "learner_scaling", "impala_learning", "marl_learning", "distributed_throughput", "atari_learning",
                  "solve --distributed", "inference_server", "env_managers", "mujoco_throughput", "learning_curve")
 """The cases started first, in this order (their quick runs took about 40-60 s down to 6 s alone on 2 cores, the

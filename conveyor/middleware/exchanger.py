@@ -1,14 +1,14 @@
 """Exchangers: what learner, collector and evaluator processes send each other in a multi-process run.
 
-Both run where ``task.router`` is an active router (a :class:`~conveyor.engine.Parallel` worker) and do
-nothing otherwise, so a single-process ``main()`` may keep them in its chain. Which side a process plays
-comes from its roles (:meth:`conveyor.engine.Task.add_role`): a process with ``task.role.LEARNER`` is a
-learner; any other is a collector or an evaluator. In a multi-process run the roles must have been added
-before an exchanger is made.
+Both run where ``task.router`` is an active router (a :class:`~conveyor.engine.Parallel` worker) and do nothing
+otherwise, so a single-process ``main()`` may keep them in its chain. Which side a process plays comes from its roles
+(:meth:`conveyor.engine.Task.add_role`): a process with ``task.role.LEARNER`` is a learner; any other is a collector
+or an evaluator. In a multi-process run the roles must have been added before an exchanger is made.
 
-Messages go by topic to the processes that subscribed to them only (collected data to learners, never to
-evaluators or other collectors) through the router's codec: numpy arrays, torch tensors and treetensor
-trees travel as raw bytes, nothing is unpickled. Every wait is bounded by ``timeout_s`` and ends in a
+Messages go by topic to the processes that subscribed to them only (collected data to learners, never to evaluators
+or other collectors) through the router's codec: numpy arrays, torch tensors and treetensor trees travel as raw
+bytes, nothing is unpickled; between a collector and a learner on one host, a batch's large arrays go through shared
+memory (:mod:`conveyor.middleware.shared_batches`). Every wait is bounded by ``timeout_s`` and ends in a
 ``TimeoutError`` that names what was awaited and the live peers (an :class:`ExchangeTimeout`: raised at an
 iteration's start, so a learner's ``CkptSaver`` still writes the final checkpoint before the run ends in it).
 
@@ -56,16 +56,16 @@ from conveyor.middleware.batch_check import (SpaceCheck, count_transitions, end_
 from conveyor.middleware.ledger import TakeLedger
 from conveyor.middleware.messages import BadMessage, Rejections, check_fields, layout
 from conveyor.middleware.model_exchanger import ModelExchanger
+from conveyor.middleware.shared_batches import SharedBatches
 
 __all__ = ["BadMessage", "ContextExchanger", "ExchangeTimeout", "ModelExchanger", "Rejections", "COLLECTOR_TOPIC",
-           "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout",
-           "shard_topics"]
+           "DATA_TOPIC", "TRAIN_ITER_TOPIC", "MODEL_TOPIC", "MODEL_REQUEST_TOPIC", "check_fields", "layout", "shard_topics"]
 
 log = logging.getLogger(__name__)
 
 CREDIT_SLACK = 16
-"""How many of its largest batches a collector's claimed env steps may run ahead of the transitions it sent before
-the learner counts and logs the claim (it is credited with the transitions either way)."""
+"""How many of its largest batches a collector's claimed env steps may run ahead of the transitions it sent before the
+learner counts and logs the claim (it is credited with the transitions either way)."""
 
 
 def shard_topics(shard: int) -> tuple:
@@ -75,7 +75,7 @@ def shard_topics(shard: int) -> tuple:
 
 
 def _ignore(payload: Any) -> None:
-    pass
+    """Nothing is sent on :data:`COLLECTOR_TOPIC`."""
 
 
 def _empty_list(value: Any) -> bool:
@@ -135,12 +135,13 @@ class ContextExchanger(Exchanger):
 
     ``ledger`` (:mod:`conveyor.middleware.ledger`): a collector's :class:`~conveyor.middleware.ledger.SendLedger`
     (None: it counts nothing), a learner's :class:`TakeLedger` (default: one of its own, :attr:`ledger`): transitions
-    offered, taken, dropped.
+    offered, taken, dropped. ``shared_memory``: a collector's batch to a learner on its host goes through shared
+    memory (:attr:`shared`, :mod:`~conveyor.middleware.shared_batches`); False (``transport: nng``): in its message.
     """
 
     def __init__(self, timeout_s: float = 60.0, grace_s: float = 10.0, rejoin_s: float = 0.0,
                  skip_n_iter: Optional[int] = None, shard: int = 0, spaces: Optional[tuple] = None,
-                 collectors: Optional[Iterable[Any]] = None, ledger: Any = None) -> None:
+                 collectors: Optional[Iterable[Any]] = None, ledger: Any = None, shared_memory: bool = True) -> None:
         if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
             raise ValueError(f"ContextExchanger(shard={shard!r}): must be an int >= 0 (the learner's rank)")
         if skip_n_iter is not None and (not isinstance(skip_n_iter, int) or isinstance(skip_n_iter, bool)
@@ -171,6 +172,8 @@ class ContextExchanger(Exchanger):
         self._capped = 0
         super().__init__("ContextExchanger", self._data_topic, self._got_data, TRAIN_ITER_TOPIC,
                          self._got_train_iter)
+        self.shared = SharedBatches(getattr(self._router, "node_id", "-"), learner=self._learner,
+                                     collector=self._collector, enabled=shared_memory)
         if self._collector:
             self._subscribe(self._collector_topic, _ignore)
         self.ledger = ledger if ledger is not None or not self._learner else TakeLedger()
@@ -189,6 +192,7 @@ class ContextExchanger(Exchanger):
         return {**super().stats(), "credit_capped": self._capped}
 
     def _got_data(self, payload: Any) -> None:
+        payload = self.shared.take(getattr(self._router, "sender", None), payload)
         check_fields(payload, node=lambda v: isinstance(v, str), env_step=int, env_episode=int,
                      episodes=lambda v: v is None or isinstance(v, list), trajectories=anything, train_data=anything)
         check_fields({"offered_before": 0, "incarnation": 0, **payload}, offered_before=int, incarnation=int)
@@ -270,6 +274,7 @@ class ContextExchanger(Exchanger):
 
     def _got_train_iter(self, payload: Any) -> None:
         check_fields(payload, train_iter=int)
+        self.shared.offered(getattr(self._router, "sender", None), payload.get("shm"))
         with self._cond:
             self._train_iter = max(self._train_iter or 0, int(payload["train_iter"]))
             self._fresh = True
@@ -283,6 +288,7 @@ class ContextExchanger(Exchanger):
             self._collectors.update(node for node in found if node not in self._finished)
 
     def _forget(self, node: str, finished: bool) -> None:
+        self.shared.forget(node)
         self._gone.add(node)
         if finished:
             self._finished.add(node)
@@ -296,7 +302,7 @@ class ContextExchanger(Exchanger):
         elif self._learner:
             self._receive(ctx)
             yield
-            self._router.publish(TRAIN_ITER_TOPIC, {"train_iter": int(ctx.train_iter)})
+            self._router.publish(TRAIN_ITER_TOPIC, {"train_iter": int(ctx.train_iter), **self.shared.offer()})
         else:
             if self.skip_n_iter is not None:
                 self._note_learners()
@@ -374,6 +380,7 @@ class ContextExchanger(Exchanger):
     def close(self) -> None:
         """Unsubscribe; the ledger closes (a learner's counts what arrived after its last iteration)."""
         super().close()
+        self.shared.close(wait=self._collector and bool(self._router.subscribers(self._data_topic)))
         if self._learner:
             with self._cond:
                 left, self._inbox = self._inbox, []
@@ -411,8 +418,10 @@ class ContextExchanger(Exchanger):
 
     def _publish(self, payload: Dict[str, Any]) -> bool:
         """Queue the batch for the learners subscribed; the ledger records their incarnations. Whether any was."""
-        learners = self._router.subscriber_incarnations(self._data_topic) if self.ledger is not None else {}
-        if self._router.publish(self._data_topic, payload) == 0:
+        learners = self._router.subscriber_incarnations(self._data_topic)
+        message, block = self.shared.pack(payload, list(learners))  # its arrays in shared memory where it can
+        if self._router.publish(self._data_topic, message) == 0:
+            self.shared.cancel(block)
             return False
         if self.ledger is not None:
             self.ledger.sent_to(learners.values())

@@ -245,10 +245,11 @@ def _saved_config(run_dir: Path, policy: Type[Any], given: Optional[EasyDict], s
         differ = config_differences(json.loads(json.dumps(cfg)),
                                     json.loads(json.dumps(compile_config(EasyDict(given, seed=cfg.seed),
                                                                          policy=policy))))
-        differ = [line for line in differ if not line.startswith("policy.device:")]
+        differ = [line for line in differ if not line.startswith(("policy.device:", "transport:"))]
         if differ:
             raise RunDirError(f"the config given differs from the one run '{run_dir.name}' saved in {path} "
                               f"({_leaves(differ)}): resume without a config, or start a new run")
         if "device" in given.get("policy", {}):  # a run may move between devices: its checkpoints load on any
             cfg.policy.device = given.policy.device
+        cfg.transport = given.get("transport", cfg.transport)  # how batches travel: the run's data are the same
     return cfg

@@ -231,7 +231,8 @@ def _node_links(run: Any, node: Node, learner: bool) -> None:
         run._evaluations = RemoteEvaluations(run.policy, stop_value=run._stop_here,
                                              evaluators=range(layout.learners + layout.collectors, layout.n_nodes))
     run._clock = use_node_links(run.policy, run.run_dir, on_policy=on_policy, buffered=buffered,
-                                spaces=env_spaces(run.cfg.env) if learner else None, resume=run._resume)
+                                spaces=env_spaces(run.cfg.env) if learner else None, resume=run._resume,
+                                shared_memory=run.cfg.get("transport", "auto") != "nng")
     if run._owner and node.layout.learners == 1:  # a checkpoint of a run from before the ledger has none
         run.save_state("ledger", node.ledger, optional=True)
     if task.has_role(Role.COLLECTOR) and node.layout.server is not None:

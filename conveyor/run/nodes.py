@@ -141,7 +141,7 @@ class Node:
     node did (``ran``: its main() trained in a Run, its policy on ``device``; ``collected`` env steps from
     ``first_step_at``; a learner: ``local_rank`` among the learners on its host, ``received`` env steps by collector
     node id, ``params_sha256`` of its final weights, and ``sync``, the learners' agreement where there are several;
-    ``ledger``: its transition count, :mod:`conveyor.middleware.ledger`)."""
+    ``ledger``: its transition count, :mod:`conveyor.middleware.ledger`; ``exchanger``: its ContextExchanger)."""
 
     layout: Layout
     auto_recover: bool = False
@@ -154,6 +154,7 @@ class Node:
     params_sha256: Optional[str] = None
     sync: Any = None
     ledger: Any = None
+    exchanger: Any = None
 
 
 _node: Optional[Node] = None
@@ -166,7 +167,8 @@ class DistributedRun:
     (``node_id``, ``role``, ``pid``, ``device``: where its policy ran, ``env_step``, ``train_iter``,
     ``last_eval_value``, ``collected``: env steps a collector collected, ``first_step_at``: the ``time.time()`` of
     its first collected step; a learner's ``rank``, ``received``: the env steps it received, ``received_from``: those
-    by collector node id, ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
+    by collector node id, ``shared_batches``: the batches among them that came through shared memory,
+    ``params_sha256``: a hash of its final weights and optimizer state, equal on every learner
     of the group, and with several learners of an entry without a replay buffer (conveyor/run/learners.py)
     ``kept``: the env steps it trained on, the same on every learner, and ``dropped``: those it left out).
     ``transitions``: the run's transition account (:func:`~conveyor.middleware.ledger.transition_account`) where it
@@ -325,6 +327,7 @@ def _node_main(entry_name: str, layout: Layout, options: Dict[str, Any]) -> Dict
             "first_step_at": node.first_step_at,
             **({"offered": node.ledger.offered} if isinstance(node.ledger, SendLedger) else {}),
             **({"rank": node_id, "received": sum(node.received.values()), "received_from": dict(node.received),
+                "shared_batches": node.exchanger.shared.taken,
                 **({"kept": node.sync.kept, "dropped": node.sync.dropped} if node.sync is not None
                    and node.sync.agree_rows else {}),
                 "params_sha256": node.params_sha256} if role is Role.LEARNER else {})}
@@ -337,7 +340,7 @@ def current_node() -> "Node":
 
 
 def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: bool = True,
-                   spaces: Optional[tuple] = None, resume: bool = False) -> LearnerClock:
+                   spaces: Optional[tuple] = None, resume: bool = False, shared_memory: bool = True) -> LearnerClock:
     """The first middleware of every node (inside ``task.start``): node 0 writes ``nodes.json`` (the others
     announce themselves), then :class:`LearnerClock`, ``ModelExchanger`` (``max_staleness=0`` for an on-policy
     entry; node 0 alone sends weights) and ``ContextExchanger`` (to or from this collector's learner). With several
@@ -348,7 +351,8 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     this learner's collectors only, checked against the env's ``spaces`` (a learner's). A collector on the learner's
     host counts what it sends in ``run_dir/ledger`` (going on from there when restarted or ``resume``; one on
     another host, where node 0 made no run directory, counts nothing), the learner what it takes
-    (``node.ledger``, :mod:`conveyor.middleware.ledger`). Returns the clock."""
+    (``node.ledger``, :mod:`conveyor.middleware.ledger`). ``shared_memory``: batches between a collector and
+    a learner on one host go through shared memory (config key ``transport``). Returns the clock."""
     node = current_node()
     node.ran, node.device = True, str(getattr(policy, "device", "cpu"))
     node_id, layout = task.router.node_id, node.layout
@@ -374,8 +378,10 @@ def use_node_links(policy: Any, run_dir: Path, *, on_policy: bool, buffered: boo
     elif task.has_role(Role.COLLECTOR) and run_dir.is_dir():  # the learner's host: another's writes nothing
         node.ledger = SendLedger(run_dir / LEDGER_DIR / f"collector-{node_id}.json", restarts, resume or restarts > 0)
     exchanger = ContextExchanger(timeout_s=EXCHANGE_TIMEOUT_S, rejoin_s=rejoin_s, shard=shard,
-                                 spaces=spaces if learner else None, collectors=collectors, ledger=node.ledger)
+                                 spaces=spaces if learner else None, collectors=collectors, ledger=node.ledger,
+                                 shared_memory=shared_memory)
     task.use(exchanger)
+    node.exchanger = exchanger
     if learner:
         node.received = exchanger.received
     if learner and layout.learners > 1:

@@ -126,7 +126,8 @@ def test_a_learner_merges_what_several_collectors_sent(fake_router):
         task.run(max_step=1)
     [(trajectories, episodes, env_step, env_episode)] = got
     assert trajectories.obs.shape == (4, 3) and episodes == [1, 2] and (env_step, env_episode) == (4, 2)
-    assert fake_router.sent == [("conveyor.exchange.train_iter", {"train_iter": 0})]
+    [(topic, message)] = fake_router.sent  # with the learner's shared-memory offer (tests/middleware/test_shared_batches.py)
+    assert topic == "conveyor.exchange.train_iter" and message["train_iter"] == 0 and set(message) == {"train_iter", "shm"}
 
 
 def test_a_learner_joins_recurrent_sequences_side_by_side_and_rows_end_to_end(fake_router):

@@ -96,3 +96,5 @@ def test_smoke_run_distributed_with_one_collector(in_tmp, name):
     run = train_distributed(load_entry(name), collectors=1, cfg=tiny(name), exp_name="dist", max_env_step=BUDGET, progress=False)
     assert run.env_step >= BUDGET and run.train_iter > 0
     assert [node["collected"] > 0 for node in run.nodes if node["role"] == "collector"] == [True]
+    learner, = [node for node in run.nodes if node["role"] == "learner"]
+    assert (learner["shared_batches"] > 0) == name.startswith("atari/")  # frames: through shared memory on one host

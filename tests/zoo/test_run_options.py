@@ -99,6 +99,13 @@ def test_the_command_line_that_started_a_run_resumes_it(in_tmp, capsys):
     assert "run ended at env_step=192" in (in_tmp / "runs" / "again" / "log.txt").read_text().splitlines()[-1]
 
 
+def test_a_run_resumes_with_another_transport_for_its_batches(in_tmp, capsys):
+    started = ["train", "cartpole/dqn", *TINY, "--exp-name", "carried"]
+    assert cli(started) == 0
+    assert cli([*started, "--set", "transport=nng", "--max-env-step", "96", "--resume"]) == 0, capsys.readouterr().err
+    assert "run ended at env_step=96" in (in_tmp / "runs" / "carried" / "log.txt").read_text().splitlines()[-1]
+
+
 def test_a_run_resumes_on_another_device_with_its_saved_config(in_tmp):
     assert cli(["train", "cartpole/dqn", *TINY, "--seed", "3", "--exp-name", "moved"]) == 0
     saved = in_tmp / "runs" / "moved" / "config.json"
