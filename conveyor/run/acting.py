@@ -2,8 +2,9 @@
 through one inference server node (``server``, :mod:`conveyor.middleware.inference`), and which is the default.
 
 The rule, measured with ``benchmarks/inference_server.py`` (docs/distributed.md has the figures): ``server`` where
-the whole run starts on this host and either torch sees a CUDA device (one forward pass on the GPU for every
-collector) or the policy acts on images (a convolutional encoder: on a 2-core CPU machine atari/impala and atari/ppo
+the whole run starts on this host with two collectors or more (with one there is nothing to batch, and one
+collector's figures were measured acting locally) and either torch sees a CUDA device (one forward pass on the GPU
+for every collector) or the policy acts on images (a convolutional encoder: on a 2-core CPU machine atari/impala and atari/ppo
 collected 1.27-1.52x the env steps/s through the server, for 1.12-1.18x the CPU per step); else ``local`` (an MLP
 policy: the server's messages cost more than its batching saves, cartpole/impala and cartpole/ppo 0.72-0.76x), and for a
 policy that keeps a state per env (recurrent, or a team's), which the server cannot hold.
@@ -38,7 +39,8 @@ def keeps_state(config: Mapping[str, Any]) -> bool:
         or is_multi_agent_id(config.get("env", {}).get("env_id"))
 
 
-def default_inference(config: Mapping[str, Any], cuda: bool, one_host: bool = True) -> str:
-    """``--inference`` when not given, for an entry's ``config``: the rule in the module docstring (never the
-    server for a policy that :func:`keeps_state`)."""
-    return "server" if one_host and not keeps_state(config) and (cuda or acts_on_images(config)) else "local"
+def default_inference(config: Mapping[str, Any], cuda: bool, one_host: bool = True, collectors: int = 2) -> str:
+    """``--inference`` when not given, for an entry's ``config`` and a run of ``collectors``: the rule in the module
+    docstring (never the server for a policy that :func:`keeps_state`)."""
+    return "server" if one_host and collectors >= 2 and not keeps_state(config) and (cuda or acts_on_images(config)) \
+        else "local"

@@ -220,7 +220,7 @@ def train_distributed(entry: ModuleType, *, collectors: int, evaluators: int = 0
 
     if inference is None:
         inference = default_inference(cfg if cfg is not None else entry.main_config, torch.cuda.is_available(),
-                                      one_host=node_ids is None and not attach_to)
+                                      one_host=node_ids is None and not attach_to, collectors=collectors)
     layout = Layout(collectors, evaluators, learners, inference)
     if layout.server is not None and (node_ids is not None or attach_to):
         raise ConfigError("--inference server: the server acts for the collectors of one host's run, started here "

@@ -42,12 +42,13 @@ def test_an_unknown_inference_value_is_refused_with_the_closest_name():
         Layout(2, inference="serve")
 
 
-def test_the_default_is_the_server_where_cuda_is_or_the_policy_acts_on_images_and_the_run_is_on_this_host():
+def test_the_default_is_the_server_where_cuda_is_or_the_policy_acts_on_images_for_collectors_of_this_host():
     cartpole, atari = load_entry("cartpole/impala").main_config, load_entry("atari/impala").main_config
     assert default_inference(cartpole, cuda=True) == "server"
     assert default_inference(cartpole, cuda=False) == "local"
     assert default_inference(atari, cuda=False) == "server"
     assert default_inference(atari, cuda=True, one_host=False) == "local"
+    assert default_inference(atari, cuda=True, collectors=1) == "local"  # one collector: nothing to batch
     assert default_inference({"policy": {"model": {"obs_shape": [4, 84, 84]}}}, cuda=False) == "server"
     assert default_inference({"policy": {"model": {"obs_shape": [4, 84, 84], "encoder": "mlp"}}}, cuda=False) == "local"
 
