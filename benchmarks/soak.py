@@ -15,7 +15,7 @@ shows as growth, a steady count as 0). At the end both runs get SIGTERM (they wr
 must end within 120 s.
 
     python -m benchmarks.soak --minutes 30            # the figure: rss_growth_mb_per_h <= 20, the rest 0
-    python -m benchmarks.soak --quick                 # 24 s, a sample every 3 s: a smoke run of the script
+    python -m benchmarks.soak --quick                 # 12 s, a sample every 2 s: a smoke run of the script
 
 The last line is JSON: ``rss_growth_mb_per_h`` (the largest slope over processes), ``fd_growth``, ``thread_growth``,
 ``shm_growth`` (the largest growth over processes: of the /dev/shm files each maps), ``shm_dir_growth`` (files in
@@ -201,9 +201,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="how long both runs go on (default 30)")
     parser.add_argument("--interval", type=float, default=60.0, help="seconds between samples (default 60)")
     parser.add_argument("--warmup", type=float, default=None, help="minutes left out of the fits (default M / 3)")
-    parser.add_argument("--quick", action="store_true", help="24 s, a sample every 3 s, smaller Atari rollouts")
+    parser.add_argument("--quick", action="store_true", help="12 s, a sample every 2 s, smaller Atari rollouts")
     args = parser.parse_args()
-    minutes, interval = (24 / 60, 3.0) if args.quick else (args.minutes, args.interval)
+    minutes, interval = (12 / 60, 2.0) if args.quick else (args.minutes, args.interval)
     warmup = args.warmup if args.warmup is not None else minutes / 3
     if minutes <= 0 or interval <= 0 or not 0 <= warmup < minutes:
         parser.error("--minutes and --interval must be > 0 and --warmup within [0, --minutes)")
