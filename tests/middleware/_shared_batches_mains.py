@@ -40,7 +40,8 @@ def digest(tree, row):
 def exchange(batches, shared_memory, die_at=None):
     """Node 0 learns, the others each send ``batches`` batches (in step with the learner: ``skip_n_iter=1``, so each
     but the first goes after a ``train_iter`` and its offer); collector 1 kills itself at batch ``die_at``. Returns
-    the learner's digests by ``node/index`` and its shared count, or the collector's digests of what it sent."""
+    the learner's digests by ``node/index`` and its shared count, or the collector's digests of what it sent, and
+    the node's pid (a learner's names the run's blocks)."""
     me, collectors = task.router.node_id, task.router.n_workers - 1
     digests = {}
     with task.start(ctx=OnlineRLContext()):
@@ -68,4 +69,4 @@ def exchange(batches, shared_memory, die_at=None):
         task.use(collect, role=task.role.COLLECTOR)
         task.use(learn, role=task.role.LEARNER)
         task.run(max_step=batches if me else 10 * batches * collectors)
-        return {"digests": digests, "shared": exchanger.shared.taken if me == 0 else None}
+        return {"digests": digests, "shared": exchanger.shared.taken if me == 0 else None, "pid": os.getpid()}

@@ -23,8 +23,11 @@ from tests.middleware.test_exchanger import fake_router  # noqa: F401 (a fixture
 FAST = dict(heartbeat_s=0.05, peer_timeout_s=2.0, send_timeout_s=5.0)
 
 
-def our_blocks():
-    return {name for name in os.listdir("/dev/shm") if name.startswith(BLOCK_FAMILY)}
+def our_blocks(learner_pid=None):
+    """The blocks of this module in /dev/shm; with ``learner_pid``, only those of that learner's run (its prefix):
+    another test's run, on the other worker, makes and frees its own meanwhile."""
+    prefix = BLOCK_FAMILY if learner_pid is None else f"{BLOCK_FAMILY}{learner_pid}-"
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
 
 
 @pytest.fixture
@@ -172,23 +175,21 @@ def runner(n):
 
 @pytest.mark.parametrize("shared_memory", [True, False])
 def test_batches_between_processes_arrive_equal_bit_for_bit_through_shared_memory_or_nng(shared_memory):
-    before = our_blocks()
     batches = 4
     learner, *collectors = runner(3)(mains.exchange, batches, shared_memory)
     sent = {key: value for c in collectors for key, value in c["digests"].items()}
     assert len(sent) == 2 * batches and learner["digests"] == sent
     # each collector's first batch in its message, unless the other's made the learner's offer reach it first
     assert 2 * (batches - 1) <= learner["shared"] <= 2 * batches - 1 if shared_memory else learner["shared"] == 0
-    assert our_blocks() == before  # every block freed at the run's end
+    assert our_blocks(learner["pid"]) == set()  # every block of the run freed at its end
 
 
 def test_no_shared_block_is_left_after_a_run_whose_collector_was_killed():
-    before = our_blocks()
     with pytest.raises(WorkerError, match="worker 1 .* killed by SIGKILL") as info:
         runner(3)(mains.exchange, 4, True, 2)
     learner = next(r for r in info.value.results if r is not None and r["shared"] is not None)
     assert learner["shared"] >= 3  # the killed collector's second batch, the other's three after its first
-    assert our_blocks() == before
+    assert our_blocks(learner["pid"]) == set()
 
 
 def test_the_transport_key_is_auto_or_nng():
