@@ -181,10 +181,24 @@ class InferenceServer:
         start = 0
         for request in requests:
             stop = start + request.rows
-            rows = map_nested(lambda leaf: leaf[start:stop], out)
-            self._router.publish(reply_topic(request.sender), {"seq": request.seq, "out": rows})
+            self._reply(request, map_nested(lambda leaf: leaf[start:stop], out))
             start = stop
         self.served += len(requests)
+
+    def _reply(self, request: _Request, rows: Any) -> None:
+        """Send ``rows`` to the collector that asked. A collector announces its reply topic apart from its requests
+        (membership messages skip the send queue), so its first request can come before the announcement: then
+        wait for it, at most the router's peer timeout (within which a live peer's state arrives)."""
+        topic, reply = reply_topic(request.sender), {"seq": request.seq, "out": rows}
+        if self._router.publish(topic, reply) or request.sender in self._left:
+            return
+        try:
+            self._router.wait_for_subscribers(topic, 1, self._router.peer_timeout_s)
+        except TimeoutError:
+            log.warning("InferenceServer: collector %s asked but never subscribed to its replies within the peer "
+                        "timeout; its request %d is dropped", request.sender, request.seq)
+            return
+        self._router.publish(topic, reply)
 
     def __call__(self, ctx: Any) -> None:
         self.serve(self._wait_s)

@@ -93,6 +93,24 @@ def test_the_requests_of_every_live_collector_are_served_by_one_forward_each_col
     assert second["seq"] == 9 and second["out"]["action"].tolist() == [0, 4, 8]
 
 
+def test_a_reply_waits_for_the_collectors_subscription_when_its_request_came_first(routers):
+    """A collector announces its reply topic apart from its requests, so the server can hold a request from a
+    collector it does not yet know to take replies: the reply waits for the subscription instead of being lost."""
+    server_router, one, _ = routers
+    view = CountingView()
+    server = serving(server_router, view, gather_s=0.05)
+    one.wait_for_subscribers(REQUEST_TOPIC, 1, WAIT)
+    one.publish(REQUEST_TOPIC, request(7, rows=2))
+    served = []
+    worker = threading.Thread(target=lambda: served.append(server.serve(WAIT)))
+    worker.start()
+    wait_until(lambda: server.stats()["forwards"] == 1, WAIT, "the server's forward")
+    got, arrived = replies(one)  # subscribes only now
+    assert arrived.wait(WAIT), "the reply was lost"
+    worker.join(WAIT)
+    assert served == [1] and got[0]["seq"] == 7 and got[0]["out"]["action"].tolist() == [0, 4]
+
+
 def test_requests_with_other_exploration_arguments_are_acted_on_apart(routers):
     server_router, one, two = routers
     view = CountingView()
