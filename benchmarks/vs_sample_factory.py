@@ -39,7 +39,7 @@ a collector per two), both >= 1.0.
     python -m benchmarks.vs_sample_factory --rounds 2         # ours, theirs, theirs, ours: about 22 min
     python -m benchmarks.vs_sample_factory --device cuda                # on a GPU machine
     python -m benchmarks.vs_sample_factory --quick      # ours only, tiny iterations, no Sample Factory: each run
-                                                        # stopped at its second progress line (at most 240 s)
+                                                        # stopped at its first progress line (at most 240 s)
 """
 from __future__ import annotations
 
@@ -104,10 +104,10 @@ bug worked around (the class docstring)."""
 FRAME_SKIP = 4
 """Emulator frames per agent step, both sides (ALE v5's frame skip on ours, Sample Factory's ``env_frameskip``)."""
 ENVS = 8
-QUICK = {"seconds": 240.0, "warmup": 0.0, "points": 2}
+QUICK = {"seconds": 240.0, "warmup": 0.0, "points": 1}
 """The smoke run: ours only, tiny iterations (2 envs; PPO rollouts of 2 x 32 steps and one epoch, IMPALA unrolls
-of 10 steps one a batch), each run stopped as soon as it has written ``points`` progress lines (the fewest a window
-has; they come 5 s apart), ``seconds`` only bounding a run too slow to write them."""
+of 10 steps one a batch), each run stopped at its first progress line (5 s into training), its window from the
+run's start (start-up included: a smoke figure), ``seconds`` only bounding a run too slow to write it."""
 OUR_PROGRESS = re.compile(r"^train: (\d+)")
 SF_FPS = re.compile(r"Fps is \(10 sec: ([-\d.naninf]+).*?Total num frames: (\d+)")
 ALGOS = ("ppo", "appo")
@@ -211,7 +211,7 @@ def window_rate(points: Sequence[Tuple[float, float]], since: float) -> Optional
 
 
 def ours(algo: str, device: str, seconds: float, warmup: float, quick: bool = False) -> Dict[str, Any]:
-    """Our side of ``algo`` for ``seconds`` (``quick``: until :data:`QUICK`'s progress lines came): env frames/s in
+    """Our side of ``algo`` for ``seconds`` (``quick``: until its first progress line): env frames/s in
     the window after ``warmup``."""
     args = ours_command(algo, device, layout(device, quick), quick)
     enough = (lambda lines: sum(bool(OUR_PROGRESS.search(line)) for _, line in lines) >= QUICK["points"]) \
@@ -220,7 +220,7 @@ def ours(algo: str, device: str, seconds: float, warmup: float, quick: bool = Fa
         start, lines, code = timed_lines([sys.executable, "-m", "conveyor", "train", *args], seconds, grace=120,
                                          enough=enough)
     points = [(wall, int(match.group(1))) for wall, line in lines for match in [OUR_PROGRESS.search(line)] if match]
-    rate = window_rate(points, start + warmup)
+    rate = window_rate(([(start, 0)] if quick else []) + points, start + warmup)
     if rate is None:
         tail = "\n".join(line for _, line in lines[-20:])
         raise RuntimeError(f"conveyor train {' '.join(args)} wrote {len(points)} progress lines, fewer than 2 "
@@ -272,7 +272,7 @@ def main() -> None:
     parser.add_argument("--algos", default="ppo,appo", help="'ppo', 'appo' or both")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true",
-                        help=f"ours only, tiny iterations, each run until its {QUICK['points']} progress lines "
+                        help=f"ours only, tiny iterations, each run until its first progress line "
                              f"(at most {QUICK['seconds']:.0f} s), no warm-up, 1 round")
     args = parser.parse_args()
     algos = [algo for algo in args.algos.split(",") if algo]
@@ -313,7 +313,7 @@ def main() -> None:
                 rows[f"{side}_{algo}"].append(row)
                 print(f"  {row}", file=sys.stderr, flush=True)  # progress
 
-    length = f"each run until its {QUICK['points']} progress lines" if args.quick else f"{args.seconds:.0f} s a run"
+    length = "each run until its first progress line" if args.quick else f"{args.seconds:.0f} s a run"
     print(f"Breakout, {shape['envs']} envs, {shape['cores']} cores, {device_name(args.device)}, {length}, "
           f"window from {args.warmup:.0f} s to the last progress point, {args.rounds} round(s): env frames/s "
           f"(agent steps x {FRAME_SKIP})")
